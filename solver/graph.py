@@ -1,0 +1,461 @@
+"""The operator graph: the one IR shared by the profiler, the solver, the simulator and the runtime.
+
+Torch-free on purpose: a graph profiled on a GPU box is solved on any CPU box. Everything here is a
+frozen dataclass with `to_dict`/`from_dict`; files are JSON (never pickle), written atomically.
+
+Vocabulary (see docs/execution-model.md for the semantics every part must agree on):
+- A **Value** is one storage: a tensor that owns its memory. Views and in-place results are not
+  new Values; they are names for an existing storage, and the runtime rebuilds them from it.
+- An **Op** is a group of fx nodes: one node that creates new storage(s), followed by the in-place
+  nodes that overwrite that storage. Pure views, getitem and non-tensor nodes belong to no Op.
+- An **Impl** is one implementation of an Op: what its backward holds, its costs, its workspace.
+- The **backward order** lists the Ops that have a backward stage, in the order the autograd engine
+  ran them while profiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from .errors import FormatError
+
+SCHEMA_VERSION = 1
+GRAPH_FORMAT = "monetlike.graph"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checked field readers: every malformed input becomes a FormatError naming the bad field.
+# ----------------------------------------------------------------------------------------------
+def _get(d: Any, key: str, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise FormatError(f"{where}: expected an object, got {type(d).__name__}")
+    if key not in d:
+        raise FormatError(f"{where}: missing field '{key}'")
+    return d[key]
+
+
+def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: bool = False) -> Any:
+    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"{where}.{key}: expected an integer, got {type(v).__name__} {v!r:.60}")
+    if minimum is not None and v < minimum:
+        raise FormatError(f"{where}.{key}: expected an integer >= {minimum}, got {v}")
+    return v
+
+
+def _float(d: Any, key: str, where: str) -> float:
+    v = _get(d, key, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+        raise FormatError(f"{where}.{key}: expected a non-negative number, got {v!r:.60}")
+    return float(v)
+
+
+def _str(d: Any, key: str, where: str, *, optional: bool = False) -> Any:
+    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise FormatError(f"{where}.{key}: expected a string, got {type(v).__name__} {v!r:.60}")
+    return v
+
+
+def _bool(d: Any, key: str, where: str) -> bool:
+    v = _get(d, key, where)
+    if not isinstance(v, bool):
+        raise FormatError(f"{where}.{key}: expected true or false, got {v!r:.60}")
+    return v
+
+
+def _list(d: Any, key: str, where: str) -> list:
+    v = _get(d, key, where)
+    if not isinstance(v, list):
+        raise FormatError(f"{where}.{key}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
+    out = []
+    for i, v in enumerate(_list(d, key, where)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise FormatError(f"{where}.{key}[{i}]: expected a non-negative integer, got {v!r:.60}")
+        out.append(v)
+    return tuple(out)
+
+
+def _strs(d: Any, key: str, where: str) -> tuple[str, ...]:
+    out = []
+    for i, v in enumerate(_list(d, key, where)):
+        if not isinstance(v, str):
+            raise FormatError(f"{where}.{key}[{i}]: expected a string, got {v!r:.60}")
+        out.append(v)
+    return tuple(out)
+
+
+def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old file or the new one, never a part."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json_file(path: "str | os.PathLike", what: str) -> Any:
+    """Read a JSON file, turning unreadable or truncated content into a FormatError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FormatError(f"{what} file {os.fspath(path)!r} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{what} file {os.fspath(path)!r} is not UTF-8 text: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FormatError(
+            f"{what} file {os.fspath(path)!r} is not valid JSON (truncated or corrupted?): {e}; "
+            f"regenerate it") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The IR
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Value:
+    """One storage: the memory a tensor owns, produced by one Op (or a graph input)."""
+
+    id: int
+    """Index in `OpGraph.values`."""
+    name: str
+    """The fx node that created it (placeholder name for graph inputs)."""
+    index: int | None
+    """Position in that node's tuple output, or None when the node returns a single tensor."""
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name without the prefix, e.g. 'float32', 'bfloat16', 'int64', 'bool'."""
+    bytes: int
+    """Bytes of the storage (dtype-aware; a view's storage may be larger than its shape)."""
+    producer: int | None
+    """Op id that creates it; None for graph inputs (always resident: the caller holds them)."""
+    requires_grad: bool
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "value") -> "Value":
+        return cls(
+            id=_int(d, "id", where),
+            name=_str(d, "name", where),
+            index=_int(d, "index", where, optional=True),
+            shape=_ints(d, "shape", where),
+            dtype=_str(d, "dtype", where),
+            bytes=_int(d, "bytes", where),
+            producer=_int(d, "producer", where, optional=True),
+            requires_grad=_bool(d, "requires_grad", where),
+        )
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an Op: what its backward holds, its costs and its workspace."""
+
+    name: str
+    """'default' is plain PyTorch; others are registered alternatives (see monetlike.profile)."""
+    saved: tuple[int, ...]
+    """Value ids (inputs or outputs of the Op) its backward reads; they must be resident then."""
+    internal_bytes: int
+    """Bytes its backward holds that are neither Values nor parameters (BN statistics, max-pool
+    indices, dropout masks, attention internals), allocated in the forward and held until the
+    Op's backward stage ends."""
+    fwd_time: float
+    """Seconds for the forward (and for each recomputation)."""
+    bwd_time: float
+    """Seconds for its backward stage."""
+    fwd_workspace: int
+    """Peak transient bytes during the forward above the Op's inputs, outputs and internals."""
+    bwd_workspace: int
+    """Peak bytes during its backward stage above the memory at the stage's start, not counting
+    Values or internals (gradients it creates, parameter gradients, temporaries)."""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["saved"] = list(self.saved)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "impl") -> "Impl":
+        return cls(
+            name=_str(d, "name", where),
+            saved=_ints(d, "saved", where),
+            internal_bytes=_int(d, "internal_bytes", where),
+            fwd_time=_float(d, "fwd_time", where),
+            bwd_time=_float(d, "bwd_time", where),
+            fwd_workspace=_int(d, "fwd_workspace", where),
+            bwd_workspace=_int(d, "bwd_workspace", where),
+        )
+
+
+@dataclass(frozen=True)
+class Op:
+    """A group of fx nodes that creates one or more Values (and may overwrite them in place)."""
+
+    id: int
+    """Index in `OpGraph.ops`; ops are in topological (forward execution) order."""
+    name: str
+    """Name of the fx node that creates the storage(s)."""
+    kind: str
+    """Readable kind: module class ('Conv2d'), function or method name ('add', 'relu_')."""
+    nodes: tuple[str, ...]
+    """fx node names in the group, in execution order (the creator first)."""
+    inputs: tuple[int, ...]
+    """Value ids the group reads (no duplicates), graph inputs included."""
+    outputs: tuple[int, ...]
+    """Value ids the group creates."""
+    impls: tuple[Impl, ...]
+    has_backward: bool
+    """True when autograd created nodes for it, so it has a backward stage."""
+    recompute_unsafe: str | None = None
+    """Why it must never be recomputed (random op without replayable RNG, data-dependent or
+    nondeterministic op, collective, side effects), or None when recomputation is safe."""
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id, "name": self.name, "kind": self.kind, "nodes": list(self.nodes),
+            "inputs": list(self.inputs), "outputs": list(self.outputs),
+            "impls": [i.to_dict() for i in self.impls], "has_backward": self.has_backward,
+            "recompute_unsafe": self.recompute_unsafe,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "op") -> "Op":
+        impls = tuple(Impl.from_dict(x, f"{where}.impls[{i}]")
+                      for i, x in enumerate(_list(d, "impls", where)))
+        if not impls:
+            raise FormatError(f"{where}.impls: expected at least one Impl, got none")
+        return cls(
+            id=_int(d, "id", where),
+            name=_str(d, "name", where),
+            kind=_str(d, "kind", where),
+            nodes=_strs(d, "nodes", where),
+            inputs=_ints(d, "inputs", where),
+            outputs=_ints(d, "outputs", where),
+            impls=impls,
+            has_backward=_bool(d, "has_backward", where),
+            recompute_unsafe=_str(d, "recompute_unsafe", where, optional=True),
+        )
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A model's training step as seen by the scheduler: Values, Ops, backward order, fixed memory."""
+
+    model: str
+    """A readable model name (class name or factory path)."""
+    batch: int
+    values: tuple[Value, ...]
+    ops: tuple[Op, ...]
+    backward_order: tuple[int, ...]
+    """Op ids with a backward stage, in the order the autograd engine ran them."""
+    stage_grad_bytes: tuple[int, ...]
+    """Per backward stage (aligned with `backward_order`): gradient bytes live at the stage's start
+    (activation gradients in flight plus parameter gradients so far), measured while profiling."""
+    final_grad_bytes: int
+    """Gradient bytes live after the last stage (parameter and input gradients)."""
+    outputs: tuple[int, ...]
+    """Value ids the model returns; the caller holds them for the whole step."""
+    param_bytes: int
+    """Parameters and buffers."""
+    optimizer_bytes: int
+    """Optimizer state (SGD momentum: 1x trainable params; Adam: 2x; none: 0)."""
+    input_bytes: int
+    """Graph inputs (the caller holds them)."""
+    cost_provenance: str
+    """'measured:<device>' or 'analytical:<device>'."""
+    meta: dict = field(default_factory=dict, compare=False)
+    """Free-form provenance (torch version, profile time, optimizer name); not fingerprinted."""
+    schema_version: int = SCHEMA_VERSION
+
+    # -- derived views ----------------------------------------------------------------------
+    @property
+    def fixed_bytes(self) -> int:
+        """Memory resident for the whole step whatever the schedule."""
+        return self.param_bytes + self.optimizer_bytes + self.input_bytes
+
+    @cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        """For each Value, the Op ids that read it in the forward pass, in order."""
+        users: list[list[int]] = [[] for _ in self.values]
+        for op in self.ops:
+            for v in op.inputs:
+                users[v].append(op.id)
+        return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def stage_of_op(self) -> dict[int, int]:
+        """Op id -> index of its backward stage."""
+        return {op: t for t, op in enumerate(self.backward_order)}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of ops, shapes, dtypes, batch, requires_grad and Impl set (not of costs), so a
+        schedule solved from one device's costs runs on any device with the same structure."""
+        structure = {
+            "schema": self.schema_version,
+            "batch": self.batch,
+            "values": [[v.name, v.index, list(v.shape), v.dtype, v.bytes, v.producer,
+                        v.requires_grad] for v in self.values],
+            "ops": [[o.name, o.kind, list(o.nodes), list(o.inputs), list(o.outputs),
+                     o.has_backward, o.recompute_unsafe,
+                     [[i.name, list(i.saved)] for i in o.impls]] for o in self.ops],
+            "backward_order": list(self.backward_order),
+            "outputs": list(self.outputs),
+        }
+        blob = json.dumps(structure, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def describe_difference(self, other_fingerprint_summary: dict) -> str:
+        """Say what differs between this graph and a schedule's recorded graph summary."""
+        mine = self.summary()
+        diffs = [f"{k}: schedule has {other_fingerprint_summary.get(k)!r}, model has {mine[k]!r}"
+                 for k in mine if other_fingerprint_summary.get(k) != mine[k]]
+        return "; ".join(diffs) if diffs else "same model, batch and sizes, but different op structure"
+
+    def summary(self) -> dict:
+        """The few facts a schedule records about its graph, to explain a mismatch in words."""
+        inputs = [v for v in self.values if v.producer is None]
+        return {
+            "model": self.model,
+            "batch": self.batch,
+            "input_shapes": [list(v.shape) for v in inputs],
+            "input_dtypes": [v.dtype for v in inputs],
+            "num_ops": len(self.ops),
+        }
+
+    # -- checks and (de)serialisation -------------------------------------------------------
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        nv, no = len(self.values), len(self.ops)
+        for i, v in enumerate(self.values):
+            if v.id != i:
+                raise FormatError(f"values[{i}].id: expected {i}, got {v.id}")
+            if v.producer is not None and v.producer >= no:
+                raise FormatError(f"values[{i}].producer: op {v.producer} does not exist ({no} ops)")
+        for j, op in enumerate(self.ops):
+            if op.id != j:
+                raise FormatError(f"ops[{j}].id: expected {j}, got {op.id}")
+            for key in ("inputs", "outputs"):
+                for v in getattr(op, key):
+                    if v >= nv:
+                        raise FormatError(f"ops[{j}].{key}: value {v} does not exist ({nv} values)")
+            for v in op.inputs:
+                p = self.values[v].producer
+                if p is not None and p >= j:
+                    raise FormatError(
+                        f"ops[{j}].inputs: value {v} is produced by op {p}, not before op {j}; "
+                        f"ops must be in topological order")
+            for v in op.outputs:
+                if self.values[v].producer != j:
+                    raise FormatError(f"ops[{j}].outputs: value {v} names producer "
+                                      f"{self.values[v].producer}, expected {j}")
+            allowed = set(op.inputs) | set(op.outputs)
+            for k, impl in enumerate(op.impls):
+                bad = [v for v in impl.saved if v not in allowed]
+                if bad:
+                    raise FormatError(f"ops[{j}].impls[{k}].saved: values {bad} are neither inputs "
+                                      f"nor outputs of op {j}")
+        seen = set()
+        for t, o in enumerate(self.backward_order):
+            if o >= no or not self.ops[o].has_backward or o in seen:
+                raise FormatError(f"backward_order[{t}]: op {o} is unknown, repeated or has no "
+                                  f"backward")
+            seen.add(o)
+        missing = [op.id for op in self.ops if op.has_backward and op.id not in seen]
+        if missing:
+            raise FormatError(f"backward_order: ops {missing[:5]} have a backward but no stage")
+        if len(self.stage_grad_bytes) != len(self.backward_order):
+            raise FormatError(f"stage_grad_bytes: expected {len(self.backward_order)} entries (one "
+                              f"per backward stage), got {len(self.stage_grad_bytes)}")
+        for v in self.outputs:
+            if v >= nv:
+                raise FormatError(f"outputs: value {v} does not exist ({nv} values)")
+
+    def to_dict(self) -> dict:
+        return {
+            "format": GRAPH_FORMAT,
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "batch": self.batch,
+            "cost_provenance": self.cost_provenance,
+            "param_bytes": self.param_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "input_bytes": self.input_bytes,
+            "outputs": list(self.outputs),
+            "backward_order": list(self.backward_order),
+            "stage_grad_bytes": list(self.stage_grad_bytes),
+            "final_grad_bytes": self.final_grad_bytes,
+            "meta": self.meta,
+            "values": [v.to_dict() for v in self.values],
+            "ops": [o.to_dict() for o in self.ops],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "OpGraph":
+        where = "graph"
+        if not isinstance(d, dict):
+            raise FormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        fmt = d.get("format")
+        if fmt != GRAPH_FORMAT:
+            raise FormatError(f"{where}.format: expected {GRAPH_FORMAT!r}, got {fmt!r}; "
+                              f"is this an operator graph written by `monetlike profile`?")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise FormatError(f"{where}.schema_version: expected {SCHEMA_VERSION}, got {version!r}; "
+                              f"re-profile the model with this version of monetlike")
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise FormatError(f"{where}.meta: expected an object, got {type(meta).__name__}")
+        return cls(
+            model=_str(d, "model", where),
+            batch=_int(d, "batch", where, minimum=1),
+            values=tuple(Value.from_dict(x, f"values[{i}]")
+                         for i, x in enumerate(_list(d, "values", where))),
+            ops=tuple(Op.from_dict(x, f"ops[{i}]") for i, x in enumerate(_list(d, "ops", where))),
+            backward_order=_ints(d, "backward_order", where),
+            stage_grad_bytes=_ints(d, "stage_grad_bytes", where),
+            final_grad_bytes=_int(d, "final_grad_bytes", where),
+            outputs=_ints(d, "outputs", where),
+            param_bytes=_int(d, "param_bytes", where),
+            optimizer_bytes=_int(d, "optimizer_bytes", where),
+            input_bytes=_int(d, "input_bytes", where),
+            cost_provenance=_str(d, "cost_provenance", where),
+            meta=meta,
+        )
+
+    def save(self, path: "str | os.PathLike") -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "OpGraph":
+        return cls.from_dict(read_json_file(path, "graph"))

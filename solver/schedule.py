@@ -1,0 +1,175 @@
+"""Schedules and solve results: what the solver hands to the simulator and the runtime.
+
+A Schedule is plain data (JSON, never pickle, so loading one never runs code). It is explicit per
+backward stage, in the vocabulary of docs/execution-model.md:
+- `impl[op]`: the Impl index each Op uses;
+- `forward_keep`: the Values kept resident at the end of the forward pass (all other Values are
+  freed at their last forward use, except the model's outputs, which the caller holds);
+- `stages[t].recompute`: Ops recomputed (no grad, topological order) just before backward stage t;
+- `stages[t].drop`: Values released once stage t no longer needs them.
+
+`SolveResult` is the one result type of every backend and baseline, built with keyword arguments
+through `SolveResult.success(...)` or `SolveResult.failure(...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import FormatError
+from .graph import _get, _int, _ints, _list, _str, atomic_write_text, read_json_file
+
+SCHEDULE_FORMAT = "monetlike.schedule"
+SCHEDULE_SCHEMA_VERSION = 1
+
+# The status vocabulary: every SolveResult.status is one of these.
+OPTIMAL = "optimal"
+FEASIBLE_AT_TIME_LIMIT = "feasible-at-time-limit"
+INFEASIBLE = "infeasible"
+ERROR = "error"
+HEURISTIC = "heuristic"  # a baseline: a valid schedule with no optimality claim
+STATUSES = (OPTIMAL, FEASIBLE_AT_TIME_LIMIT, INFEASIBLE, ERROR, HEURISTIC)
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """What happens around one backward stage."""
+
+    op: int
+    """The Op whose backward this stage runs (equals graph.backward_order[t])."""
+    recompute: tuple[int, ...] = ()
+    """Ops recomputed just before the stage, in topological order."""
+    drop: tuple[int, ...] = ()
+    """Values released once this stage no longer needs them."""
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "recompute": list(self.recompute), "drop": list(self.drop)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "StageSchedule":
+        return cls(op=_int(d, "op", where), recompute=_ints(d, "recompute", where),
+                   drop=_ints(d, "drop", where))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete memory schedule for one OpGraph (identified by its fingerprint)."""
+
+    fingerprint: str
+    graph_summary: dict
+    """model, batch, input shapes and dtypes of the graph: to say in words what differs."""
+    impl: tuple[int, ...]
+    forward_keep: tuple[int, ...]
+    stages: tuple[StageSchedule, ...]
+    budget_bytes: int | None = None
+    mode: str = "store_all"
+    created_by: str = ""
+    """Backend or baseline that made it, e.g. 'highs', 'baseline:chen_sqrt_n'."""
+    cost_provenance: str = ""
+    predicted_peak_bytes: int | None = None
+    predicted_time: float | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "format": SCHEDULE_FORMAT,
+            "schema_version": SCHEDULE_SCHEMA_VERSION,
+            "fingerprint": self.fingerprint,
+            "graph_summary": self.graph_summary,
+            "budget_bytes": self.budget_bytes,
+            "mode": self.mode,
+            "created_by": self.created_by,
+            "cost_provenance": self.cost_provenance,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_time": self.predicted_time,
+            "impl": list(self.impl),
+            "forward_keep": list(self.forward_keep),
+            "stages": [s.to_dict() for s in self.stages],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Schedule":
+        where = "schedule"
+        if not isinstance(d, dict):
+            raise FormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != SCHEDULE_FORMAT:
+            raise FormatError(f"{where}.format: expected {SCHEDULE_FORMAT!r}, got "
+                              f"{d.get('format')!r}; is this a schedule written by monetlike?")
+        if d.get("schema_version") != SCHEDULE_SCHEMA_VERSION:
+            raise FormatError(f"{where}.schema_version: expected {SCHEDULE_SCHEMA_VERSION}, got "
+                              f"{d.get('schema_version')!r}; re-solve with this version")
+        summary = _get(d, "graph_summary", where)
+        if not isinstance(summary, dict):
+            raise FormatError(f"{where}.graph_summary: expected an object, got "
+                              f"{type(summary).__name__}")
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise FormatError(f"{where}.meta: expected an object, got {type(meta).__name__}")
+        peak = _int(d, "predicted_peak_bytes", where, optional=True)
+        t = d.get("predicted_time")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise FormatError(f"{where}.predicted_time: expected a non-negative number or null, "
+                              f"got {t!r:.60}")
+        return cls(
+            fingerprint=_str(d, "fingerprint", where),
+            graph_summary=summary,
+            impl=_ints(d, "impl", where),
+            forward_keep=_ints(d, "forward_keep", where),
+            stages=tuple(StageSchedule.from_dict(x, f"{where}.stages[{i}]")
+                         for i, x in enumerate(_list(d, "stages", where))),
+            budget_bytes=_int(d, "budget_bytes", where, optional=True),
+            mode=_str(d, "mode", where),
+            created_by=_str(d, "created_by", where),
+            cost_provenance=_str(d, "cost_provenance", where),
+            predicted_peak_bytes=peak,
+            predicted_time=None if t is None else float(t),
+            meta=meta,
+        )
+
+    def save(self, path: "str | os.PathLike") -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "Schedule":
+        return cls.from_dict(read_json_file(path, "schedule"))
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """The answer of every backend and baseline: one type, one status vocabulary."""
+
+    status: str
+    schedule: Schedule | None
+    objective: float | None
+    """Predicted step time in seconds (forward + recomputation + backward)."""
+    predicted_peak_bytes: int | None
+    predicted_time: float | None
+    mip_gap: float | None
+    """(upper - lower) / upper on the objective, against a valid lower bound; None if unknown."""
+    solve_time_s: float
+    backend: str
+    stats: dict = field(default_factory=dict)
+    """Model size (variables, constraints, nonzeros), time to first solution, bounds, messages."""
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.schedule is not None
+
+    @classmethod
+    def failure(cls, *, status: str, backend: str, message: str, solve_time_s: float = 0.0,
+                stats: dict | None = None) -> "SolveResult":
+        """The one way to build a result without a schedule."""
+        if status not in (INFEASIBLE, ERROR):
+            raise ValueError(f"failure status must be {INFEASIBLE!r} or {ERROR!r}, got {status!r}")
+        return cls(status=status, schedule=None, objective=None, predicted_peak_bytes=None,
+                   predicted_time=None, mip_gap=None, solve_time_s=solve_time_s, backend=backend,
+                   stats=dict(stats or {}), message=message)

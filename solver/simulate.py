@@ -1,0 +1,212 @@
+"""Replay a Schedule on an OpGraph: the memory at every point, the peak, and the step time.
+
+This is the source of truth for what a schedule costs. The MILP (solver/formulation.py) must claim
+exactly the peak and time computed here, and the runtime must measure no more than this peak.
+The rules are written out in docs/execution-model.md; each rule below cites its section there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ScheduleError, ScheduleMismatchError
+from .graph import OpGraph
+from .schedule import Schedule, StageSchedule
+
+
+@dataclass(frozen=True)
+class Point:
+    """The memory at one point of the step."""
+
+    phase: str
+    """'forward', 'recompute', 'backward' or 'end'."""
+    stage: int | None
+    """Backward stage index (None in the forward pass)."""
+    op: int | None
+    """The Op running at this point."""
+    bytes: int
+    """Tensor bytes live at the peak of this point (fixed memory included)."""
+    resident: tuple[int, ...]
+    """Values resident at this point (graph inputs excluded: they are always resident)."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    points: tuple[Point, ...]
+    peak_bytes: int
+    total_time: float
+    forward_time: float
+    recompute_time: float
+    backward_time: float
+
+    @property
+    def peak_point(self) -> Point:
+        return max(self.points, key=lambda p: p.bytes)
+
+
+def check_fingerprint(graph: OpGraph, schedule: Schedule) -> None:
+    if schedule.fingerprint != graph.fingerprint:
+        raise ScheduleMismatchError(
+            f"schedule was solved for another graph (fingerprint {schedule.fingerprint}, this graph "
+            f"is {graph.fingerprint}): {graph.describe_difference(schedule.graph_summary)}; "
+            f"solve a schedule for this model, batch and input shape")
+
+
+def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
+    """Replay `schedule` on `graph`; raise ScheduleError naming the stage if it is not valid."""
+    check_fingerprint(graph, schedule)
+    ops, values = graph.ops, graph.values
+    if len(schedule.impl) != len(ops):
+        raise ScheduleError(f"schedule.impl: expected {len(ops)} entries (one per op), got "
+                            f"{len(schedule.impl)}")
+    for j, k in enumerate(schedule.impl):
+        if k >= len(ops[j].impls):
+            raise ScheduleError(f"schedule.impl[{j}]: op {ops[j].name} has {len(ops[j].impls)} "
+                                f"impls, got index {k}")
+    if len(schedule.stages) != len(graph.backward_order):
+        raise ScheduleError(f"schedule.stages: expected {len(graph.backward_order)} stages, got "
+                            f"{len(schedule.stages)}")
+    impls = [ops[j].impls[k] for j, k in enumerate(schedule.impl)]
+    is_input = [v.producer is None for v in values]
+    held_by_caller = set(graph.outputs)
+    keep = set(schedule.forward_keep)
+    for v in keep:
+        if v >= len(values) or is_input[v]:
+            raise ScheduleError(f"schedule.forward_keep: {v} is not a Value produced by an op")
+
+    fixed = graph.fixed_bytes
+    points: list[Point] = []
+    resident: set[int] = set()
+    internals = 0
+
+    def live_bytes() -> int:
+        return sum(values[v].bytes for v in resident)
+
+    # -- forward pass (execution-model section 2) -------------------------------------------
+    last_use = [v.producer if v.producer is not None else -1 for v in values]
+    for op in ops:
+        for v in op.inputs:
+            last_use[v] = max(last_use[v], op.id)
+    forward_time = 0.0
+    for op in ops:
+        impl = impls[op.id]
+        out_bytes = sum(values[v].bytes for v in op.outputs)
+        peak = fixed + live_bytes() + internals + out_bytes + impl.internal_bytes + impl.fwd_workspace
+        resident.update(op.outputs)
+        internals += impl.internal_bytes if op.has_backward else 0
+        for v in (*op.inputs, *op.outputs):
+            if (not is_input[v] and last_use[v] == op.id and v not in keep
+                    and v not in held_by_caller):
+                resident.discard(v)
+        forward_time += impl.fwd_time
+        points.append(Point("forward", None, op.id, peak, tuple(sorted(resident))))
+
+    # -- backward stages (execution-model section 3) ----------------------------------------
+    recompute_time = backward_time = 0.0
+    for t, (op_id, stage) in enumerate(zip(graph.backward_order, schedule.stages)):
+        where = f"stage {t} (backward of op {op_id} {ops[op_id].name})"
+        if stage.op != op_id:
+            raise ScheduleError(f"schedule.stages[{t}].op: expected {op_id}, got {stage.op}")
+        grad = graph.stage_grad_bytes[t]
+        impl = impls[op_id]
+        needed = {v for v in impl.saved if not is_input[v]}
+        drop = set(stage.drop)
+        for v in drop:
+            if v in held_by_caller:
+                raise ScheduleError(f"{where}: drops value {v} ({values[v].name}), a model output "
+                                    f"that the caller holds")
+        # The last use of each dropped Value inside this stage: a recompute position, or the
+        # backward itself (position len(recompute)); -1 means not used here, freed at stage start.
+        last_in_stage = {v: -1 for v in drop}
+        prev = -1
+        for pos, j in enumerate(stage.recompute):
+            if j >= len(ops) or j <= prev:
+                raise ScheduleError(f"{where}: recompute list must hold op ids in increasing "
+                                    f"(topological) order, got {list(stage.recompute)}")
+            prev = j
+            for v in ops[j].inputs:
+                if v in last_in_stage:
+                    last_in_stage[v] = pos
+        for v in needed:
+            if v in last_in_stage:
+                last_in_stage[v] = len(stage.recompute)
+
+        def release_after(pos: int) -> None:
+            for v, last in last_in_stage.items():
+                if last == pos:
+                    resident.discard(v)
+
+        for v in drop:
+            if v not in resident and not any(v in ops[j].outputs for j in stage.recompute):
+                raise ScheduleError(f"{where}: drops value {v} ({values[v].name}) which is not "
+                                    f"resident and not recomputed in this stage")
+        release_after(-1)
+        for pos, j in enumerate(stage.recompute):
+            rop = ops[j]
+            if rop.recompute_unsafe:
+                raise ScheduleError(f"{where}: recomputes op {j} ({rop.name}), which must never be "
+                                    f"recomputed: {rop.recompute_unsafe}")
+            missing = [v for v in rop.inputs if not is_input[v] and v not in resident]
+            if missing:
+                raise ScheduleError(f"{where}: recomputing op {j} ({rop.name}) needs values "
+                                    f"{missing} ({', '.join(values[v].name for v in missing)}), "
+                                    f"which are not resident")
+            rimpl = impls[j]
+            new = [v for v in rop.outputs if v not in resident]
+            dup = sum(values[v].bytes for v in rop.outputs if v in resident)
+            # Transient: duplicates of resident outputs, the op's internals (no grad: not held)
+            # and its workspace.
+            peak = (fixed + grad + live_bytes() + internals + sum(values[v].bytes for v in new)
+                    + dup + rimpl.internal_bytes + rimpl.fwd_workspace)
+            resident.update(new)
+            release_after(pos)
+            recompute_time += rimpl.fwd_time
+            points.append(Point("recompute", t, j, peak, tuple(sorted(resident))))
+        missing = sorted(needed - resident)
+        if missing:
+            raise ScheduleError(f"{where}: its backward needs values {missing} "
+                                f"({', '.join(values[v].name for v in missing)}), which are "
+                                f"neither resident nor recomputed")
+        peak = fixed + grad + live_bytes() + internals + impl.bwd_workspace
+        points.append(Point("backward", t, op_id, peak, tuple(sorted(resident))))
+        backward_time += impl.bwd_time
+        release_after(len(stage.recompute))
+        internals -= impl.internal_bytes
+
+    end = fixed + graph.final_grad_bytes + live_bytes() + internals
+    points.append(Point("end", None, None, end, tuple(sorted(resident))))
+    return Timeline(points=tuple(points), peak_bytes=max(p.bytes for p in points),
+                    total_time=forward_time + recompute_time + backward_time,
+                    forward_time=forward_time, recompute_time=recompute_time,
+                    backward_time=backward_time)
+
+
+def store_all_schedule(graph: OpGraph, impl: tuple[int, ...] | None = None) -> Schedule:
+    """Plain PyTorch: keep every Value a backward needs; free it after the last stage needing it."""
+    impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
+    is_input = [v.producer is None for v in graph.values]
+    last_stage: dict[int, int] = {}
+    for t, op_id in enumerate(graph.backward_order):
+        for v in graph.ops[op_id].impls[impl[op_id]].saved:
+            if not is_input[v]:
+                last_stage[v] = t
+    outputs = set(graph.outputs)
+    drops: list[list[int]] = [[] for _ in graph.backward_order]
+    for v, t in last_stage.items():
+        if v not in outputs:
+            drops[t].append(v)
+    stages = tuple(StageSchedule(op=o, recompute=(), drop=tuple(sorted(drops[t])))
+                   for t, o in enumerate(graph.backward_order))
+    return Schedule(fingerprint=graph.fingerprint, graph_summary=graph.summary(), impl=impl,
+                    forward_keep=tuple(sorted(v for v in last_stage if v not in outputs)),
+                    stages=stages, mode="store_all", created_by="baseline:store_all",
+                    cost_provenance=graph.cost_provenance)
+
+
+def with_predictions(graph: OpGraph, schedule: Schedule, **changes) -> Schedule:
+    """Return `schedule` with the simulator's peak and time filled in (and other field changes)."""
+    import dataclasses
+
+    tl = simulate(graph, schedule)
+    return dataclasses.replace(schedule, predicted_peak_bytes=tl.peak_bytes,
+                               predicted_time=tl.total_time, **changes)

@@ -1,0 +1,41 @@
+"""Byte budgets: parsing '8GiB' / '8GB' / '123' and printing bytes with their unit."""
+
+import re
+
+from .errors import BudgetParseError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(budget: "int | float | str") -> int:
+    """Return a byte count from an int, or a string like '8GiB' (8 x 2^30) or '8GB' (8 x 10^9)."""
+    if isinstance(budget, bool):
+        raise BudgetParseError(f"expected a byte count or a string like '8GiB', got {budget!r}")
+    if isinstance(budget, (int, float)):
+        if budget < 0 or budget != budget:
+            raise BudgetParseError(f"expected a non-negative byte count, got {budget!r}")
+        return int(budget)
+    if not isinstance(budget, str):
+        raise BudgetParseError(
+            f"expected a byte count or a string like '8GiB', got {type(budget).__name__} {budget!r}")
+    m = _PATTERN.match(budget)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise BudgetParseError(
+            f"cannot parse budget {budget!r}: expected a non-negative number with an optional unit "
+            f"B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+            f"e.g. '8GiB' or '8000000000'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable bytes in binary units, always naming the unit ('8.00 GiB')."""
+    n = int(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
