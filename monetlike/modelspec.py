@@ -1,0 +1,83 @@
+"""Turn a MODEL argument into a model, never through eval.
+
+MODEL is an importable factory (`torchvision.models.resnet50`, `mypkg.models:build`) or a file
+(`path/to/model.py:factory`). Short names of the built-in test models (`unet`, `transformer_block`)
+and bare torchvision names (`resnet50`) are accepted as a convenience.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Callable
+
+from solver.errors import MonetlikeError
+
+
+class ModelSpecError(MonetlikeError, ValueError):
+    """A MODEL argument that names nothing importable."""
+
+
+_HELP = ("expected an importable factory like 'torchvision.models.resnet50' or "
+         "'mypkg.models:build', or a file like 'path/to/model.py:factory'")
+
+
+def load_factory(spec: str) -> Callable:
+    """Return the callable named by `spec` (see the module docstring)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelSpecError(f"empty model name; {_HELP}")
+    spec = spec.strip()
+    if ":" in spec:
+        where, _, attr = spec.rpartition(":")
+        if where.endswith(".py") or os.sep in where:
+            module = _load_file(where)
+        else:
+            module = _import(where, spec)
+    elif "." in spec:
+        where, _, attr = spec.rpartition(".")
+        module = _import(where, spec)
+    else:
+        attr = spec
+        module = None
+        for candidate in ("monetlike.models", "torchvision.models"):
+            m = importlib.import_module(candidate)
+            if hasattr(m, attr):
+                module = m
+                break
+        if module is None:
+            raise ModelSpecError(f"unknown model {spec!r}: not in monetlike.models or "
+                                 f"torchvision.models; {_HELP}")
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ModelSpecError(f"{spec!r}: module {module.__name__!r} has no callable {attr!r}; "
+                             f"{_HELP}")
+    return factory
+
+
+def _import(module_name: str, spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelSpecError(f"cannot import {module_name!r} for model {spec!r} ({e}); "
+                             f"{_HELP}") from None
+
+
+def _load_file(path: str):
+    if not os.path.isfile(path):
+        raise ModelSpecError(f"model file {path!r} does not exist; {_HELP}")
+    name = "monetlike_user_model_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the user's own file, named explicitly by the user
+    return module
+
+
+def build_model(spec: str, **kwargs):
+    """Call the factory; torchvision's googlenet/inception get their training-friendly defaults."""
+    factory = load_factory(spec)
+    name = getattr(factory, "__name__", "")
+    if name in ("googlenet", "inception_v3"):
+        kwargs.setdefault("aux_logits", False)
+        kwargs.setdefault("init_weights", False)
+    return factory(**kwargs)
