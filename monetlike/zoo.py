@@ -1,0 +1,157 @@
+"""The schedule zoo: prebuilt JSON schedules for MONeT's models, picked by model, batch and budget.
+
+The schedules live in the repository's `schedules/` folder and ship inside the wheel as the
+package `monetlike.schedules`. `schedules/index.json` lists one entry per schedule with what is
+needed to choose one without opening it. `load(name, model)` checks the schedule's fingerprint
+against the user's model before returning it, so a zoo schedule never runs on the wrong model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+from solver.errors import FormatError, MonetlikeError, ScheduleMismatchError
+from solver.graph import _get, _int, _ints, _str
+from solver.schedule import Schedule
+from solver.units import format_bytes, parse_bytes
+
+INDEX = "index.json"
+
+
+class ZooError(MonetlikeError, ValueError):
+    """No such zoo entry, or no entry fits the request."""
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    """File stem, e.g. 'resnet50_184_8GiB'."""
+    model: str
+    """Factory as given to the CLI, e.g. 'torchvision.models.resnet50'."""
+    batch: int
+    input_shape: tuple[int, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_time: float
+    store_all_time: float
+    store_all_peak_bytes: int
+    mode: str
+    status: str
+    mip_gap: float | None
+    cost_provenance: str
+    fingerprint: str
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step time over the store-all (plain PyTorch) step time, minus one."""
+        return self.predicted_time / self.store_all_time - 1.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["input_shape"] = list(self.input_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "ZooEntry":
+        gap = d.get("mip_gap") if isinstance(d, dict) else None
+        return cls(name=_str(d, "name", where), model=_str(d, "model", where),
+                   batch=_int(d, "batch", where, minimum=1),
+                   input_shape=_ints(d, "input_shape", where),
+                   budget_bytes=_int(d, "budget_bytes", where),
+                   predicted_peak_bytes=_int(d, "predicted_peak_bytes", where),
+                   predicted_time=float(_get(d, "predicted_time", where)),
+                   store_all_time=float(_get(d, "store_all_time", where)),
+                   store_all_peak_bytes=_int(d, "store_all_peak_bytes", where),
+                   mode=_str(d, "mode", where), status=_str(d, "status", where),
+                   mip_gap=None if gap is None else float(gap),
+                   cost_provenance=_str(d, "cost_provenance", where),
+                   fingerprint=_str(d, "fingerprint", where))
+
+
+def _folder():
+    return resources.files("monetlike.schedules")
+
+
+def entries() -> list[ZooEntry]:
+    """All zoo entries, from the index."""
+    index = _folder() / INDEX
+    if not index.is_file():
+        return []
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise FormatError(f"zoo index {INDEX} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise FormatError(f"zoo index {INDEX}: expected an object with a list 'entries'")
+    return [ZooEntry.from_dict(e, f"index.entries[{i}]") for i, e in enumerate(data["entries"])]
+
+
+def _short(model: str) -> str:
+    """'torchvision.models.resnet50' and 'resnet50' both match 'resnet50'."""
+    return model.replace(":", ".").rsplit(".", 1)[-1].lower()
+
+
+def get(name: str) -> ZooEntry:
+    for e in entries():
+        if e.name == name:
+            return e
+    names = ", ".join(e.name for e in entries()) or "(the zoo is empty)"
+    raise ZooError(f"no zoo schedule named {name!r}; the zoo has: {names}")
+
+
+def pick(model: str, batch: int, budget: "int | str") -> ZooEntry:
+    """The entry for this model and batch with the lowest predicted time whose peak fits."""
+    budget = parse_bytes(budget)
+    same = [e for e in entries() if _short(e.model) == _short(model) and e.batch == batch]
+    fits = [e for e in same if e.predicted_peak_bytes <= budget]
+    if not fits:
+        have = ", ".join(f"{e.name} (peak {format_bytes(e.predicted_peak_bytes)})"
+                         for e in (same or entries())) or "(the zoo is empty)"
+        what = "for this model and batch" if same else "at all for this model and batch"
+        raise ZooError(f"no zoo schedule for {model} batch {batch} fits {format_bytes(budget)} "
+                       f"({'none fits' if same else 'none exists'} {what}); the zoo has: {have}; "
+                       f"solve one with `monetlike solve`")
+    return min(fits, key=lambda e: (e.predicted_time, e.predicted_peak_bytes))
+
+
+def schedule(name: str) -> Schedule:
+    """The schedule of a zoo entry, unchecked (use `load` to check it against a model)."""
+    get(name)
+    path = _folder() / f"{name}.json"
+    try:
+        return Schedule.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
+        raise FormatError(f"zoo schedule {name}.json is not valid JSON: {e}") from None
+
+
+def load(name: str, model) -> Schedule:
+    """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint)."""
+    import torch
+
+    from .profile import structure_fingerprint
+
+    entry = get(name)
+    sched = schedule(name)
+    x = torch.empty(entry.batch, *entry.input_shape, device="meta")
+    got = structure_fingerprint(model, x)
+    if got != sched.fingerprint:
+        raise ScheduleMismatchError(
+            f"zoo schedule {name!r} was made for {entry.model} batch {entry.batch} input "
+            f"{list(entry.input_shape)} (fingerprint {sched.fingerprint}); the given model has "
+            f"fingerprint {got} at that batch and shape: it is another model or configuration")
+    return sched
+
+
+def table(items: list[ZooEntry] | None = None):
+    """A pandas table of entries: model, batch, budget, peak, overhead, cost model."""
+    import pandas as pd
+
+    rows = [{"name": e.name, "model": _short(e.model), "batch": e.batch,
+             "budget": format_bytes(e.budget_bytes), "peak": format_bytes(e.predicted_peak_bytes),
+             "overhead": f"{100 * e.overhead:.2f}%", "status": e.status,
+             "costs": e.cost_provenance} for e in (entries() if items is None else items)]
+    return pd.DataFrame(rows, columns=["name", "model", "batch", "budget", "peak", "overhead",
+                                       "status", "costs"])

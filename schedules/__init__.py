@@ -1,0 +1,1 @@
+"""The schedule zoo as package data (see monetlike/zoo.py); JSON files only, never code."""
