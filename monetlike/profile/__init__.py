@@ -1,0 +1,26 @@
+"""The profiler: a model and an example batch in, a `solver.OpGraph` out.
+
+- api.py          `profile()`: copies the model (deepcopy, or a meta copy for analytical costs),
+                  traces it, runs one instrumented step and the timing steps, builds the graph.
+- interpreter.py  the fx.Interpreter subclasses: node grouping into Ops, saved tensors, backward
+                  stages, per-Op timing.
+- memory.py       the storage-tracking TorchDispatchMode (also used by monetlike.measure).
+- costs.py        measured timers and the analytical roofline with device presets.
+- safety.py       recompute-unsafe detection.
+"""
+
+from .api import OPTIMIZER_STATE_MULTIPLIER, profile
+from .costs import PRESETS, DevicePreset, UnknownDeviceError
+from .interpreter import ProfileError
+
+__all__ = ["profile", "structure_fingerprint", "PRESETS", "DevicePreset", "UnknownDeviceError",
+           "ProfileError", "OPTIMIZER_STATE_MULTIPLIER"]
+
+
+def structure_fingerprint(model, example_inputs, *, leaf_modules=()) -> str:
+    """The OpGraph fingerprint of `model` on inputs of this shape, without running real data.
+
+    Fingerprints exclude costs, so the cheapest profile (analytical, on the meta device) gives the
+    same answer as a measured one."""
+    return profile(model, example_inputs, cost="analytical:A100-40GB",
+                   leaf_modules=leaf_modules).fingerprint

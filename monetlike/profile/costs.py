@@ -1,0 +1,192 @@
+"""Op costs: measured on the local device, or analytical (a roofline over a named GPU's peaks).
+
+Analytical costs let a CPU box plan for a GPU it does not have. For every aten op the profiler sees
+(forward, and the backward through the autograd engine) we take
+    time = max(flops / peak_flops(dtype, op), bytes_moved / memory_bandwidth)
+with FLOPs from `torch.utils.flop_counter`'s registry (the formulas FlopCounterMode uses: matmuls,
+convolutions, attention; every other op is counted as memory-bound) and bytes moved = bytes of
+the op's tensor inputs plus outputs. View and allocation ops move nothing. This is a lower bound
+on a real GPU's time (no launch latency, no efficiency factor); it ranks ops sensibly, which is
+what the scheduler needs, and it is always labelled `analytical:<device>` so nobody mistakes it
+for a measurement.
+
+Peak rates are datasheet numbers (dense, no sparsity), each cited beside the preset.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from solver.errors import MonetlikeError
+
+__all__ = ["DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost", "get_preset",
+           "Roofline", "Timer"]
+
+TFLOPS = 1e12
+GBPS = 1e9
+
+
+class UnknownDeviceError(MonetlikeError, ValueError):
+    """`cost="analytical:<DEVICE>"` names a device without a preset."""
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    name: str
+    flops: dict = field(compare=False)
+    """Peak FLOP/s by rate class: 'fp64', 'fp32', 'tf32', 'fp16', 'bf16' (tensor cores where the
+    part has them, dense). A missing class falls back to 'fp32'."""
+    bandwidth: float
+    """Peak memory bandwidth in bytes/s."""
+    memory_bytes: int
+    source: str
+
+
+PRESETS: dict[str, DevicePreset] = {
+    # NVIDIA Tesla P100 (SXM2, 16 GB HBM2) datasheet: 5.3 TFLOPS FP64, 10.6 FP32, 21.2 FP16;
+    # 732 GB/s. No tensor cores, no TF32/BF16 (BF16 runs at FP32 rate via upcast).
+    "P100-16GB": DevicePreset("P100-16GB", {"fp64": 5.3 * TFLOPS, "fp32": 10.6 * TFLOPS,
+                                            "fp16": 21.2 * TFLOPS}, 732 * GBPS, 16 * 2**30,
+                              "NVIDIA Tesla P100 datasheet (SXM2)"),
+    # NVIDIA Tesla V100 (SXM2, 16 GB HBM2) datasheet: 7.8 TFLOPS FP64, 15.7 FP32,
+    # 125 tensor (FP16); 900 GB/s. No TF32/BF16.
+    "V100-16GB": DevicePreset("V100-16GB", {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS,
+                                            "fp16": 125 * TFLOPS}, 900 * GBPS, 16 * 2**30,
+                              "NVIDIA Tesla V100 datasheet (SXM2)"),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4, 40 GB HBM2): 9.7 TFLOPS FP64, 19.5 FP32,
+    # 156 TF32, 312 BF16/FP16 (dense); 1,555 GB/s.
+    "A100-40GB": DevicePreset("A100-40GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
+                                            "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
+                                            "bf16": 312 * TFLOPS}, 1555 * GBPS, 40 * 2**30,
+                              "NVIDIA A100 datasheet (SXM4 40GB)"),
+    # Same datasheet, SXM4 80 GB HBM2e: same compute, 2,039 GB/s.
+    "A100-80GB": DevicePreset("A100-80GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
+                                            "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
+                                            "bf16": 312 * TFLOPS}, 2039 * GBPS, 80 * 2**30,
+                              "NVIDIA A100 datasheet (SXM4 80GB)"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5, 80 GB HBM3): 34 TFLOPS FP64, 67 FP32,
+    # 494.7 TF32, 989.4 BF16/FP16 (dense; the datasheet's headline figures are with sparsity,
+    # twice these); 3.35 TB/s.
+    "H100-80GB": DevicePreset("H100-80GB", {"fp64": 34 * TFLOPS, "fp32": 67 * TFLOPS,
+                                            "tf32": 494.7 * TFLOPS, "fp16": 989.4 * TFLOPS,
+                                            "bf16": 989.4 * TFLOPS}, 3350 * GBPS, 80 * 2**30,
+                              "NVIDIA H100 datasheet (SXM5)"),
+}
+
+
+def get_preset(name: str) -> DevicePreset:
+    for key, preset in PRESETS.items():
+        if key.lower() == name.strip().lower():
+            return preset
+    raise UnknownDeviceError(
+        f"unknown device {name!r} for analytical costs; presets are: {', '.join(PRESETS)} "
+        f"(use cost='analytical:A100-40GB', for example, or cost='measured' to time this machine)")
+
+
+def parse_cost(cost: str) -> tuple[str, DevicePreset | None]:
+    """'measured' -> ('measured', None); 'analytical:NAME' -> ('analytical', preset)."""
+    if not isinstance(cost, str):
+        raise ValueError(f"cost: expected 'measured' or 'analytical:<DEVICE>', got {cost!r}")
+    if cost.strip().lower() == "measured":
+        return "measured", None
+    kind, _, dev = cost.partition(":")
+    if kind.strip().lower() == "analytical":
+        if not dev.strip():
+            raise UnknownDeviceError(f"cost={cost!r} names no device; presets are: "
+                                     f"{', '.join(PRESETS)}")
+        return "analytical", get_preset(dev)
+    raise ValueError(f"cost: expected 'measured' or 'analytical:<DEVICE>' (devices: "
+                     f"{', '.join(PRESETS)}), got {cost!r}")
+
+
+# Ops that only reinterpret or allocate memory: no bytes moved, no time.
+_FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+         "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+         "sym_storage_offset", "size", "stride", "numel", "dim", "is_contiguous", "set_"}
+_CONV = {"convolution", "_convolution", "cudnn_convolution", "convolution_overrideable",
+         "_slow_conv2d_forward", "convolution_backward"}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Roofline:
+    """Per aten op: max(flops / peak, bytes / bandwidth) on a preset device."""
+
+    def __init__(self, preset: DevicePreset):
+        self.preset = preset
+        # PyTorch's defaults decide which rate a float32 conv or matmul gets on Ampere and later:
+        # cuDNN convolutions use TF32 unless disabled; cuBLAS matmuls do not unless enabled.
+        self.conv_tf32 = bool(torch.backends.cudnn.allow_tf32)
+        self.matmul_tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+
+    def _peak(self, name: str, dtype: torch.dtype | None) -> float:
+        f = self.preset.flops
+        if dtype == torch.float16:
+            key = "fp16"
+        elif dtype == torch.bfloat16:
+            key = "bf16"
+        elif dtype == torch.float64:
+            key = "fp64"
+        elif dtype == torch.float32 and ((name in _CONV and self.conv_tf32)
+                                         or (name in _MATMUL and self.matmul_tf32)):
+            key = "tf32"
+        else:
+            key = "fp32"
+        return f.get(key, f["fp32"])
+
+    def op_time(self, func, args, kwargs, out) -> float:
+        packet = getattr(func, "_overloadpacket", None)
+        name = getattr(packet, "__name__", str(func)).split(".")[-1]
+        if name in _FREE or getattr(func, "is_view", False):
+            return 0.0
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        nbytes = sum(_tensor_bytes(t) for t in ins) + sum(_tensor_bytes(t) for t in outs)
+        t_mem = nbytes / self.preset.bandwidth
+        flops = 0
+        if packet is not None and packet in flop_registry:
+            try:
+                flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            except Exception:  # a formula that does not fit an exotic overload: memory-bound
+                flops = 0
+        if not flops:
+            return t_mem
+        dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
+        return max(flops / self._peak(name, dtype), t_mem)
+
+
+class Timer:
+    """Wall-clock marks on the CPU; CUDA events on a GPU (elapsed time read after a sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
+
+    def mark(self):
+        if self.cuda:  # pragma: no cover - no GPU in CI
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def sync(self) -> None:
+        if self.cuda:  # pragma: no cover
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:  # pragma: no cover
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0

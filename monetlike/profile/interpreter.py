@@ -1,0 +1,539 @@
+"""The profiling run: an fx.Interpreter that groups fx nodes into Ops and measures what each holds.
+
+One training step (forward node by node, then `loss.backward()`) runs under three of torch's own
+mechanisms at once:
+- a storage-tracking TorchDispatchMode (`memory.StorageTracker`) that sees every aten op, so we
+  know which storages each node creates, which it writes in place, the peak during it, and (for
+  analytical costs) the FLOPs and bytes of every aten op;
+- `torch.autograd.graph.saved_tensors_hooks`, whose pack hook tells us exactly which tensors each
+  node's backward will hold;
+- hooks on every autograd node of every Op (`register_prehook` / `register_hook`), so that in the
+  backward we see where each Op's stage starts, the engine's real order, and the gradient bytes
+  live at each stage.
+
+Grouping follows docs/execution-model.md: a node creating new storage starts an Op and its new
+storages become Values; a node writing in place into a Value's storage joins the Op that created
+it; views, getitem and non-tensor nodes belong to no Op. Everything is decided from storages
+observed at run time, never from op names. A few cases cannot be one Op (an in-place write into a
+storage that another Op already read, a write into a graph input): that node becomes an Op of its
+own with no outputs, and both it and the creator of the storage are marked recompute-unsafe.
+
+Ops are then put in a topological order that stays as close to the fx order as dependencies allow
+(an in-place node joining its creator can read a Value made after the creator, e.g. the
+downsample branch of a ResNet bottleneck when its add is written in place).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from solver.errors import MonetlikeError
+
+from .costs import Roofline, Timer
+from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
+from .safety import aten_unsafe_reason, is_bn_buffer, module_hook_reason, written_tensors
+
+__all__ = ["ProfileError", "ProfileRun", "TimingRun", "Group", "TmpValue"]
+
+
+class ProfileError(MonetlikeError, RuntimeError):
+    """The model could not be run while profiling (a node failed)."""
+
+
+@dataclass
+class TmpValue:
+    tid: int
+    name: str
+    index: int | None
+    shape: tuple
+    dtype: str
+    nbytes: int
+    producer: int | None  # group id
+    requires_grad: bool
+
+
+@dataclass
+class Group:
+    gid: int
+    name: str
+    kind: str
+    position: int  # fx position of the first node: the ordering priority
+    nodes: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    saved: set = field(default_factory=set)
+    internal_bytes: int = 0
+    fwd_workspace: int = 0
+    unsafe: list = field(default_factory=list)
+    fwd_cost: float = 0.0
+    bwd_cost: float = 0.0
+    ran_backward: bool = False
+    stage_start: int = 0
+    bwd_peak: int = 0
+
+    def add_unsafe(self, reason: str) -> None:
+        if reason and reason not in self.unsafe:
+            self.unsafe.append(reason)
+
+
+class _NodeRec:
+    __slots__ = ("node", "pos", "created", "writes", "reads", "saved", "unsafe", "cost",
+                 "start_live", "peak")
+
+    def __init__(self, node: fx.Node, pos: int):
+        self.node, self.pos = node, pos
+        self.created: set[int] = set()
+        self.writes: list[int] = []
+        self.reads: list[int] = []
+        self.saved: list[tuple[int, int]] = []
+        self.unsafe: list[str] = []
+        self.cost = 0.0
+        self.start_live = 0
+        self.peak = 0
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    return str(n.target)
+
+
+def _is_accumulate_grad(fn) -> bool:
+    try:
+        return fn.name().endswith("AccumulateGrad")
+    except Exception:
+        return False
+
+
+def _walk_new_autograd_nodes(tensors, owner: dict, keep: list, gid: int, on_new) -> None:
+    """Claim for `gid` every autograd node reachable from `tensors` not claimed by an earlier Op.
+
+    The walk stops at nodes of earlier Ops and at AccumulateGrad (parameters, leaf inputs): what
+    remains was created by this Op's nodes (or by the views between it and earlier Ops)."""
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in owner or _is_accumulate_grad(fn):
+            continue
+        owner[id(fn)] = gid
+        keep.append(fn)  # keeps the Python wrapper (and so id(fn)) stable
+        on_new(fn, gid)
+        stack.extend(f for f, _ in fn.next_functions)
+
+
+class ProfileRun(fx.Interpreter):
+    """One instrumented training step over a traced model; fills Groups and TmpValues."""
+
+    def __init__(self, gm: fx.GraphModule, model: torch.nn.Module, *,
+                 roofline: Roofline | None = None, device_note: str = "", progress=None):
+        super().__init__(gm)
+        self.gm, self.model, self.roofline, self.progress = gm, model, roofline, progress
+        self.device_note = device_note
+        self.tracker = StorageTracker(window_class=OTHER)
+        self.tracker.observers.append(self._on_aten)
+        self.tracker.on_create = self._on_create
+        self.groups: list[Group] = []
+        self.values: list[TmpValue] = []
+        self.readers: dict[int, list[tuple[int, int]]] = {}  # tid -> [(pos, gid)]
+        self.foreign_writes: list[tuple[int, int, int]] = []  # (pos, gid, tid)
+        self.taint: dict[str, list[str]] = {}  # non-op node -> unsafe reasons to pass on
+        self.node_gid: dict[str, int] = {}
+        self.fn_owner: dict[int, int] = {}
+        self.fn_keep: list = []
+        self.backward_order: list[int] = []
+        self.output_tids: list[int] = []
+        self.final_grad_bytes = 0
+        self.cur: _NodeRec | None = None
+        self.phase = "setup"
+        self.bcur: int | None = None
+        self.pos = -1
+        self.fixed_names: dict[int, str] = {}
+
+    # -- dispatch-level observers -----------------------------------------------------------
+    def _on_create(self, key: int, nbytes: int) -> None:
+        if self.cur is not None:
+            self.cur.created.add(key)
+
+    def _on_aten(self, func, args, kwargs, out) -> None:
+        rec = self.cur
+        if self.phase == "forward" and rec is not None:
+            reason = aten_unsafe_reason(func, args, kwargs)
+            if reason:
+                rec.unsafe.append(reason)
+            for t in written_tensors(func, args, kwargs):
+                s = storage_of(t)
+                if s is not None and s._cdata not in rec.created and s._cdata not in rec.writes:
+                    rec.writes.append(s._cdata)
+            if self.roofline is not None:
+                rec.cost += self.roofline.op_time(func, args, kwargs, out)
+        elif self.phase == "backward" and self.bcur is not None and self.roofline is not None:
+            self.groups[self.bcur].bwd_cost += self.roofline.op_time(func, args, kwargs, out)
+
+    def _pack(self, t: torch.Tensor):
+        rec = self.cur
+        if rec is not None:
+            s = storage_of(t)
+            if s is not None:
+                key = self.tracker.track(s)  # no-op when tracked; else it is something new
+                rec.saved.append((key, int(s.nbytes())))
+        return t
+
+    # -- the run ----------------------------------------------------------------------------
+    def profile_step(self, inputs: tuple) -> None:
+        tr = self.tracker
+        for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            s = storage_of(p)
+            if s is not None:
+                self.fixed_names.setdefault(tr.track(s, FIXED), name)
+        for n in self.gm.graph.nodes:
+            if n.op == "get_attr":
+                obj = self.fetch_attr(n.target)
+                if isinstance(obj, torch.Tensor) and storage_of(obj) is not None:
+                    self.fixed_names.setdefault(tr.track(storage_of(obj), FIXED), n.target)
+        for x in inputs:
+            tr.track(storage_of(x), INPUT)
+        self.phase = "forward"
+        try:
+            with tr, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                out = self.run(*inputs)
+            self.phase = "loss"
+            leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            for t in leaves:
+                tid = tr.tag_of(storage_of(t)._cdata) if storage_of(t) is not None else None
+                if tid is not None and tid not in self.output_tids and \
+                        tr.class_of(storage_of(t)._cdata) in (VALUE, INPUT):
+                    self.output_tids.append(tid)
+            with tr:
+                grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+                if grads:
+                    loss = sum(t.float().sum() for t in grads)
+                    self.phase = "backward"
+                    loss.backward()
+                    del loss
+                self._close_interval()
+                self.phase = "done"
+                del grads
+            self.final_grad_bytes = tr.live_by_class[OTHER]
+            del out, leaves
+        finally:
+            self.phase = "done"
+            self.cur = None
+            tr.close()
+            # Autograd nodes hold our hooks and we held the nodes: a cycle through C++ objects
+            # that Python's gc cannot see. Break it, and drop the interpreter's last values.
+            self.fn_keep.clear()
+            self.fn_owner.clear()
+            self.env = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.pos += 1
+        rec = _NodeRec(n, self.pos)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            for t in tree_leaves((args, kwargs)):
+                s = storage_of(t)
+                if s is not None:
+                    rec.reads.append(s._cdata)
+            self.tracker.reset_window()
+            rec.start_live = self.tracker.live
+            self.cur = rec
+            try:
+                result = getattr(self, n.op)(n.target, args, kwargs)
+            except MonetlikeError:
+                raise
+            except Exception as e:
+                raise ProfileError(
+                    f"node {n.name} ({n.op} {_node_kind(self.gm, n)}) failed while profiling"
+                    f"{self.device_note}: {type(e).__name__}: {e}") from e
+            finally:
+                self.cur = None
+            rec.peak = self.tracker.window_peak
+        del args, kwargs
+        self._after(rec, n, result)
+        if self.progress is not None:
+            self.progress.update(1)
+        if not n.users and n.op != "output":
+            return None  # nobody reads it: free it now, as eager PyTorch would
+        return result
+
+    # -- grouping ---------------------------------------------------------------------------
+    def _new_value(self, name, index, t: torch.Tensor, nbytes, producer) -> int:
+        tid = len(self.values)
+        self.values.append(TmpValue(tid, name, index, tuple(t.shape), _dtype_name(t.dtype),
+                                    int(nbytes), producer, bool(t.requires_grad)))
+        return tid
+
+    def _after(self, rec: _NodeRec, n: fx.Node, result: Any) -> None:
+        tr = self.tracker
+        multi = not isinstance(result, torch.Tensor)
+        leaves = tree_leaves(result)
+        if n.op == "placeholder":
+            for i, t in enumerate(leaves):
+                s = storage_of(t)
+                if s is None:
+                    continue
+                key = tr.track(s, INPUT)
+                if tr.tag_of(key) is None and tr.class_of(key) in (INPUT, OTHER):
+                    tid = self._new_value(n.name, i if multi else None, t, s.nbytes(), None)
+                    tr.set_class(key, INPUT, tid)
+            return
+        if n.op in ("output", "get_attr"):
+            return
+
+        # Unsafe reasons raised in non-op nodes flow on to the ops that consume them.
+        reasons = list(rec.unsafe)
+        for inp in n.all_input_nodes:
+            reasons.extend(self.taint.get(inp.name, ()))
+        fixed_writes, value_writes = [], []
+        for key in rec.writes:
+            cls = tr.class_of(key)
+            if cls == FIXED:
+                fixed_writes.append(key)
+            elif cls in (VALUE, INPUT):
+                value_writes.append(tr.tag_of(key))
+        for key in fixed_writes:
+            name = self.fixed_names.get(key, "?")
+            if not is_bn_buffer(name):
+                reasons.append(f"writes parameter or buffer '{name}' in place")
+        if n.op == "call_module":
+            hook = module_hook_reason(self.gm.get_submodule(n.target), n.target)
+            if hook:
+                reasons.append(hook)
+
+        # New storages among the outputs: this node creates Values and starts an Op.
+        new: list[tuple[int, torch.Tensor, Any]] = []
+        seen = set()
+        for i, t in enumerate(leaves):
+            s = storage_of(t)
+            if s is None:
+                continue
+            key = s._cdata
+            cls = tr.class_of(key)
+            if cls is None:
+                tr.track(s, OTHER)
+                cls = OTHER
+            if cls in (VALUE, INPUT, FIXED) or key in seen:
+                continue
+            seen.add(key)
+            new.append((i, t, s))
+
+        g: Group | None = None
+        if new:
+            g = self._open_group(n, rec)
+            for i, t, s in new:
+                tid = self._new_value(n.name, i if multi else None, t, s.nbytes(), g.gid)
+                tr.set_class(s._cdata, VALUE, tid)
+                g.outputs.append(tid)
+        elif value_writes:
+            target = value_writes[0]
+            producer = self.values[target].producer
+            standalone = producer is None or any(
+                gid != producer for _, gid in self.readers.get(target, ()))
+            if standalone:
+                g = self._open_group(n, rec)
+                if producer is None:
+                    g.add_unsafe(f"overwrites graph input {self.values[target].name} in place")
+            else:
+                g = self.groups[producer]
+                g.nodes.append(n.name)
+                g.positions.append(rec.pos)
+                self.node_gid[n.name] = g.gid
+            for t in leaves:
+                s = storage_of(t)
+                if s is not None and tr.tag_of(s._cdata) == target and t.requires_grad:
+                    v = self.values[target]
+                    self.values[target] = TmpValue(**{**v.__dict__, "requires_grad": True})
+        if g is None:
+            if reasons:
+                self.taint[n.name] = reasons
+            return
+        for r in reasons:
+            g.add_unsafe(r)
+
+        # Inputs: Values whose storage the node reads (views included), other than its own.
+        for key in rec.reads:
+            if tr.class_of(key) in (VALUE, INPUT):
+                self._add_input(g, tr.tag_of(key), rec.pos)
+        # Writes into storages this Op did not create.
+        for tid in value_writes:
+            if tid in g.outputs:
+                continue
+            self._add_input(g, tid, rec.pos)
+            self.foreign_writes.append((rec.pos, g.gid, tid))
+            g.add_unsafe(f"overwrites value {self.values[tid].name} (made by another op) in place")
+            p = self.values[tid].producer
+            if p is not None and p != g.gid:
+                self.groups[p].add_unsafe(
+                    f"its output {self.values[tid].name} is overwritten in place by node {n.name} "
+                    f"after other ops read it")
+
+        # What the backward holds.
+        persistent = sum(self.values[tid].nbytes for tid in g.outputs
+                         if self.values[tid].name == n.name)
+        for key, nbytes in rec.saved:
+            cls = tr.class_of(key)
+            if cls == VALUE:
+                tid = tr.tag_of(key)
+                if tid not in g.outputs and tid not in g.inputs:
+                    self._add_input(g, tid, rec.pos)
+                g.saved.add(tid)
+            elif cls == OTHER:
+                tr.set_class(key, INTERNAL)
+                g.internal_bytes += nbytes
+                if key in rec.created:
+                    persistent += nbytes
+            # INPUT and FIXED: always resident, not the schedule's business; INTERNAL: already
+            # counted for the Op that created it.
+        g.fwd_workspace = max(g.fwd_workspace, rec.peak - rec.start_live - persistent)
+        g.fwd_cost += rec.cost
+        _walk_new_autograd_nodes(leaves, self.fn_owner, self.fn_keep, g.gid, self._hook_fn)
+
+    def _open_group(self, n: fx.Node, rec: _NodeRec) -> Group:
+        g = Group(gid=len(self.groups), name=n.name, kind=_node_kind(self.gm, n), position=rec.pos)
+        g.nodes.append(n.name)
+        g.positions.append(rec.pos)
+        self.groups.append(g)
+        self.node_gid[n.name] = g.gid
+        return g
+
+    def _add_input(self, g: Group, tid: int, pos: int) -> None:
+        if tid in g.outputs:
+            return
+        if tid not in g.inputs:
+            g.inputs.append(tid)
+        self.readers.setdefault(tid, []).append((pos, g.gid))
+
+    # -- backward stages --------------------------------------------------------------------
+    def _hook_fn(self, fn, gid: int) -> None:
+        fn.register_prehook(lambda grad_outputs, gid=gid: self._bwd_pre(gid))
+
+    def _close_interval(self) -> None:
+        if self.bcur is not None:
+            g = self.groups[self.bcur]
+            g.bwd_peak = max(g.bwd_peak, self.tracker.window_class_peak)
+
+    def _bwd_pre(self, gid: int) -> None:
+        if gid == self.bcur:
+            return None
+        self._close_interval()
+        self.bcur = gid
+        g = self.groups[gid]
+        if not g.ran_backward:
+            g.ran_backward = True
+            self.backward_order.append(gid)
+            g.stage_start = self.tracker.live_by_class[OTHER]
+            g.bwd_peak = g.stage_start
+        self.tracker.reset_window()
+        return None
+
+    # -- the order of Ops -------------------------------------------------------------------
+    def topological_order(self) -> list[int]:
+        """Group ids in a dependency order, as close to fx order as possible."""
+        succ: dict[int, set[int]] = {g.gid: set() for g in self.groups}
+        for g in self.groups:
+            for tid in g.inputs:
+                p = self.values[tid].producer
+                if p is not None and p != g.gid:
+                    succ[p].add(g.gid)
+        for pos, wg, tid in self.foreign_writes:
+            for rpos, rg in self.readers.get(tid, ()):
+                if rg == wg:
+                    continue
+                if rpos < pos:
+                    succ[rg].add(wg)
+                elif rpos > pos:
+                    succ[wg].add(rg)
+        indeg = {gid: 0 for gid in succ}
+        for s in succ.values():
+            for b in s:
+                indeg[b] += 1
+        heap = [(self.groups[gid].position, gid) for gid, d in indeg.items() if d == 0]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            _, gid = heapq.heappop(heap)
+            order.append(gid)
+            for b in succ[gid]:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    heapq.heappush(heap, (self.groups[b].position, b))
+        if len(order) != len(self.groups):  # pragma: no cover - the grouping rules prevent it
+            stuck = [self.groups[g].name for g, d in indeg.items() if d > 0]
+            raise ProfileError(f"op groups form a cycle (in-place aliasing the profiler cannot "
+                               f"order): {stuck[:8]}")
+        return order
+
+
+class TimingRun(fx.Interpreter):
+    """A plain training step that times each Op's forward nodes and backward autograd nodes."""
+
+    def __init__(self, gm: fx.GraphModule, node_gid: dict[str, int], timer: Timer,
+                 progress=None):
+        super().__init__(gm)
+        self.node_gid, self.timer, self.progress = node_gid, timer, progress
+
+    def step(self, inputs: tuple) -> tuple[dict[int, float], dict[int, float]]:
+        self.fwd_marks: list[tuple[int, Any, Any]] = []
+        self.bwd_marks: list[tuple[int, Any, Any]] = []
+        self.fn_owner: dict[int, int] = {}
+        self.fn_keep: list = []
+        self.open: dict[int, Any] = {}
+        out = self.run(*inputs)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+        if grads:
+            sum(t.float().sum() for t in grads).backward()
+        del out, leaves, grads
+        self.timer.sync()
+        self.env = {}
+        fwd: dict[int, float] = {}
+        bwd: dict[int, float] = {}
+        for gid, a, b in self.fwd_marks:
+            fwd[gid] = fwd.get(gid, 0.0) + self.timer.seconds(a, b)
+        for gid, a, b in self.bwd_marks:
+            bwd[gid] = bwd.get(gid, 0.0) + self.timer.seconds(a, b)
+        self.fn_keep.clear()
+        self.fn_owner.clear()
+        return fwd, bwd
+
+    def run_node(self, n: fx.Node) -> Any:
+        gid = self.node_gid.get(n.name)
+        if gid is None:
+            result = super().run_node(n)
+        else:
+            a = self.timer.mark()
+            result = super().run_node(n)
+            b = self.timer.mark()
+            self.fwd_marks.append((gid, a, b))
+            _walk_new_autograd_nodes(tree_leaves(result), self.fn_owner, self.fn_keep, gid,
+                                     self._hook_fn)
+        if self.progress is not None:
+            self.progress.update(1)
+        if not n.users and n.op != "output":
+            return None
+        return result
+
+    def _hook_fn(self, fn, gid: int) -> None:
+        key = id(fn)
+
+        def pre(grad_outputs, key=key):
+            self.open[key] = self.timer.mark()
+
+        def post(grad_inputs, grad_outputs, key=key, gid=gid):
+            self.bwd_marks.append((gid, self.open.pop(key), self.timer.mark()))
+
+        fn.register_prehook(pre)
+        fn.register_hook(post)
