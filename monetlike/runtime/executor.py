@@ -1,0 +1,453 @@
+"""The scheduled training step: an fx.Interpreter for the forward, hooks for the backward stages.
+
+`ScheduledForward` runs the traced model node by node with grad enabled, building one ordinary
+autograd graph, inside `torch.autograd.graph.saved_tensors_hooks` (docs/execution-model.md
+section 5). `StepState` is everything one step needs after the forward returns: the resident
+Values, the geometry of nodes a recomputation reads, the RNG and autocast state of recomputed
+Ops, and the progress of the backward stages. Only autograd references it (through the saved
+handles and the stage hooks), so it dies with the step's autograd graph.
+
+NOTE [Stage boundaries]
+Each Op's stage starts when the first of its own autograd nodes is about to run (a prehook on
+every node the Op created) and ends when another stage starts or the backward finishes (an engine
+callback). That is exact because the engine runs nodes in decreasing sequence number among those
+ready, and a node only waits for nodes created after it: when a node runs, every node numbered
+above it that will run has run. An Op's nodes are numbered consecutively (they are created while
+its fx nodes run), so its stage is one contiguous run of the engine. Nodes of views between Ops
+belong to no stage. A stage needs no posthook, which also keeps it correct when the engine prunes
+some of an Op's nodes (torch.autograd.grad with `inputs=`).
+
+NOTE [No reference cycles]
+A step's state must die with its autograd graph, also with the garbage collector disabled
+(a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
+grad_fn: `resident` holds detached aliases, the Interpreter's environment is cleared after the
+forward, and node lists live only on the stack while the forward runs. Autograd holds the state
+(handles and hooks point to it), never the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from solver.errors import ScheduleError
+
+from . import recompute as rc
+from .hooks import CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message, new_autograd_nodes
+from .plan import Plan, module_of
+
+NOT_STARTED, RUNNING, DONE = 0, 1, 2
+
+# Leaf kinds of a node's recorded result (used to rebuild a recomputation's arguments).
+_CONST, _VALUE, _INPUT, _RERUN = 0, 1, 2, 3
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+class StepState:
+    """One training step's runtime state (see the module docstring)."""
+
+    def __init__(self, plan: Plan, runner: "ScheduledForward", inputs: tuple):
+        self.plan = plan
+        self.runner = runner
+        self.inputs = inputs
+        self.input_keys = {}
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor):
+                self.input_keys.setdefault(x.untyped_storage()._cdata, i)
+        self.resident: dict[int, torch.Tensor] = {}
+        self.vkey: dict[int, int] = {}  # Value id -> storage key, valid while it is an Op's Value
+        self.node_meta: dict[str, tuple] = {}
+        self.op_ctx: dict[int, rc.ForwardContext] = {}
+        self.current_op: int | None = None
+        self.pending: list[Saved] = []
+        n_stages = len(plan.graph.backward_order)
+        self.stage_status = [NOT_STARTED] * n_stages
+        self.stage_hooked = [0] * n_stages
+        self.current_stage: int | None = None
+        self.task_id: int | None = None
+
+    # -- saved tensors ----------------------------------------------------------------------
+    def _match(self, op: int, key: int) -> int | None:
+        vkey = self.vkey
+        for v in self.plan.op_values[op]:
+            if vkey.get(v) == key:
+                return v
+        return None
+
+    def pack(self, t: torch.Tensor) -> Saved:
+        op = self.current_op
+        h = Saved(t, op)
+        if op is None:
+            return h.keep()
+        v = self._match(op, t.untyped_storage()._cdata)
+        if v is None:
+            # Possibly an output of the node running now (relu saves its result): its storage is
+            # only known when the node returns; resolved in ScheduledForward.run_node.
+            self.pending.append(h)
+            return h
+        if v in self.plan.scheduled:
+            return h.to_value(v)
+        return h.keep()
+
+    def resolve_pending(self, op: int | None) -> None:
+        for h in self.pending:
+            v = self._match(op, h.tensor.untyped_storage()._cdata) if op is not None else None
+            if v is not None and v in self.plan.scheduled:
+                h.to_value(v)
+            else:
+                h.keep()
+        self.pending.clear()
+
+    def unpack(self, h: Saved) -> torch.Tensor:
+        if h.lost_graph and torch.is_grad_enabled():
+            raise RuntimeError(CREATE_GRAPH_MESSAGE)
+        if h.vid is None:
+            t = h.tensor
+            if t._version != h.version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: a {tuple(t.shape)} {_dtype_name(t)} tensor saved by "
+                    f"the backward of op {h.op} is at version {t._version}; expected version "
+                    f"{h.version} instead (ScheduleWrapper)")
+            return t
+        base = self.resident.get(h.vid)
+        if base is None:
+            raise RuntimeError(missing_value_message(self, h))
+        return torch.as_strided(base, h.size, h.stride, h.offset)
+
+    # -- backward stages (NOTE [Stage boundaries]) ------------------------------------------
+    def on_stage(self, t: int, grad_outputs) -> None:
+        if self.current_stage == t:
+            return
+        if torch.is_grad_enabled():
+            raise RuntimeError(CREATE_GRAPH_MESSAGE)
+        gid = torch._C._current_graph_task_id()
+        if gid != self.task_id:
+            self.task_id = gid
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_task)
+        if self.current_stage is not None:
+            self._end_stage(self.current_stage)
+        if self.stage_status[t] == DONE:
+            # A second backward through the same forward (retain_graph=True): nothing is
+            # recomputed or released again; unpacking a released Value raises a clear error.
+            return
+        self.current_stage = t
+        self.stage_status[t] = RUNNING
+        plan = self.plan
+        rel = plan.releases[t]
+        resident = self.resident
+        for v in rel.at_start:
+            resident.pop(v, None)
+        for pos, j in enumerate(plan.schedule.stages[t].recompute):
+            self.recompute_op(j, t)
+            for v in rel.after_recompute[pos]:
+                resident.pop(v, None)
+
+    def _end_stage(self, t: int) -> None:
+        for v in self.plan.releases[t].at_end:
+            self.resident.pop(v, None)
+        self.stage_status[t] = DONE
+        self.current_stage = None
+
+    def _end_task(self) -> None:
+        if self.current_stage is not None:
+            self._end_stage(self.current_stage)
+        self.task_id = None
+        if all(s == DONE for s in self.stage_status):
+            # Every stage ran: nothing can need the rest any more. Releasing it here rather than
+            # when the graph dies matters when the caller keeps the loss (and so the graph's
+            # nodes) alive after backward.
+            self.resident.clear()
+            self.node_meta.clear()
+            self.op_ctx.clear()
+
+    # -- recomputation ----------------------------------------------------------------------
+    def recompute_op(self, j: int, t: int) -> None:
+        plan = self.plan
+        op = plan.graph.ops[j]
+        local: dict[str, Any] = {}
+        new_values: dict[int, torch.Tensor] = {}
+        ctx = self.op_ctx.get(j)
+        if ctx is None:
+            raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
+                               f"forward context was not captured; this is a bug")
+        with torch.no_grad(), rc.replay(ctx):
+            for node in plan.op_nodes[j]:
+                args, kwargs = self._materialize_args(node, local, new_values, t)
+                try:
+                    result = self.runner.call_for_recompute(node, args, kwargs)
+                except Exception as e:
+                    raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
+                                       f"backward stage {t} failed at node "
+                                       f"{node.format_node()}: {e}") from e
+                local[node.name] = result
+                if node.name == op.name:
+                    self._register_outputs(node, result, new_values, recompute=True)
+        resident = self.resident
+        for v in op.outputs:
+            if v not in resident:
+                if v not in new_values:
+                    raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) did not "
+                                       f"produce value {v}; the graph does not match the model")
+                resident[v] = new_values[v]
+
+    def _materialize_args(self, node: fx.Node, local, new_values, t):
+        def get(a):
+            return self._materialize(a, local, new_values, t)
+
+        args = fx.node.map_arg(node.args, get)
+        kwargs = fx.node.map_arg(node.kwargs, get)
+        return args, kwargs
+
+    def _materialize(self, m: fx.Node, local: dict, new_values: dict, t: int) -> Any:
+        if m.name in local:
+            return local[m.name]
+        if m.op == "placeholder":
+            return self.inputs[self.plan.placeholder_index[m.name]]
+        if m.op == "get_attr":
+            return self.runner.fetch_attr(m.target)
+        rec = self.node_meta.get(m.name)
+        if rec is None:
+            raise RuntimeError(f"ScheduleWrapper: no record of node {m.format_node()} needed to "
+                               f"recompute before stage {t}; this is a bug")
+        spec, leaves = rec
+        if any(leaf[0] == _RERUN for leaf in leaves):
+            # A view of a parameter or another tensor that is not a Value: cheap to redo.
+            args, kwargs = self._materialize_args(m, local, new_values, t)
+            out = self.runner.call_for_recompute(m, args, kwargs)
+        else:
+            vals = []
+            for leaf in leaves:
+                kind = leaf[0]
+                if kind == _CONST:
+                    vals.append(leaf[1])
+                elif kind == _VALUE:
+                    _, vid, size, stride, offset = leaf
+                    base = new_values.get(vid)
+                    if base is None:
+                        base = self.resident.get(vid)
+                    if base is None:
+                        v = self.plan.graph.values[vid]
+                        raise RuntimeError(
+                            f"ScheduleWrapper: recomputation before stage {t} reads value {vid} "
+                            f"({v.name}) through node {m.name}, which is not resident; the "
+                            f"schedule is not valid for this run (second backward?)")
+                    vals.append(torch.as_strided(base, size, stride, offset))
+                else:  # _INPUT
+                    _, i, size, stride, offset = leaf
+                    vals.append(torch.as_strided(self.inputs[i], size, stride, offset))
+            out = tree_unflatten(vals, spec)
+        local[m.name] = out
+        return out
+
+    # -- forward bookkeeping ----------------------------------------------------------------
+    def _register_outputs(self, node: fx.Node, result, store: dict | None, recompute: bool):
+        """Give the creator node's new storages their Value ids."""
+        # Same indexing as the profiler: position among the pytree leaves of a non-tensor result.
+        value_of = self.plan.value_of
+        multi = not isinstance(result, torch.Tensor)
+        for i, x in enumerate(tree_leaves(result)):
+            if not isinstance(x, torch.Tensor):
+                continue
+            idx = i if multi else None
+            v = value_of.get((node.name, idx))
+            if v is None:
+                continue
+            if recompute:
+                store[v] = x
+            else:
+                self.vkey[v] = x.untyped_storage()._cdata
+                if v in self.plan.keep_from_forward:
+                    self.resident[v] = x.detach()
+
+    def record_meta(self, node: fx.Node, op: int | None, result) -> None:
+        """Remember how to rebuild this node's result from Values (geometry, no tensors)."""
+        flat, spec = tree_flatten(result)
+        leaves = []
+        values = self.plan.graph.values
+        if op is not None:
+            candidates = [v for v in self.plan.op_values[op] if v in self.vkey]
+        else:
+            candidates = set()
+            for a in node.all_input_nodes:
+                rec = self.node_meta.get(a.name)
+                if rec is not None:
+                    candidates.update(leaf[1] for leaf in rec[1] if leaf[0] == _VALUE)
+        for x in flat:
+            if not isinstance(x, torch.Tensor):
+                leaves.append((_CONST, x))
+                continue
+            key = x.untyped_storage()._cdata
+            geom = (tuple(x.size()), tuple(x.stride()), x.storage_offset())
+            match = None
+            for v in candidates:
+                if self.vkey.get(v) == key and values[v].dtype == _dtype_name(x):
+                    match = v
+                    break
+            if match is not None:
+                leaves.append((_VALUE, match) + geom)
+            elif key in self.input_keys and \
+                    _dtype_name(self.inputs[self.input_keys[key]]) == _dtype_name(x):
+                leaves.append((_INPUT, self.input_keys[key]) + geom)
+            else:
+                leaves.append((_RERUN,))
+        self.node_meta[node.name] = (spec, leaves)
+
+    def hook_stage(self, op: int, nodes: list) -> None:
+        t = self.plan.stage_of_op.get(op)
+        if t is None:
+            return
+        hook = functools.partial(self.on_stage, t)
+        for fn in nodes:
+            fn.register_prehook(hook)
+        self.stage_hooked[t] += len(nodes)
+
+    def finish_forward(self) -> None:
+        self.vkey.clear()
+        self.pending.clear()
+        self.current_op = None
+        missing = [t for t, n in enumerate(self.stage_hooked) if n == 0]
+        if missing:
+            graph = self.plan.graph
+            names = ", ".join(f"op {graph.backward_order[t]} "
+                              f"({graph.ops[graph.backward_order[t]].name})" for t in missing[:3])
+            raise ScheduleError(
+                f"ScheduleWrapper: {len(missing)} ops have a backward stage in the profiled graph "
+                f"but created no autograd node in this run ({names}); the model does not run as "
+                f"it was profiled (requires_grad or train/eval changed?): profile and solve again")
+
+
+class ScheduledForward(fx.Interpreter):
+    """Runs the traced forward node by node for one StepState (reused across steps)."""
+
+    def __init__(self, plan: Plan, root: torch.nn.Module):
+        super().__init__(plan.gm, garbage_collect_values=True)
+        self.plan = plan
+        self.root = root
+        self.state: StepState | None = None
+        self._seq_hi = -1
+        self._op_started: set[int] = set()
+        self._buffer_versions: dict[int, list] = {}
+        self._capturer: rc.ContextCapturer | None = None
+
+    # Parameters and submodules are looked up on the live model, not on the traced copy, so
+    # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step.
+    def fetch_attr(self, target: str) -> Any:
+        obj = self.root
+        try:
+            for atom in target.split("."):
+                obj = getattr(obj, atom)
+            return obj
+        except AttributeError:
+            return super().fetch_attr(target)
+
+    def run_step(self, state: StepState, args: tuple) -> Any:
+        self.state = state
+        self._seq_hi = -1
+        self._op_started = set()
+        self._buffer_versions = {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors)) \
+            if self.plan.recomputed_ops else None
+        for fn in grad_fns(tensors):
+            self._seq_hi = max(self._seq_hi, _seq(fn))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack):
+                return self.run(*args)
+        finally:
+            self.env = {}
+            self.args_iter = iter(())
+            self.state = None
+            self._capturer = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        state = self.state
+        plan = self.plan
+        op = plan.node_op.get(n.name)
+        if op is not None and op not in self._op_started:
+            self._op_started.add(op)
+            if op in plan.recomputed_ops:
+                self._before_recomputed_op(op)
+                state.op_ctx[op] = self._capturer.capture()
+        state.current_op = op
+        try:
+            result = super().run_node(n)
+        finally:
+            state.current_op = None
+        if op is not None and n.name == plan.graph.ops[op].name:
+            state._register_outputs(n, result, None, recompute=False)
+        if state.pending:
+            state.resolve_pending(op)
+        if n.name in plan.meta_nodes:
+            state.record_meta(n, op, result)
+        if n.op != "output":
+            roots = grad_fns(tree_flatten(result)[0])
+            if roots:
+                created = new_autograd_nodes(roots, self._seq_hi)
+                if created:
+                    self._seq_hi = max(self._seq_hi, max(_seq(fn) for fn in created))
+                    if op is not None:
+                        state.hook_stage(op, created)
+        if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
+            self._after_recomputed_op(op)
+        if not n.users and n.op != "output":
+            return None  # nobody reads it: free it now, as eager PyTorch (and the profiler) would
+        return result
+
+    # -- side effects of Ops the schedule recomputes ------------------------------------------
+    def _modules_of(self, op: int):
+        for node in self.plan.op_nodes[op]:
+            if node.op == "call_module":
+                yield node, self.fetch_attr(node.target)
+
+    def _before_recomputed_op(self, op: int) -> None:
+        graph = self.plan.graph
+        versions = []
+        for node, mod in self._modules_of(op):
+            if rc.module_has_hooks(mod):
+                raise ScheduleError(
+                    f"ScheduleWrapper: the schedule recomputes op {op} ({graph.ops[op].name}), "
+                    f"whose module {node.target} has forward hooks; recomputing would call them "
+                    f"again. Profile the model with its hooks registered (the profiler marks such "
+                    f"ops recompute_unsafe) and solve again")
+            versions.append((node, mod, rc.buffer_versions(mod)))
+        self._buffer_versions[op] = versions
+
+    def _after_recomputed_op(self, op: int) -> None:
+        graph = self.plan.graph
+        for node, mod, before in self._buffer_versions.pop(op):
+            allowed = rc.allowed_buffer_writes(mod)
+            for (name, ver), (_, now) in zip(before, rc.buffer_versions(mod)):
+                if ver != now and name.split(".")[-1] not in allowed:
+                    raise ScheduleError(
+                        f"ScheduleWrapper: the schedule recomputes op {op} "
+                        f"({graph.ops[op].name}), whose module {node.target} writes its buffer "
+                        f"{name!r} in the forward; recomputing would write it again. The profiler "
+                        f"marks such ops recompute_unsafe: profile again and solve again")
+
+    def call_for_recompute(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        if node.op == "call_module":
+            return rc.call_module_for_recompute(self.fetch_attr(node.target), args, kwargs)
+        if node.op == "call_function":
+            return rc.call_function_for_recompute(node.target, args, kwargs)
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, node.target)(*rest, **kwargs)
+        if node.op == "get_attr":
+            return self.fetch_attr(node.target)
+        raise RuntimeError(f"ScheduleWrapper: cannot recompute node {node.format_node()}")
+
+
+def _seq(fn) -> int:
+    s = fn._sequence_nr()
+    return -1 if s == 2**64 - 1 else s
+
+
+__all__ = ["StepState", "ScheduledForward", "module_of"]

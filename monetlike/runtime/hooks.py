@@ -1,0 +1,106 @@
+"""Saved-tensor handles and the autograd nodes of each Op: the runtime's two hooks into autograd.
+
+- `Saved` is what the pack hook returns for each tensor a backward node saves: either a handle to a
+  Value (id and geometry; the tensor itself is dropped, see NOTE [Value handling] in plan.py) or
+  the tensor kept as it is (parameters, graph inputs, internals, pass-through Values).
+- `new_autograd_nodes` finds the autograd nodes one fx node created, so that each Op's backward
+  stage is delimited by hooks on its own nodes (NOTE [Stage boundaries] in executor.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# AccumulateGrad nodes carry the largest sequence number so that the engine runs them as soon as
+# they are ready; they belong to parameters, not to Ops.
+_ACCUMULATE_SEQ = 2**64 - 1
+
+
+class Saved:
+    """What the pack hook returns: a Value handle, or a tensor kept as it is."""
+
+    __slots__ = ("tensor", "vid", "size", "stride", "offset", "version", "lost_graph", "op")
+
+    def __init__(self, tensor: "torch.Tensor | None", op: int | None):
+        self.tensor = tensor
+        self.vid: int | None = None
+        self.size = self.stride = None
+        self.offset = 0
+        self.version = tensor._version if tensor is not None else 0
+        self.lost_graph = False
+        self.op = op
+
+    def keep(self) -> "Saved":
+        """Keep the tensor itself. A non-leaf is detached: the handle lives inside the autograd
+        node that saved it, and a tensor whose grad_fn is that node would make a reference cycle
+        that only the garbage collector frees (activations 'freed' seconds late, or never with
+        gc disabled). Detaching loses what double backward would need, so it is remembered."""
+        t = self.tensor
+        if t is not None and t.grad_fn is not None:
+            self.tensor = t.detach()
+            self.lost_graph = True
+        return self
+
+    def to_value(self, vid: int) -> "Saved":
+        """Turn into a handle on Value `vid`: remember the geometry, drop the tensor."""
+        t = self.tensor
+        self.vid = vid
+        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+        self.lost_graph = t.requires_grad
+        self.tensor = None
+        return self
+
+
+def new_autograd_nodes(roots, seq_hi: int) -> list:
+    """Autograd nodes reachable from `roots` with a sequence number above `seq_hi`.
+
+    Sequence numbers grow by one per autograd node created in this thread, so the nodes an fx node
+    created are exactly those numbered above the highest number seen before it ran; the walk stops
+    at older nodes (earlier Ops, views) and at AccumulateGrad nodes (parameters, leaves).
+    """
+    found = []
+    keep_alive = []  # visited wrappers stay alive so that id() stays unique during the walk
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        keep_alive.append(fn)
+        seq = fn._sequence_nr()
+        if seq <= seq_hi or seq == _ACCUMULATE_SEQ:
+            continue
+        found.append(fn)
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return found
+
+
+def grad_fns(leaves) -> list:
+    out = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            fn = t.grad_fn
+            if fn is not None:
+                out.append(fn)
+    return out
+
+
+CREATE_GRAPH_MESSAGE = (
+    "ScheduleWrapper: a backward with create_graph=True (double backward, e.g. a gradient "
+    "penalty) reached a tensor that the schedule saved without its autograd history, so the "
+    "higher-order gradient would be wrong; this is not supported. Compute that loss through the "
+    "plain model instead: `with wrapper.plain(): loss = ...` runs the same module and parameters "
+    "without the schedule.")
+
+
+def missing_value_message(state, h: Saved) -> str:
+    graph = state.plan.graph
+    v = graph.values[h.vid]
+    op = graph.ops[h.op] if h.op is not None else None
+    where = f"the backward of op {op.id} ({op.name})" if op is not None else "a backward node"
+    return (f"ScheduleWrapper: {where} needs value {v.id} ({v.name}), which the schedule does not "
+            f"hold at this point. This happens on a second backward through the same forward "
+            f"(retain_graph=True) after the schedule released it: run the forward again for each "
+            f"backward, or use a schedule without recomputation. Otherwise the schedule does not "
+            f"match what the model saves: re-profile and solve again.")

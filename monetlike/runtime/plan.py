@@ -1,0 +1,201 @@
+"""The static part of running a Schedule: everything that does not change from step to step.
+
+A `Plan` joins three things that name the same program differently: the OpGraph (Ops and Values by
+id), the Schedule (per-stage recompute and drop lists) and the traced fx GraphModule (nodes by
+name). It is built once per input signature and then read by every step (`executor.StepState`).
+
+It also decides, per Value, how the runtime treats it (see NOTE [Value handling] below) and
+precomputes, per backward stage, when each dropped Value is released, with exactly the rule of
+solver/simulate.py (docs/execution-model.md section 3): unused drops at the stage start, drops
+read by a recomputation right after their last such read, the rest at the stage end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from solver.errors import ScheduleError
+from solver.graph import OpGraph
+from solver.schedule import Schedule
+from solver.simulate import simulate
+
+# NOTE [Value handling]
+# Every Value falls in one of three classes, decided once per plan:
+# - scheduled: produced by an Op that some stage recomputes. Its forward copy may be freed and a
+#   recomputed copy used instead, so every saved tensor on its storage is packed as a handle
+#   (value id and geometry) and unpacked from `StepState.resident`.
+# - pass-through: saved by some backward but never recomputed. The schedule keeps it from the
+#   forward pass until after its last use, which is exactly what autograd does with a saved
+#   tensor, so the handle holds a detached alias and autograd frees it after the last backward
+#   node that saved it ran (never later than the schedule's drop). This keeps a store-all schedule
+#   as cheap as plain PyTorch.
+# - neither: never saved; freed at its last forward use by the interpreter's garbage collection.
+# Independently, a Value is held in `resident` (from the forward pass when it is in
+# `forward_keep`, or from its recomputation) if a handle or a recomputation reads it: scheduled
+# Values and inputs of recomputed Ops. Nothing else is held by the runtime, so the runtime never
+# keeps more than the simulator's resident set.
+
+# Functions whose recomputation would not reproduce the original result or would repeat a side
+# effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
+# them; this list is a second line of defence at run time (a schedule edited by hand, an older
+# profile). Random ops are absent on purpose: the runtime replays the RNG state.
+_NEVER_RECOMPUTE_NAMES = frozenset({
+    "topk", "nonzero", "nonzero_static", "unique", "unique_consecutive", "argwhere",
+    "masked_select", "randperm", "multinomial", "bincount", "histc", "item", "tolist",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier",
+    "print",
+})
+
+
+def target_name(node: fx.Node) -> str:
+    """A readable name for what a node calls ('conv2d', 'relu_', 'layer1.0.conv1')."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", None) or str(t)
+
+
+@dataclass
+class StageRelease:
+    """When the Values dropped by one stage are released (simulator rule, see module docstring)."""
+
+    at_start: tuple[int, ...]
+    after_recompute: tuple[tuple[int, ...], ...]
+    """Aligned with the stage's recompute list: released right after that recomputation."""
+    at_end: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    graph: OpGraph
+    schedule: Schedule
+    gm: fx.GraphModule
+    nodes: dict[str, fx.Node]
+    """fx node by name."""
+    node_op: dict[str, int]
+    """fx node name -> Op id, for nodes that belong to an Op."""
+    op_nodes: list[list[fx.Node]]
+    """Per Op, its fx nodes in execution order."""
+    op_last_node: dict[str, int]
+    """Name of the last fx node of each Op -> Op id (the Op is complete after it ran)."""
+    value_of: dict[tuple[str, int | None], int]
+    """(fx node name, tuple index or None) -> Value id, for Values created by Ops."""
+    placeholder_index: dict[str, int]
+    op_values: list[frozenset[int]]
+    """Per Op, its input and output Value ids: the only candidates when identifying a storage."""
+    scheduled: frozenset[int]
+    """Value ids read through handles (NOTE [Value handling])."""
+    held: frozenset[int]
+    """Value ids the runtime ever holds in `resident`."""
+    keep_from_forward: frozenset[int]
+    """held & (forward_keep | outputs): put in `resident` when created in the forward pass."""
+    recomputed_ops: frozenset[int]
+    meta_nodes: frozenset[str]
+    """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
+    stage_of_op: dict[int, int]
+    releases: list[StageRelease]
+    impl_saved: list[frozenset[int]] = field(default_factory=list)
+
+    @property
+    def store_all(self) -> bool:
+        return not self.recomputed_ops
+
+
+def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
+    """Join graph, schedule and traced module; raise ScheduleError if they do not fit together."""
+    # The simulator validates the schedule against the graph (fingerprint, residency of every
+    # Value a recomputation or a backward reads, unsafe Ops); a schedule it rejects never runs.
+    simulate(graph, schedule)
+
+    nodes = {n.name: n for n in gm.graph.nodes}
+    node_op: dict[str, int] = {}
+    op_nodes: list[list[fx.Node]] = []
+    for op in graph.ops:
+        group = []
+        for name in op.nodes:
+            if name not in nodes:
+                raise ScheduleError(
+                    f"op {op.id} ({op.name}) names fx node {name!r}, which the traced model does "
+                    f"not have; the graph was profiled from another trace of this model")
+            node_op[name] = op.id
+            group.append(nodes[name])
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        group.sort(key=lambda n: order[n])
+        op_nodes.append(group)
+    op_last_node = {g[-1].name: j for j, g in enumerate(op_nodes) if g}
+
+    placeholder_index = {n.name: i for i, n in
+                         enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    value_of: dict[tuple[str, int | None], int] = {}
+    for v in graph.values:
+        if v.producer is not None:
+            value_of[(v.name, v.index)] = v.id
+    op_values = [frozenset(op.inputs) | frozenset(op.outputs) for op in graph.ops]
+    impl_saved = [frozenset(op.impls[k].saved) for op, k in zip(graph.ops, schedule.impl)]
+
+    recomputed_ops = frozenset(j for st in schedule.stages for j in st.recompute)
+    is_input = {v.id for v in graph.values if v.producer is None}
+    scheduled = frozenset(v for j in recomputed_ops for v in graph.ops[j].outputs)
+    recompute_inputs = frozenset(v for j in recomputed_ops for v in graph.ops[j].inputs
+                                 if v not in is_input)
+    held = scheduled | recompute_inputs
+    keep = set(schedule.forward_keep) | set(graph.outputs)
+    keep_from_forward = frozenset(v for v in held if v in keep)
+
+    for j in sorted(recomputed_ops):
+        for n in op_nodes[j]:
+            if target_name(n).split(".")[-1] in _NEVER_RECOMPUTE_NAMES:
+                raise ScheduleError(
+                    f"schedule recomputes op {j} ({graph.ops[j].name}), whose node "
+                    f"{n.format_node()} is data-dependent, nondeterministic or a collective and "
+                    f"must never be recomputed; re-profile the model so the op is marked "
+                    f"recompute_unsafe and solve again")
+
+    # Nodes a recomputation may read without recomputing them: the arguments of recomputed Ops'
+    # nodes, and, through nodes that belong to no Op (views, getitem), their arguments as well.
+    meta: set[str] = set()
+    stack = [a for j in recomputed_ops for n in op_nodes[j] for a in n.all_input_nodes
+             if node_op.get(a.name) != j]
+    while stack:
+        a = stack.pop()
+        if a.name in meta:
+            continue
+        meta.add(a.name)
+        if a.name not in node_op and a.op not in ("placeholder", "get_attr"):
+            stack.extend(a.all_input_nodes)
+
+    stage_of_op = {o: t for t, o in enumerate(graph.backward_order)}
+    releases = []
+    for t, st in enumerate(schedule.stages):
+        drop = set(st.drop)
+        last = {v: -1 for v in drop}
+        for pos, j in enumerate(st.recompute):
+            for v in graph.ops[j].inputs:
+                if v in last:
+                    last[v] = pos
+        for v in impl_saved[st.op]:
+            if v in last:
+                last[v] = len(st.recompute)
+        releases.append(StageRelease(
+            at_start=tuple(sorted(v for v, p in last.items() if p == -1)),
+            after_recompute=tuple(tuple(sorted(v for v, p in last.items() if p == pos))
+                                  for pos in range(len(st.recompute))),
+            at_end=tuple(sorted(v for v, p in last.items() if p == len(st.recompute))),
+        ))
+
+    return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
+                op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
+                placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
+                held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
+                meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
+                impl_saved=impl_saved)
+
+
+def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:
+    mod = gm_or_model
+    for atom in target.split("."):
+        mod = getattr(mod, atom)
+    return mod

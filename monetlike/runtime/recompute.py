@@ -1,0 +1,197 @@
+"""Faithful recomputation: the same numbers as the original forward, and no repeated side effects.
+
+What the original forward of an Op depended on besides its inputs, and how it is restored:
+- the RNG state (dropout and other random ops draw the same numbers): captured on the CPU and on
+  every CUDA device in use just before the Op's first node ran, restored around the recomputation
+  and put back afterwards, as torch.utils.checkpoint does (see NOTE [RNG capture]);
+- the autocast state (dtypes of the results): captured with the RNG state, re-entered;
+- BatchNorm and InstanceNorm in training mode: the forward normalised with the batch statistics
+  and updated the running statistics. The recomputation normalises with the batch statistics
+  again but passes no running statistics, so `running_mean`, `running_var` and
+  `num_batches_tracked` are updated exactly once per step (pytorch#96136). The output is
+  bitwise identical (checked in tests/test_runtime_bites.py).
+Side effects that cannot be undone (forward hooks, buffers a module writes) make an Op unsafe to
+recompute; `check_side_effects` refuses them at the first step instead of replaying them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+# NOTE [RNG capture]
+# The CPU generator state is a 5 KB tensor. Capturing it before every recomputed Op would cost
+# kilobytes per Op per step, so consecutive captures that are equal share one tensor: the state
+# only changes when a random op ran, and `torch.equal` on 5 KB is cheaper than keeping copies.
+# CUDA states are captured per device the step's inputs live on (like checkpoint's
+# get_device_states), only when CUDA is initialised.
+
+
+@dataclass
+class ForwardContext:
+    """What an Op's original forward ran under, besides its inputs."""
+
+    cpu_rng: torch.Tensor
+    cuda_devices: tuple[int, ...]
+    cuda_rng: tuple[torch.Tensor, ...]
+    autocast: tuple[tuple[str, bool, Any], ...]
+    """(device type, enabled, dtype) for 'cpu' and (when available) 'cuda'."""
+    autocast_cache: bool
+
+
+class ContextCapturer:
+    """Captures ForwardContexts during one forward pass, sharing equal RNG states."""
+
+    def __init__(self, cuda_devices: tuple[int, ...]):
+        self.cuda_devices = cuda_devices
+        self._last_cpu: torch.Tensor | None = None
+        self._last_cuda: tuple[torch.Tensor, ...] = ()
+        self._autocast = _autocast_state()
+
+    def capture(self) -> ForwardContext:
+        cpu = torch.get_rng_state()
+        if self._last_cpu is not None and torch.equal(cpu, self._last_cpu):
+            cpu = self._last_cpu
+        self._last_cpu = cpu
+        cuda: tuple[torch.Tensor, ...] = ()
+        if self.cuda_devices:
+            states = []
+            for i, d in enumerate(self.cuda_devices):
+                s = torch.cuda.get_rng_state(d)
+                if i < len(self._last_cuda) and torch.equal(s, self._last_cuda[i]):
+                    s = self._last_cuda[i]
+                states.append(s)
+            cuda = tuple(states)
+            self._last_cuda = cuda
+        # Autocast can only change between nodes if the traced code entered a context itself;
+        # reading it is cheap, so read it per Op rather than assume.
+        return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices, cuda_rng=cuda,
+                              autocast=_autocast_state(),
+                              autocast_cache=torch.is_autocast_cache_enabled())
+
+
+def _autocast_state() -> tuple[tuple[str, bool, Any], ...]:
+    out = [("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))]
+    if torch.cuda.is_available():
+        out.append(("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+    return tuple(out)
+
+
+def cuda_devices_of(tensors) -> tuple[int, ...]:
+    """CUDA device indices among `tensors` (empty when CUDA is unavailable or unused)."""
+    if not torch.cuda.is_available():
+        return ()
+    devs = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
+                   for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return tuple(devs)
+
+
+@contextlib.contextmanager
+def replay(ctx: ForwardContext):
+    """Run the body under the RNG and autocast state of an Op's original forward.
+
+    The RNG states current before entering are put back on exit, so recomputation in the backward
+    pass does not shift the random numbers of the next forward pass.
+    """
+    saved_cpu = torch.get_rng_state()
+    saved_cuda = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
+    torch.set_rng_state(ctx.cpu_rng)
+    for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
+        torch.cuda.set_rng_state(s, d)
+    try:
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype,
+                                                   enabled=enabled,
+                                                   cache_enabled=ctx.autocast_cache))
+            yield
+    finally:
+        torch.set_rng_state(saved_cpu)
+        for d, s in zip(ctx.cuda_devices, saved_cuda):
+            torch.cuda.set_rng_state(s, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules and functions with running statistics
+# ----------------------------------------------------------------------------------------------
+def _is_plain_batchnorm(mod: torch.nn.Module) -> bool:
+    # SyncBatchNorm is a collective and must never be recomputed (the profiler marks it unsafe);
+    # any other subclass may override forward, so only the library classes are rewritten.
+    return type(mod).__module__ == "torch.nn.modules.batchnorm" and isinstance(mod, _BatchNorm) \
+        and type(mod).__name__ != "SyncBatchNorm"
+
+
+def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
+    return type(mod).__module__ == "torch.nn.modules.instancenorm" and isinstance(mod, _InstanceNorm)
+
+
+def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Call `mod` as its original forward did, but without updating running statistics."""
+    if _is_plain_batchnorm(mod) and not kwargs and len(args) == 1:
+        bn_training = mod.training or (mod.running_mean is None and mod.running_var is None)
+        if bn_training:
+            # Batch statistics, no running-statistics update (torch.nn.BatchNorm forward with
+            # running_mean = running_var = None). mod._check_input_dim ran in the forward.
+            return F.batch_norm(args[0], None, None, mod.weight, mod.bias, True, 0.0, mod.eps)
+        return mod(*args)  # eval-mode BatchNorm inside a training model: reads, never writes
+    if _is_plain_instancenorm(mod) and not kwargs and len(args) == 1:
+        if mod.training and mod.track_running_stats:
+            x = args[0]
+            if x.dim() == mod._get_no_batch_dim():
+                return F.instance_norm(x.unsqueeze(0), None, None, mod.weight, mod.bias, True,
+                                       0.0, mod.eps).squeeze(0)
+            return F.instance_norm(x, None, None, mod.weight, mod.bias, True, 0.0, mod.eps)
+        return mod(*args)
+    return mod(*args, **kwargs)
+
+
+def call_function_for_recompute(fn, args: tuple, kwargs: dict) -> Any:
+    """Call a traced function, dropping running statistics from functional batch/instance norm."""
+    if fn is F.batch_norm:
+        bound = _bind_norm(fn, args, kwargs, ("input", "running_mean", "running_var", "weight",
+                                              "bias", "training", "momentum", "eps"))
+        if bound.get("training", False):
+            bound["running_mean"] = bound["running_var"] = None
+            bound["momentum"] = 0.0
+        return F.batch_norm(**bound)
+    if fn is F.instance_norm:
+        bound = _bind_norm(fn, args, kwargs, ("input", "running_mean", "running_var", "weight",
+                                              "bias", "use_input_stats", "momentum", "eps"))
+        if bound.get("use_input_stats", True):
+            bound["running_mean"] = bound["running_var"] = None
+            bound["momentum"] = 0.0
+        return F.instance_norm(**bound)
+    return fn(*args, **kwargs)
+
+
+def _bind_norm(fn, args, kwargs, names) -> dict:
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+# ----------------------------------------------------------------------------------------------
+# Side effects
+# ----------------------------------------------------------------------------------------------
+def module_has_hooks(mod: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as m
+
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
+
+
+def buffer_versions(mod: torch.nn.Module) -> list[tuple[str, int]]:
+    return [(name, b._version) for name, b in mod.named_buffers() if b is not None]
+
+
+def allowed_buffer_writes(mod: torch.nn.Module) -> frozenset[str]:
+    """Buffers a module may write in its forward because recomputation avoids writing them."""
+    if _is_plain_batchnorm(mod) or (_is_plain_instancenorm(mod) and mod.track_running_stats):
+        return frozenset({"running_mean", "running_var", "num_batches_tracked"})
+    return frozenset()

@@ -1,0 +1,266 @@
+"""`ScheduleWrapper`: an nn.Module that trains a model under a memory Schedule, inside autograd.
+
+    wrapped = monetlike.ScheduleWrapper(model, solver.Schedule.load("r50_184_8GiB.json"))
+    wrapped(x).sum().backward()      # same gradients as model(x).sum().backward()
+
+In training mode with grad enabled the forward runs the schedule (executor.py); in eval mode,
+under torch.no_grad(), or inside `with wrapped.plain():` it calls the model as it is. The wrapper
+owns nothing: its parameters, buffers, submodules and state_dict keys are the model's own (it
+shares the model's dictionaries), so an optimizer built on either works, checkpoints load both
+ways, and DistributedDataParallel can wrap it.
+
+NOTE [Which graph a schedule runs on]
+A Schedule carries only the fingerprint and a summary of the graph it was solved for. On the first
+call with a new input signature (shapes, dtypes, devices, requires_grad of inputs and parameters,
+train/eval flags, autocast state) the wrapper profiles the structure of (model, inputs) cheaply
+(the profiler's analytical mode on the meta device; a one-repeat measured profile when that
+cannot run, e.g. under autocast) and compares fingerprints. A difference raises
+ScheduleMismatchError naming what differs; a wrong schedule never runs. The verdict is cached per
+signature, so later steps pay a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from solver.errors import ScheduleError, ScheduleMismatchError
+from solver.graph import OpGraph
+from solver.schedule import Schedule
+
+from .executor import ScheduledForward, StepState
+from .plan import Plan, build_plan
+
+__all__ = ["ScheduleWrapper"]
+
+_SHARED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+DATAPARALLEL_MESSAGE = (
+    "ScheduleWrapper does not run under torch.nn.DataParallel: its replicas would share one "
+    "schedule state across threads and devices. Use DistributedDataParallel (one process per "
+    "device; see examples/dist_training.py): DistributedDataParallel(ScheduleWrapper(model, "
+    "schedule), ...).")
+
+
+@dataclass
+class _Entry:
+    plan: Plan
+    runner: ScheduledForward
+
+
+class ScheduleWrapper(torch.nn.Module):
+    """Run `model`'s training steps under `schedule` (a Schedule or a path to its JSON file).
+
+    graph: the OpGraph the schedule was solved for, when the caller has it (monetlike.optimize
+        does); it saves the structure profile of the first call.
+    leaf_modules: as passed to monetlike.profile when the graph was made (default: the names the
+        schedule's metadata records); the runtime must trace the model the same way.
+    """
+
+    def __init__(self, model: torch.nn.Module, schedule: "Schedule | str | os.PathLike", *,
+                 graph: OpGraph | None = None, leaf_modules: Iterable | None = None):
+        super().__init__()
+        if isinstance(model, ScheduleWrapper):
+            raise TypeError("ScheduleWrapper: the model is already wrapped")
+        if isinstance(model, (torch.nn.DataParallel,
+                              torch.nn.parallel.DistributedDataParallel)):
+            raise TypeError("ScheduleWrapper: wrap the model first, then DistributedDataParallel: "
+                            "DistributedDataParallel(ScheduleWrapper(model, schedule))")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ScheduleWrapper: expected a torch.nn.Module, got "
+                            f"{type(model).__name__}")
+        if isinstance(schedule, (str, os.PathLike)):
+            schedule = Schedule.load(schedule)
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"ScheduleWrapper: expected a solver.Schedule or a path to one, got "
+                            f"{type(schedule).__name__}")
+        if graph is not None and graph.fingerprint != schedule.fingerprint:
+            raise ScheduleMismatchError(
+                f"ScheduleWrapper: the schedule was not solved for the given graph: "
+                f"{graph.describe_difference(schedule.graph_summary)} (fingerprints "
+                f"{schedule.fingerprint} and {graph.fingerprint})")
+        if leaf_modules is None:
+            leaf_modules = (graph.meta.get("leaf_modules") if graph is not None else None) \
+                or schedule.meta.get("leaf_modules") or ()
+        # The model lives in __dict__, not in _modules: registering it would prefix every
+        # state_dict key with "model.". Its dictionaries are shared instead (module docstring).
+        object.__setattr__(self, "_model", model)
+        for name in _SHARED:
+            object.__setattr__(self, name, getattr(model, name))
+        self.training = model.training
+        self._schedule = schedule
+        self._leaf_modules = [m for m in leaf_modules]
+        self._given_graph = graph
+        self._entries: dict[Any, "_Entry | Exception"] = {}
+        self._gm = None
+        self._plain = 0
+
+    # -- the model's own identity ---------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
+    def train(self, mode: bool = True) -> "ScheduleWrapper":
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        return self._model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._model._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._model._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        s = self._schedule
+        budget = f", budget {s.budget_bytes} B" if s.budget_bytes is not None else ""
+        return f"model={type(self._model).__name__}, schedule {s.fingerprint} ({s.mode}{budget})"
+
+    @contextlib.contextmanager
+    def plain(self):
+        """Within this block the wrapper runs the model without the schedule."""
+        self._plain += 1
+        try:
+            yield self
+        finally:
+            self._plain -= 1
+
+    # -- the step ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if getattr(self, "_is_replica", False):
+            raise RuntimeError(DATAPARALLEL_MESSAGE)
+        model = self._model
+        if self._plain or not model.training or not torch.is_grad_enabled():
+            return model(*args, **kwargs)
+        if model._forward_hooks or model._forward_pre_hooks:
+            raise RuntimeError(
+                "ScheduleWrapper: the wrapped model has forward hooks on itself, which the "
+                "scheduled forward would not call; register them on the wrapper instead "
+                "(hooks on its submodules are fine)")
+        inputs = self._positional(args, kwargs)
+        entry = self._entry_for(inputs)
+        state = StepState(entry.plan, entry.runner, inputs)
+        try:
+            out = entry.runner.run_step(state, inputs)
+            state.finish_forward()
+        except ScheduleError as e:
+            # A schedule found unsafe while running (side effects it would replay) is refused
+            # for good for this signature.
+            self._entries[self._signature(inputs)] = e
+            raise
+        return out
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        gm = self._traced()
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        if not kwargs and len(args) == len(names):
+            return args
+        try:
+            bound = inspect.signature(self._model.forward).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"ScheduleWrapper: {e}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments[n] for n in names)
+
+    def _signature(self, inputs: tuple):
+        parts = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            else:
+                parts.append(("const", repr(x)))
+        autocast = [torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")]
+        if torch.cuda.is_available():
+            autocast += [torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
+        model = self._model
+        return (tuple(parts), tuple(autocast),
+                tuple(p.requires_grad for p in model.parameters()),
+                tuple(m.training for m in model.modules()))
+
+    def _entry_for(self, inputs: tuple) -> _Entry:
+        sig = self._signature(inputs)
+        entry = self._entries.get(sig)
+        if entry is None:
+            try:
+                entry = self._build_entry(inputs)
+            except (ScheduleMismatchError, ScheduleError) as e:
+                entry = e
+            self._entries[sig] = entry
+        if isinstance(entry, Exception):
+            raise type(entry)(str(entry))
+        return entry
+
+    def _build_entry(self, inputs: tuple) -> _Entry:
+        schedule = self._schedule
+        graph = self._given_graph
+        if graph is None or not _graph_fits(graph, inputs):
+            graph = self._profile_structure(inputs)
+        self._given_graph = None  # only trusted for the call it was made for
+        if graph.fingerprint != schedule.fingerprint:
+            raise ScheduleMismatchError(
+                f"ScheduleWrapper: the schedule was solved for another graph: "
+                f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
+                f"{schedule.fingerprint}, this model and input {graph.fingerprint}); solve a "
+                f"schedule for this model, batch and input shape (monetlike.optimize does it "
+                f"in one call)")
+        plan = build_plan(graph, schedule, self._traced())
+        return _Entry(plan, ScheduledForward(plan, self._model))
+
+    def _traced(self):
+        if self._gm is None:
+            from ..trace import trace
+
+            # object.__setattr__: a Module attribute would be registered in _modules, which is
+            # the model's own dictionary.
+            object.__setattr__(self, "_gm", trace(self._model, self._leaf_modules))
+        return self._gm
+
+    def _profile_structure(self, inputs: tuple) -> OpGraph:
+        from ..profile import profile
+
+        tensors = tuple(x for x in inputs)
+        autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
+                                                        and torch.is_autocast_enabled("cuda"))
+        if not autocast:
+            # Fingerprints exclude costs: the analytical profile on the meta device gives the
+            # structure of a measured one without touching real data.
+            try:
+                return profile(self._model, tensors, cost="analytical:A100-40GB",
+                               leaf_modules=self._leaf_modules)
+            except Exception:  # data-dependent ops cannot run on meta; try for real below
+                pass
+        # Autocast does not apply to meta tensors, so under autocast (or when the meta run
+        # failed) one measured repeat gives the structure the schedule was solved for.
+        return profile(self._model, tensors, cost="measured", repeat=1,
+                       leaf_modules=self._leaf_modules)
+
+
+def _graph_fits(graph: OpGraph, inputs: tuple) -> bool:
+    summary = graph.summary()
+    shapes = [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
+    dtypes = [str(x.dtype).replace("torch.", "") for x in inputs if isinstance(x, torch.Tensor)]
+    return summary["input_shapes"] == shapes and summary["input_dtypes"] == dtypes

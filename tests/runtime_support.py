@@ -1,0 +1,161 @@
+"""Helpers for the runtime tests: schedules at three budgets, plain-PyTorch reference steps.
+
+`keep_schedule(graph, keep)` builds a valid schedule that keeps the Values `keep` selects from the
+forward pass and recomputes every other Value a backward needs, just before the stage that needs
+it, from the kept ones (or from the graph inputs). Recomputed Values are released at the end of
+their stage; kept ones after their last use. Outputs of recompute-unsafe Ops are always kept.
+- keep everything: store-all (plain PyTorch's memory);
+- keep every other needed Value: a middle budget;
+- keep nothing: the tightest schedule of this family (each stage recomputes from the inputs).
+The simulator validates every schedule made here (with_predictions).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from solver.graph import OpGraph
+from solver.schedule import Schedule, StageSchedule
+from solver.simulate import simulate, store_all_schedule, with_predictions
+
+
+def keep_schedule(graph: OpGraph, keep, mode: str = "test") -> Schedule:
+    ops, values = graph.ops, graph.values
+    impl = (0,) * len(ops)
+    is_input = [v.producer is None for v in values]
+    outputs = set(graph.outputs)
+    stage_needs = []
+    for op_id in graph.backward_order:
+        stage_needs.append([v for v in ops[op_id].impls[0].saved if not is_input[v]])
+    needed = {v for n in stage_needs for v in n}
+    unsafe_out = {v for op in ops if op.recompute_unsafe for v in op.outputs}
+    kept = {v for v in needed if keep(v)} | {v for v in values if False}
+    # Closure: anything a recomputation reads that is produced by an unsafe op must be kept too.
+    kept |= {v for v in needed if values[v].producer is not None
+             and ops[values[v].producer].recompute_unsafe}
+
+    def plan_stage(need: list[int]) -> list[int]:
+        have = set(kept) | outputs
+        todo: set[int] = set()
+
+        def want(v: int):
+            if is_input[v] or v in have:
+                return
+            j = values[v].producer
+            if ops[j].recompute_unsafe:
+                kept.add(v)  # cannot recompute: keep it from the forward pass
+                have.add(v)
+                return
+            if j in todo:
+                return
+            todo.add(j)
+            for u in ops[j].inputs:
+                want(u)
+
+        for v in need:
+            want(v)
+        return sorted(todo)
+
+    recomputes = [plan_stage(n) for n in stage_needs]
+    # A second pass: keeping a Value for an unsafe producer may have changed earlier stages.
+    recomputes = [plan_stage(n) for n in stage_needs]
+    last_use: dict[int, int] = {}
+    for t, (need, rec) in enumerate(zip(stage_needs, recomputes)):
+        for v in need:
+            last_use[v] = t
+        for j in rec:
+            for u in ops[j].inputs:
+                if not is_input[u]:
+                    last_use[u] = t
+    stages = []
+    for t, (op_id, rec) in enumerate(zip(graph.backward_order, recomputes)):
+        made = {v for j in rec for v in ops[j].outputs}
+        drop = {v for v in made if v not in outputs and v not in kept}
+        drop |= {v for v in kept if last_use.get(v) == t and v not in outputs and v not in made}
+        stages.append(StageSchedule(op=op_id, recompute=tuple(rec), drop=tuple(sorted(drop))))
+    forward_keep = tuple(sorted(v for v in kept if v in last_use and v not in outputs))
+    # Kept Values that no stage uses would stay forever; drop them at their own last stage.
+    sched = Schedule(fingerprint=graph.fingerprint, graph_summary=graph.summary(), impl=impl,
+                     forward_keep=forward_keep, stages=tuple(stages), mode=mode,
+                     created_by=f"tests:{mode}", cost_provenance=graph.cost_provenance)
+    return with_predictions(graph, sched)
+
+
+def three_schedules(graph: OpGraph) -> dict[str, Schedule]:
+    """store-all, middle (every other needed Value kept) and tight (nothing kept)."""
+    store = with_predictions(graph, store_all_schedule(graph))
+    counter = {"i": 0}
+
+    def every_other(v: int) -> bool:
+        counter["i"] += 1
+        return counter["i"] % 2 == 0
+
+    middle = keep_schedule(graph, every_other, "middle")
+    tight = keep_schedule(graph, lambda v: False, "tight")
+    return {"store_all": store, "middle": middle, "tight": tight}
+
+
+def recomputed_op_count(schedule: Schedule) -> int:
+    return sum(len(s.recompute) for s in schedule.stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference steps
+# ----------------------------------------------------------------------------------------------
+def step(module, inputs, seed: int, loss_fn=None):
+    """One forward and backward with a fixed seed; returns (output, input grads)."""
+    torch.manual_seed(seed)
+    xs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+    out = module(*xs)
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    if loss_fn is None:
+        loss = sum((o.float() * torch.linspace(0.5, 1.5, o.numel()).view_as(o)).sum()
+                   for o in leaves)
+    else:
+        loss = loss_fn(out)
+    loss.backward()
+    return [o.detach() for o in leaves], [x.grad for x in xs]
+
+
+def compare_step(model, wrapped_factory, inputs, seed: int = 0, steps: int = 1, loss_fn=None,
+                 exact: bool = False):
+    """Run `steps` training steps (SGD) on a copy with plain PyTorch and on a copy wrapped by
+    `wrapped_factory(copy)`; assert outputs, input grads, parameter grads and buffers equal."""
+    ref = copy.deepcopy(model)
+    tst = copy.deepcopy(model)
+    wrapped = wrapped_factory(tst)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.01)
+    opt_t = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    check = torch.equal if exact else None
+    for s in range(steps):
+        opt_r.zero_grad(set_to_none=True)
+        opt_t.zero_grad(set_to_none=True)
+        out_r, gx_r = step(ref, inputs, seed + s, loss_fn)
+        out_t, gx_t = step(wrapped, inputs, seed + s, loss_fn)
+        _same(out_r, out_t, "output", check)
+        _same(gx_r, gx_t, "input grad", check)
+        for (n, p), (_, q) in zip(ref.named_parameters(), tst.named_parameters()):
+            _same([p.grad], [q.grad], f"grad of {n}", check)
+        for (n, b), (_, c) in zip(ref.named_buffers(), tst.named_buffers()):
+            _same([b], [c], f"buffer {n}", check)
+        opt_r.step()
+        opt_t.step()
+    return wrapped
+
+
+def _same(a, b, what, check):
+    assert len(a) == len(b), what
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None, f"{what}: one is None ({x is None}, {y is None})"
+            continue
+        if check is not None:
+            assert check(x, y), f"{what}: not bitwise equal, max diff {(x - y).abs().max()}"
+        else:
+            torch.testing.assert_close(y, x, msg=lambda m: f"{what}: {m}")
+
+
+def peak_of(graph: OpGraph, schedule: Schedule) -> int:
+    return simulate(graph, schedule).peak_bytes
