@@ -74,11 +74,11 @@ def example_inputs(batch: int, input_shape: Sequence[int], device: str = "cpu"):
 # Subcommands
 # ----------------------------------------------------------------------------------------------
 def cmd_profile(args) -> int:
-    from . import profile
+    from .profile import profile
 
     _check_writable(args.output)
     model = build_model(args.model)
-    x = example_inputs(args.batch, args.input_shape)
+    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost))
     start = time.perf_counter()
     graph = profile(model, x, cost=args.cost, optimizer=args.optimizer)
     seconds = time.perf_counter() - start
@@ -99,7 +99,7 @@ def cmd_profile(args) -> int:
 def cmd_solve(args) -> int:
     import solver
 
-    from . import profile
+    from .profile import profile
 
     _check_writable(args.output)
     if args.graph:
@@ -108,7 +108,8 @@ def cmd_solve(args) -> int:
         if not args.model:
             raise UsageError("solve needs MODEL (with --batch) or --graph FILE")
         model = build_model(args.model)
-        graph = profile(model, example_inputs(args.batch, args.input_shape), cost=args.cost,
+        graph = profile(model, example_inputs(args.batch, args.input_shape,
+                                              _profile_device(args.cost)), cost=args.cost,
                         optimizer=args.optimizer)
     result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
                           time_limit_s=args.time_limit, verbose=args.verbose)
@@ -118,7 +119,13 @@ def cmd_solve(args) -> int:
         print(f"error: {result.message}", file=sys.stderr)
         return 1
     if args.output:
-        result.schedule.save(args.output)
+        sched = result.schedule
+        if args.model:
+            import dataclasses
+
+            sched = dataclasses.replace(sched, meta={**sched.meta, "model_spec": args.model,
+                                                     "input_shape": list(args.input_shape)})
+        sched.save(args.output)
         print(f"wrote {args.output}")
     return 0
 
@@ -150,23 +157,123 @@ def cmd_backends(args) -> int:
     return 0
 
 
-def _not_yet(name: str):
-    def run(args) -> int:
-        raise NotImplementedError(f"`monetlike {name}` is not implemented in this version yet")
-    return run
+def cmd_check(args) -> int:
+    import solver
+
+    from .check import check_schedule
+
+    sched = solver.Schedule.load(args.schedule)
+    spec = args.model or sched.meta.get("model_spec")
+    if not spec:
+        raise UsageError(f"{args.schedule} does not record its model; pass --model MODEL")
+    batch = args.batch or sched.graph_summary.get("batch")
+    shape = args.input_shape or tuple(sched.meta.get("input_shape") or (3, 224, 224))
+    model = build_model(spec)
+    report = check_schedule(sched, model, example_inputs(batch, shape))
+    print(report.table().to_string(index=False) if hasattr(report, "table") else report)
+    return 0 if getattr(report, "passed", True) else 1
+
+
+def cmd_zoo(args) -> int:
+    from . import zoo
+
+    if args.zoo_command == "list":
+        print(zoo.table().to_string(index=False))
+    elif args.zoo_command == "show":
+        e = zoo.get(args.name)
+        for k, v in e.to_dict().items():
+            print(f"{k:22s} {v}")
+        print(f"{'overhead':22s} {100 * e.overhead:.2f}%")
+    else:
+        e = zoo.pick(args.model, args.batch, args.budget)
+        print(zoo.table([e]).to_string(index=False))
+        if args.output:
+            zoo.schedule(e.name).save(args.output)
+            print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .explain import explain
+
+    _check_writable(args.plot)
+    model = build_model(args.model)
+    ex = explain(model, example_inputs(args.batch, args.input_shape, _profile_device(args.cost)),
+                 optimizer=args.optimizer, cost=args.cost)
+    print(ex.report())
+    if args.plot:
+        ex.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_pareto(args) -> int:
+    from .profile import profile
+    from .pareto import pareto, plot_pareto
+
+    _check_writable(args.plot)
+    model = build_model(args.model)
+    graph = profile(model, example_inputs(args.batch, args.input_shape, _profile_device(args.cost)),
+                    cost=args.cost, optimizer=args.optimizer)
+    df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
+    print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
+    if args.plot:
+        plot_pareto(df, args.plot, f"{graph.model} batch {graph.batch} ({graph.cost_provenance})")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_maxbatch(args) -> int:
+    import solver
+
+    from .maxbatch import max_batch
+
+    _check_writable(args.output)
+    model = build_model(args.model)
+    found = max_batch(model, args.budget, args.input_shape, max_overhead=args.max_overhead,
+                      cost=args.cost, optimizer=args.optimizer, limit=args.limit,
+                      time_limit_s=args.time_limit)
+    base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
+    print(f"largest batch that fits: {found.batch}")
+    print(summary_table(found.graph, found.result, args.budget, base))
+    if args.output:
+        found.result.schedule.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _profile_device(cost: str) -> str:
+    """Analytical profiles never touch real data: build the example batch on the meta device."""
+    return "meta" if cost.startswith("analytical:") else "cpu"
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage like 10% or 0.1, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative overhead, got {text!r}")
+    return value
+
+
+def _budgets(text: str) -> list[int]:
+    return [_budget(t) for t in text.split(",") if t.strip()]
 
 
 # ----------------------------------------------------------------------------------------------
 # Parser
 # ----------------------------------------------------------------------------------------------
-def _add_model_args(p, *, model_required: bool = True) -> None:
+def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
+                    default_cost: str = "measured") -> None:
     p.add_argument("model", nargs=None if model_required else "?",
                    help="importable factory (torchvision.models.resnet50, pkg.mod:factory) or "
                         "path/to/file.py:factory")
-    p.add_argument("--batch", type=int, required=model_required, help="batch size")
+    if batch:
+        p.add_argument("--batch", type=int, required=model_required, help="batch size")
     p.add_argument("--input-shape", type=_shape, default=(3, 224, 224),
                    help="input shape after the batch dimension, e.g. 3,224,224 (default)")
-    p.add_argument("--cost", default="measured",
+    p.add_argument("--cost", default=default_cost,
                    help="'measured' (time ops on this device) or 'analytical:DEVICE', e.g. "
                         "analytical:A100-40GB")
     p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
@@ -203,13 +310,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list the MILP backends and whether they are installed")
     p.set_defaults(run=cmd_backends)
 
-    for name, text in (("check", "run a schedule here and compare with plain PyTorch"),
-                       ("zoo", "list, show and pick prebuilt schedules"),
-                       ("explain", "where the memory goes and what recomputation can save"),
-                       ("pareto", "the budget vs overhead curve"),
-                       ("maxbatch", "the largest batch that fits a budget")):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(run=_not_yet(name))
+    p = sub.add_parser("check", help="run a schedule here; compare memory, time and gradients "
+                                     "with plain PyTorch")
+    p.add_argument("schedule", help="schedule JSON written by `monetlike solve`")
+    p.add_argument("--model", help="model factory (default: the one recorded in the schedule)")
+    p.add_argument("--batch", type=int, help="batch (default: the schedule's)")
+    p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
+                                                      "(default: the schedule's)")
+    p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser("zoo", help="list, show and pick prebuilt schedules")
+    zsub = p.add_subparsers(dest="zoo_command", required=True, metavar="ZOO_COMMAND")
+    zsub.add_parser("list", help="a table of the zoo's schedules")
+    z = zsub.add_parser("show", help="one zoo entry in full")
+    z.add_argument("name", help="entry name, e.g. resnet50_184_8GiB")
+    z = zsub.add_parser("pick", help="the cheapest schedule that fits a budget")
+    z.add_argument("--model", required=True, help="model name, e.g. resnet50")
+    z.add_argument("--batch", type=int, required=True, help="batch size")
+    z.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
+    z.add_argument("-o", "--output", help="write the picked schedule JSON here")
+    p.set_defaults(run=cmd_zoo)
+
+    p = sub.add_parser("explain", help="where the memory goes and what recomputation can save")
+    _add_model_args(p, default_cost="analytical:A100-40GB")
+    p.add_argument("--plot", help="write a PNG of the memory timeline and breakdown here")
+    p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("pareto", help="the budget vs overhead curve, ours and the baselines")
+    _add_model_args(p, default_cost="analytical:A100-40GB")
+    p.add_argument("--budgets", type=_budgets, required=True,
+                   help="comma-separated budgets, e.g. 5GiB,6GiB,8GiB")
+    p.add_argument("--backend", default="highs", help="MILP backend")
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per solve")
+    p.add_argument("--plot", help="write the curve as a PNG here")
+    p.set_defaults(run=cmd_pareto)
+
+    p = sub.add_parser("maxbatch", help="the largest batch that fits a budget, found by planning")
+    _add_model_args(p, batch=False, default_cost="analytical:A100-40GB")
+    p.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
+    p.add_argument("--max-overhead", type=_percent, help="largest acceptable overhead, e.g. 10%%")
+    p.add_argument("--limit", type=int, default=4096, help="largest batch to consider")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    p.add_argument("-o", "--output", help="write the schedule JSON here")
+    p.set_defaults(run=cmd_maxbatch)
     return parser
 
 

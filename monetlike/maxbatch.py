@@ -32,7 +32,7 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int], *,
     """Largest batch in [1, limit] whose solved schedule fits `budget` with overhead <= max_overhead."""
     import torch
 
-    from . import profile
+    from .profile import profile
 
     budget = parse_bytes(budget)
     make_inputs = make_inputs or (lambda b: torch.randn(b, *input_shape, device="meta"))
