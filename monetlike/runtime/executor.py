@@ -17,6 +17,16 @@ its fx nodes run), so its stage is one contiguous run of the engine. Nodes of vi
 belong to no stage. A stage needs no posthook, which also keeps it correct when the engine prunes
 some of an Op's nodes (torch.autograd.grad with `inputs=`).
 
+NOTE [Storage identity]
+A saved tensor is matched to a Value by storage identity (`untyped_storage()._cdata`), and only
+against the Values of the Op running now, which are alive... almost: an Op's input can die in the
+middle of the Op (after the last of its nodes that reads it), and the next allocation can reuse
+its StorageImpl address. MobileNetV2's in-place ReLU6 clones its input after BatchNorm released
+the convolution output; the clone got the convolution output's address and was taken for it.
+So each Value's key is dropped by a weakref callback on its storage the moment the storage dies
+(an UntypedStorage's Python object lives exactly as long as the storage, since PyTorch 2.1). The
+callback holds the key dictionary only, never the StepState.
+
 NOTE [No reference cycles]
 A step's state must die with its autograd graph, also with the garbage collector disabled
 (a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
@@ -28,6 +38,7 @@ forward, and node lists live only on the stack while the forward runs. Autograd 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -62,7 +73,8 @@ class StepState:
             if isinstance(x, torch.Tensor):
                 self.input_keys.setdefault(x.untyped_storage()._cdata, i)
         self.resident: dict[int, torch.Tensor] = {}
-        self.vkey: dict[int, int] = {}  # Value id -> storage key, valid while it is an Op's Value
+        self.vkey: dict[int, int] = {}  # Value id -> storage key, while the storage is alive
+        self.vref: dict[int, weakref.ref] = {}
         self.node_meta: dict[str, tuple] = {}
         self.op_ctx: dict[int, rc.ForwardContext] = {}
         self.current_op: int | None = None
@@ -263,7 +275,11 @@ class StepState:
             if recompute:
                 store[v] = x
             else:
-                self.vkey[v] = x.untyped_storage()._cdata
+                storage = x.untyped_storage()
+                key = storage._cdata
+                self.vkey[v] = key
+                # NOTE [Storage identity]: forget the key the moment the storage dies.
+                self.vref[v] = weakref.ref(storage, functools.partial(_forget, self.vkey, v, key))
                 if v in self.plan.keep_from_forward:
                     self.resident[v] = x.detach()
 
@@ -279,7 +295,8 @@ class StepState:
             for a in node.all_input_nodes:
                 rec = self.node_meta.get(a.name)
                 if rec is not None:
-                    candidates.update(leaf[1] for leaf in rec[1] if leaf[0] == _VALUE)
+                    candidates.update(leaf[1] for leaf in rec[1]
+                                      if leaf[0] == _VALUE and leaf[1] in self.vkey)
         for x in flat:
             if not isinstance(x, torch.Tensor):
                 leaves.append((_CONST, x))
@@ -311,6 +328,7 @@ class StepState:
 
     def finish_forward(self) -> None:
         self.vkey.clear()
+        self.vref.clear()
         self.pending.clear()
         self.current_op = None
         missing = [t for t, n in enumerate(self.stage_hooked) if n == 0]
@@ -443,6 +461,11 @@ class ScheduledForward(fx.Interpreter):
         if node.op == "get_attr":
             return self.fetch_attr(node.target)
         raise RuntimeError(f"ScheduleWrapper: cannot recompute node {node.format_node()}")
+
+
+def _forget(vkey: dict, v: int, key: int, _ref) -> None:
+    if vkey.get(v) == key:
+        del vkey[v]
 
 
 def _seq(fn) -> int:
