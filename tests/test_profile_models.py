@@ -1,0 +1,96 @@
+"""The profiler's store-all prediction against plain PyTorch, on real models (CPU).
+
+For each model: `simulate(g, store_all_schedule(g)).peak_bytes` must be within 3% of the peak that
+`measure_step` sees for an ordinary training step (grads set to None, forward, sum of outputs,
+backward). Sizes are small so the suite stays fast, but large enough that activations and
+gradients, not only parameters, make up the peak (see `min_dynamic_share`; VGG-11 is the
+exception: its 133M parameters dominate at any batch this machine can run quickly).
+"""
+
+import gc
+import time
+
+import pytest
+import torch
+import torchvision
+
+import monetlike
+import solver
+from monetlike import models
+
+tv = torchvision.models
+
+# name: (factory, inputs, minimum share of the measured peak that is not parameters and inputs)
+CASES = {
+    "resnet18": (lambda: tv.resnet18(), lambda: (torch.randn(4, 3, 96, 96),), 0.3),
+    "vgg11": (lambda: tv.vgg11(), lambda: (torch.randn(2, 3, 64, 64),), 0.3),
+    "mobilenet_v2": (lambda: tv.mobilenet_v2(), lambda: (torch.randn(4, 3, 64, 64),), 0.5),
+    "googlenet": (lambda: tv.googlenet(aux_logits=False, init_weights=False),
+                  lambda: (torch.randn(2, 3, 64, 64),), 0.3),
+    "densenet121": (lambda: tv.densenet121(), lambda: (torch.randn(2, 3, 64, 64),), 0.3),
+    "unet": (lambda: models.UNet(width=16), lambda: (torch.randn(2, 3, 64, 64),), 0.5),
+    "transformer_block": (lambda: models.TransformerBlock(dim=128, heads=4),
+                          lambda: (torch.randn(2, 64, 128),), 0.5),
+    "two_in_out": (lambda: models.TwoInOut(), lambda: (torch.randn(2, 3, 64, 64),
+                                                      torch.randn(2, 32)), 0.5),
+}
+
+GAPS = {}
+
+
+def plain_step(model, xs):
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        out = model(*xs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        loss = sum(o.float().sum() for o in outs)
+        loss.backward()
+
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_store_all_peak_matches_pytorch(name):
+    make, make_x, min_share = CASES[name]
+    torch.manual_seed(0)
+    model, xs = make(), make_x()
+    g = monetlike.profile(model, xs, repeat=1)
+    predicted = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    gc.collect()
+    m = monetlike.measure_step(plain_step(model, xs), warmup=1, repeat=1)
+    gap = (predicted - m.peak_bytes) / m.peak_bytes
+    GAPS[name] = gap
+    print(f"{name}: predicted {predicted} measured {m.peak_bytes} gap {gap:+.4%}")
+    assert m.start_bytes == g.fixed_bytes  # parameters, buffers and inputs, nothing else
+    assert abs(gap) <= 0.03
+    # The gap is small against the part that the schedule is about, too.
+    dynamic = m.peak_bytes - m.start_bytes
+    assert abs(predicted - m.peak_bytes) <= 0.03 * dynamic
+    if name != "vgg11":
+        assert dynamic >= min_share * m.peak_bytes
+    assert not any(o.recompute_unsafe for o in g.ops)
+
+
+@pytest.mark.slow
+def test_resnet50_analytical_batch184_is_fast():
+    model = tv.resnet50()
+    x = torch.empty(184, 3, 224, 224, device="meta")  # analytical: shapes only
+    t = time.perf_counter()
+    g = monetlike.profile(model, x, cost="analytical:A100-40GB")
+    seconds = time.perf_counter() - t
+    assert seconds < 60
+    peak = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    # Store-all saved activations are 14.3 GiB (docs); the whole step peaks a little above.
+    saved = {v for o in g.ops for v in o.impls[0].saved}
+    assert 14.2 * 2**30 < sum(g.values[v].bytes for v in saved) < 14.5 * 2**30
+    assert 14.5 * 2**30 < peak < 15.5 * 2**30
+    assert g.cost_provenance == "analytical:A100-40GB"
+    assert g.meta["profile_seconds"] < 60
+    # A full A100 step of ResNet-50 at batch 184 takes a few hundred ms; the roofline is a
+    # lower bound of that order.
+    total = sum(o.impls[0].fwd_time + o.impls[0].bwd_time for o in g.ops)
+    assert 0.02 < total < 1.0
