@@ -1,0 +1,61 @@
+"""measure_step: the peak includes what is alive at the start, sees backward and frees."""
+
+import torch
+import torch.nn as nn
+
+import monetlike
+from monetlike import measure_step
+
+
+def test_counts_live_tensors_at_start():
+    held = torch.empty(250_000)  # 1 MB held by the caller throughout
+    m = measure_step(lambda: None, warmup=0, repeat=1)
+    assert m.start_bytes >= held.numel() * 4
+    assert m.peak_bytes == m.start_bytes
+    del held
+
+
+def test_transient_allocation_peak_exact():
+    def fn():
+        a = torch.empty(1000)          # 4000
+        b = torch.empty(500, dtype=torch.float16)  # 1000
+        del a
+        c = torch.empty(2000)          # 8000, after a is gone
+        return None
+
+    m = measure_step(fn, warmup=1, repeat=2)
+    assert m.peak_bytes - m.start_bytes == 1000 + 8000
+    assert m.seconds >= 0 and m.device == "cpu"
+
+
+def test_frees_of_preexisting_storages_are_seen():
+    box = {"t": torch.empty(100_000)}  # 400 kB alive at start, freed inside
+
+    def fn():
+        box.pop("t", None)
+        return torch.empty(50_000)      # 200 kB: the peak is the start, not start + 200 kB
+
+    m = measure_step(fn, warmup=0, repeat=1)
+    assert m.peak_bytes == m.start_bytes
+
+
+def test_backward_is_measured():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 256, bias=False)
+    x = torch.randn(8, 256)
+
+    def step():
+        lin.weight.grad = None
+        lin(x).relu().sum().backward()
+
+    m = measure_step(step, warmup=1, repeat=1)
+    # At least the weight gradient (256 KiB) appears on top of what was alive at the start.
+    assert m.peak_bytes - m.start_bytes >= 256 * 256 * 4
+    assert isinstance(m, monetlike.Measurement)
+
+
+def test_bad_arguments():
+    import pytest
+
+    with pytest.raises(ValueError):
+        measure_step(lambda: None, repeat=0)
