@@ -24,7 +24,7 @@ from solver.graph import Impl, Op, OpGraph, Value
 
 from ..trace import trace
 from .costs import Roofline, Timer, median, parse_cost
-from .interpreter import ProfileRun, TimingRun
+from .interpreter import ProfileError, ProfileRun, TimingRun
 from .memory import storage_of
 
 __all__ = ["profile", "OPTIMIZER_STATE_MULTIPLIER"]
@@ -146,7 +146,13 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             note = (" on the meta device (analytical costs); data-dependent ops cannot run there, "
                     "use cost='measured'")
         else:
-            work = copy.deepcopy(model)
+            try:
+                work = copy.deepcopy(model)
+            except Exception as e:
+                raise ProfileError(
+                    f"could not copy {type(model).__name__} with copy.deepcopy ({type(e).__name__}: "
+                    f"{e}); the profiler never runs the user's own model. Make the model "
+                    f"deep-copyable, or use cost='analytical:<DEVICE>'") from e
             xs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
             device = _model_device(model, inputs)
             note = ""
@@ -158,7 +164,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         try:
             with torch.enable_grad():
                 run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
-                                 device_note=note, progress=bar)
+                                 device_note=note, progress=bar, device=device)
                 run.profile_step(xs)
                 fwd_times: dict[int, list[float]] = {}
                 bwd_times: dict[int, list[float]] = {}
