@@ -21,9 +21,10 @@ from solver.errors import (BackendUnavailableError, BudgetParseError, FormatErro
 from solver.units import format_bytes, parse_bytes
 
 from .modelspec import ModelSpecError, build_model
+from .zoo import ZooError
 
 # Errors that mean "you asked for something malformed": exit code 2.
-USAGE_ERRORS = (BudgetParseError, ModelSpecError, FormatError, BackendUnavailableError,
+USAGE_ERRORS = (BudgetParseError, ModelSpecError, FormatError, BackendUnavailableError, ZooError,
                 ScheduleMismatchError)
 
 
