@@ -21,46 +21,53 @@ from solver.schedule import Schedule, StageSchedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
 
 
-def keep_schedule(graph: OpGraph, keep, mode: str = "test") -> Schedule:
+def keep_schedule(graph: OpGraph, keep, mode: str = "test", *, hold: str = "stage") -> Schedule:
+    """Keep the Values `keep(v)` selects from the forward pass; recompute the others on demand.
+
+    hold="stage": a recomputed Value is released at the end of the stage that needed it (the
+        next stage recomputes again: tight memory, quadratic recomputation).
+    hold="last_use": a recomputed Value stays until its last use (each Op recomputed at most
+        once: checkpointing by segments).
+    """
     ops, values = graph.ops, graph.values
     impl = (0,) * len(ops)
     is_input = [v.producer is None for v in values]
     outputs = set(graph.outputs)
-    stage_needs = []
-    for op_id in graph.backward_order:
-        stage_needs.append([v for v in ops[op_id].impls[0].saved if not is_input[v]])
+    stage_needs = [[v for v in ops[o].impls[0].saved if not is_input[v]]
+                   for o in graph.backward_order]
     needed = {v for n in stage_needs for v in n}
-    unsafe_out = {v for op in ops if op.recompute_unsafe for v in op.outputs}
-    kept = {v for v in needed if keep(v)} | {v for v in values if False}
-    # Closure: anything a recomputation reads that is produced by an unsafe op must be kept too.
-    kept |= {v for v in needed if values[v].producer is not None
-             and ops[values[v].producer].recompute_unsafe}
+    kept = {v for v in needed if keep(v)}
 
-    def plan_stage(need: list[int]) -> list[int]:
-        have = set(kept) | outputs
-        todo: set[int] = set()
+    def plan_stages() -> list[list[int]]:
+        carried: set[int] = set()
+        out = []
+        for need in stage_needs:
+            have = set(kept) | outputs | carried
+            todo: set[int] = set()
 
-        def want(v: int):
-            if is_input[v] or v in have:
-                return
-            j = values[v].producer
-            if ops[j].recompute_unsafe:
-                kept.add(v)  # cannot recompute: keep it from the forward pass
-                have.add(v)
-                return
-            if j in todo:
-                return
-            todo.add(j)
-            for u in ops[j].inputs:
-                want(u)
+            def want(v: int):
+                if is_input[v] or v in have:
+                    return
+                j = values[v].producer
+                if ops[j].recompute_unsafe:
+                    kept.add(v)  # cannot be recomputed: keep it from the forward pass
+                    have.add(v)
+                    return
+                if j in todo:
+                    return
+                todo.add(j)
+                for u in ops[j].inputs:
+                    want(u)
 
-        for v in need:
-            want(v)
-        return sorted(todo)
+            for v in need:
+                want(v)
+            out.append(sorted(todo))
+            if hold == "last_use":
+                carried |= {v for j in todo for v in ops[j].outputs}
+        return out
 
-    recomputes = [plan_stage(n) for n in stage_needs]
-    # A second pass: keeping a Value for an unsafe producer may have changed earlier stages.
-    recomputes = [plan_stage(n) for n in stage_needs]
+    recomputes = plan_stages()
+    recomputes = plan_stages()  # again: keeping unsafe outputs may change earlier stages
     last_use: dict[int, int] = {}
     for t, (need, rec) in enumerate(zip(stage_needs, recomputes)):
         for v in need:
@@ -70,30 +77,48 @@ def keep_schedule(graph: OpGraph, keep, mode: str = "test") -> Schedule:
                 if not is_input[u]:
                     last_use[u] = t
     stages = []
+    made_so_far: set[int] = set()
     for t, (op_id, rec) in enumerate(zip(graph.backward_order, recomputes)):
         made = {v for j in rec for v in ops[j].outputs}
-        drop = {v for v in made if v not in outputs and v not in kept}
-        drop |= {v for v in kept if last_use.get(v) == t and v not in outputs and v not in made}
+        made_so_far |= made
+        if hold == "stage":
+            drop = {v for v in made if v not in outputs and v not in kept}
+            drop |= {v for v in kept if last_use.get(v) == t and v not in outputs
+                     and v not in made}
+        else:
+            drop = {v for v in (kept | made_so_far) if v not in outputs
+                    and last_use.get(v, t) == t}
+            drop |= {v for v in made if v not in outputs and last_use.get(v, -1) < t}
+            made_so_far -= drop
         stages.append(StageSchedule(op=op_id, recompute=tuple(rec), drop=tuple(sorted(drop))))
     forward_keep = tuple(sorted(v for v in kept if v in last_use and v not in outputs))
-    # Kept Values that no stage uses would stay forever; drop them at their own last stage.
     sched = Schedule(fingerprint=graph.fingerprint, graph_summary=graph.summary(), impl=impl,
                      forward_keep=forward_keep, stages=tuple(stages), mode=mode,
                      created_by=f"tests:{mode}", cost_provenance=graph.cost_provenance)
     return with_predictions(graph, sched)
 
 
-def three_schedules(graph: OpGraph) -> dict[str, Schedule]:
-    """store-all, middle (every other needed Value kept) and tight (nothing kept)."""
+def every(k: int):
+    """A keep predicate selecting every k-th Value it is asked about (k = 0: none)."""
+    count = {"i": 0}
+
+    def keep(v: int) -> bool:
+        count["i"] += 1
+        return k > 0 and count["i"] % k == 0
+
+    return keep
+
+
+def three_schedules(graph: OpGraph, *, quadratic_limit: int = 40) -> dict[str, Schedule]:
+    """store-all; middle (every other needed Value kept, segments recomputed once); tight
+    (nothing kept, each stage recomputes from the inputs, for graphs of up to
+    `quadratic_limit` ops; else every fourth Value kept, segments recomputed once)."""
     store = with_predictions(graph, store_all_schedule(graph))
-    counter = {"i": 0}
-
-    def every_other(v: int) -> bool:
-        counter["i"] += 1
-        return counter["i"] % 2 == 0
-
-    middle = keep_schedule(graph, every_other, "middle")
-    tight = keep_schedule(graph, lambda v: False, "tight")
+    middle = keep_schedule(graph, every(2), "middle", hold="last_use")
+    if len(graph.ops) <= quadratic_limit:
+        tight = keep_schedule(graph, every(0), "tight", hold="stage")
+    else:
+        tight = keep_schedule(graph, every(4), "tight", hold="last_use")
     return {"store_all": store, "middle": middle, "tight": tight}
 
 
