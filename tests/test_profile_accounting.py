@@ -13,6 +13,16 @@ from monetlike.trace import TraceError
 N, C, H, W = 2, 3, 8, 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Two OpenMP threads on a shared 2-core box can slow small convolutions down 100x (spinning
+    # threads fighting other processes); these tests measure memory, not speed.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def x_img(c=C):
     torch.manual_seed(0)
     return torch.randn(N, c, H, W)

@@ -3,8 +3,7 @@
 For each model: `simulate(g, store_all_schedule(g)).peak_bytes` must be within 3% of the peak that
 `measure_step` sees for an ordinary training step (grads set to None, forward, sum of outputs,
 backward). Sizes are small so the suite stays fast, but large enough that activations and
-gradients, not only parameters, make up the peak (see `min_dynamic_share`; VGG-11 is the
-exception: its 133M parameters dominate at any batch this machine can run quickly).
+gradients, not only parameters, make up the peak (see the activation share in CASES).
 """
 
 import gc
@@ -17,25 +16,38 @@ import torchvision
 import monetlike
 import solver
 from monetlike import models
+from monetlike.trace import trace
 
 tv = torchvision.models
 
-# name: (factory, inputs, minimum share of the measured peak that is not parameters and inputs)
+# name: (factory, inputs, minimum share of the measured peak that is activations: not parameters,
+# inputs or parameter gradients; None for VGG-11, whose 133M parameters dominate at any batch this
+# machine runs quickly)
 CASES = {
-    "resnet18": (lambda: tv.resnet18(), lambda: (torch.randn(4, 3, 96, 96),), 0.3),
-    "vgg11": (lambda: tv.vgg11(), lambda: (torch.randn(2, 3, 64, 64),), 0.3),
-    "mobilenet_v2": (lambda: tv.mobilenet_v2(), lambda: (torch.randn(4, 3, 64, 64),), 0.5),
+    "resnet18": (lambda: tv.resnet18(), lambda: (torch.randn(8, 3, 128, 128),), 0.25),
+    "vgg11": (lambda: tv.vgg11(), lambda: (torch.randn(2, 3, 64, 64),), None),
+    "mobilenet_v2": (lambda: tv.mobilenet_v2(), lambda: (torch.randn(4, 3, 64, 64),), 0.25),
     "googlenet": (lambda: tv.googlenet(aux_logits=False, init_weights=False),
-                  lambda: (torch.randn(2, 3, 64, 64),), 0.3),
-    "densenet121": (lambda: tv.densenet121(), lambda: (torch.randn(2, 3, 64, 64),), 0.3),
-    "unet": (lambda: models.UNet(width=16), lambda: (torch.randn(2, 3, 64, 64),), 0.5),
+                  lambda: (torch.randn(8, 3, 96, 96),), 0.25),
+    "densenet121": (lambda: tv.densenet121(), lambda: (torch.randn(4, 3, 96, 96),), 0.25),
+    "unet": (lambda: models.UNet(width=16), lambda: (torch.randn(2, 3, 64, 64),), 0.25),
     "transformer_block": (lambda: models.TransformerBlock(dim=128, heads=4),
-                          lambda: (torch.randn(2, 64, 128),), 0.5),
+                          lambda: (torch.randn(2, 64, 128),), 0.25),
     "two_in_out": (lambda: models.TwoInOut(), lambda: (torch.randn(2, 3, 64, 64),
-                                                      torch.randn(2, 32)), 0.5),
+                                                      torch.randn(2, 32)), 0.25),
 }
 
 GAPS = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Two OpenMP threads on a shared 2-core box can slow small convolutions down 100x (spinning
+    # threads fighting other processes); these tests measure memory, not speed.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def plain_step(model, xs):
@@ -64,15 +76,30 @@ def test_store_all_peak_matches_pytorch(name):
     m = monetlike.measure_step(plain_step(model, xs), warmup=1, repeat=1)
     gap = (predicted - m.peak_bytes) / m.peak_bytes
     GAPS[name] = gap
-    print(f"{name}: predicted {predicted} measured {m.peak_bytes} gap {gap:+.4%}")
+    act_share = (m.peak_bytes - m.start_bytes - g.final_grad_bytes) / m.peak_bytes
+    print(f"{name}: predicted {predicted} measured {m.peak_bytes} gap {gap:+.4%} "
+          f"activation share {act_share:.2f}")
     assert m.start_bytes == g.fixed_bytes  # parameters, buffers and inputs, nothing else
     assert abs(gap) <= 0.03
     # The gap is small against the part that the schedule is about, too.
     dynamic = m.peak_bytes - m.start_bytes
     assert abs(predicted - m.peak_bytes) <= 0.03 * dynamic
-    if name != "vgg11":
-        assert dynamic >= min_share * m.peak_bytes
+    if min_share is not None:
+        assert act_share >= min_share
     assert not any(o.recompute_unsafe for o in g.ops)
+    # Same structure from the analytical (meta device) profile.
+    ga = monetlike.profile(model, xs, cost="analytical:A100-40GB")
+    assert ga.fingerprint == g.fingerprint
+    assert solver.simulate(ga, solver.store_all_schedule(ga)).peak_bytes == predicted
+    # The forward pass alone: its peak is the highest forward point. Compared with the traced
+    # module (what the runtime executes): eager Python can hold a local a little longer than fx
+    # does (UNet's `x` after `torch.cat`), which the whole-step comparison above absorbs.
+    tl = solver.simulate(g, solver.store_all_schedule(g))
+    fwd_pred = max(p.bytes for p in tl.points if p.phase == "forward")
+    gm = trace(model)
+    fwd = monetlike.measure_step(lambda: gm(*xs), warmup=0, repeat=1)
+    print(f"{name}: forward predicted {fwd_pred} measured {fwd.peak_bytes}")
+    assert abs(fwd_pred - fwd.peak_bytes) <= 0.01 * (fwd.peak_bytes - fwd.start_bytes)
 
 
 @pytest.mark.slow
