@@ -1,0 +1,45 @@
+"""Replace one script's section of docs/BENCHMARKS.md, between its markers, atomically.
+
+Each benchmark script owns one section (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) and never
+touches the others, so they can run at different times and in any order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from solver.graph import atomic_write_text  # noqa: E402
+
+DEFAULT_PATH = os.path.join(ROOT, "docs", "BENCHMARKS.md")
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+            f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def header(command: str) -> str:
+    return (f"Date: {datetime.date.today().isoformat()}. Machine: {machine()}.\n"
+            f"Command: `{command}`\n")
+
+
+def replace_section(name: str, body: str, path: str = DEFAULT_PATH) -> None:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip() + f"\n\n## {name.capitalize()}\n{block}\n"
+    atomic_write_text(path, text)
