@@ -94,7 +94,7 @@ class ScheduleWrapper(torch.nn.Module):
             object.__setattr__(self, name, getattr(model, name))
         self.training = model.training
         self._schedule = schedule
-        self._leaf_modules = [m for m in leaf_modules]
+        self._leaf_modules = _resolve_leaf_modules(leaf_modules)
         self._given_graph = graph
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
@@ -257,6 +257,26 @@ class ScheduleWrapper(torch.nn.Module):
         # failed) one measured repeat gives the structure the schedule was solved for.
         return profile(self._model, tensors, cost="measured", repeat=1,
                        leaf_modules=self._leaf_modules)
+
+
+def _resolve_leaf_modules(leaf_modules) -> list:
+    """Module names stay names; 'package.module.Class' strings (how the profiler records classes
+    in OpGraph.meta) become the class again when they import (never through eval)."""
+    import importlib
+
+    out = []
+    for m in leaf_modules:
+        if isinstance(m, str) and "." in m:
+            where, _, name = m.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(where), name)
+            except (ImportError, AttributeError, ValueError):
+                obj = None
+            if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+                out.append(obj)
+                continue
+        out.append(m)
+    return out
 
 
 def _graph_fits(graph: OpGraph, inputs: tuple) -> bool:
