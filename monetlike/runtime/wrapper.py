@@ -224,9 +224,10 @@ class ScheduleWrapper(torch.nn.Module):
             raise ScheduleMismatchError(
                 f"ScheduleWrapper: the schedule was solved for another graph: "
                 f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
-                f"{schedule.fingerprint}, this model and input {graph.fingerprint}); solve a "
-                f"schedule for this model, batch and input shape (monetlike.optimize does it "
-                f"in one call)")
+                f"{schedule.fingerprint}, this model and input {graph.fingerprint}; besides the "
+                f"model, batch and shapes, the structure depends on which inputs and parameters "
+                f"require grad, train/eval mode, autocast and leaf_modules); solve a schedule "
+                f"for this model, batch and input shape (monetlike.optimize does it in one call)")
         plan = build_plan(graph, schedule, self._traced())
         return _Entry(plan, ScheduledForward(plan, self._model))
 

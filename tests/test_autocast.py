@@ -1,0 +1,80 @@
+"""Autocast (CPU bfloat16): a schedule profiled under autocast runs under autocast with the same
+outputs and gradients as a plain autocast step; recomputation re-enters the autocast state of the
+original forward (pytorch#141896: dtype mismatches when it does not)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monetlike
+from monetlike.models import transformer_block
+from monetlike.runtime import ScheduleWrapper
+from runtime_support import every, keep_schedule, recomputed_op_count
+from solver.errors import ScheduleMismatchError
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _step(module, x, seed):
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_(True)
+    with _autocast():
+        out = module(x)
+        loss = out.float().pow(2).mean()
+    loss.backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_autocast_bf16_same_outputs_and_grads(name):
+    torch.manual_seed(0)
+    if name == "cnn":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                              nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+        x = torch.randn(4, 3, 8, 8, requires_grad=True)
+    else:
+        model = transformer_block(dim=32, heads=2, dropout=0.5)
+        x = torch.randn(2, 8, 32, requires_grad=True)
+    with _autocast():
+        graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
+    assert any(v.dtype == "bfloat16" for v in graph.values)
+    schedule = keep_schedule(graph, every(0), "tight", hold="stage")
+    assert recomputed_op_count(schedule) > 0
+    ref = copy.deepcopy(model)
+    # No graph given: the first call profiles the structure under autocast and must agree.
+    wrapped = ScheduleWrapper(copy.deepcopy(model), schedule)
+    for seed in range(2):
+        out_r, gx_r = _step(ref, x, seed)
+        out_t, gx_t = _step(wrapped, x, seed)
+        assert out_t.dtype == out_r.dtype
+        torch.testing.assert_close(out_t, out_r)
+        torch.testing.assert_close(gx_t, gx_r)
+        for (n, p), (_, q) in zip(ref.named_parameters(), wrapped.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=n)
+            p.grad = q.grad = None
+
+
+def test_autocast_schedule_refused_without_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    with _autocast():
+        graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
+    wrapped = ScheduleWrapper(model, keep_schedule(graph, every(0), "tight", hold="stage"))
+    with pytest.raises(ScheduleMismatchError):
+        wrapped(x)  # fp32 step: another graph (dtypes differ)
