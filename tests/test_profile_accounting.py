@@ -237,6 +237,13 @@ def test_data_dependent_ops_are_unsafe():
     assert any(o.recompute_unsafe and "nonzero" in o.recompute_unsafe for o in g.ops)
 
 
+def test_analytical_cannot_run_data_dependent_ops_and_says_so():
+    from monetlike.profile import ProfileError
+
+    with pytest.raises(ProfileError, match="nonzero.*meta device.*cost='measured'"):
+        prof(NonZero(), torch.randn(4, 8), cost="analytical:A100-40GB")
+
+
 def test_forward_hook_makes_module_a_leaf_and_unsafe():
     class Block(nn.Module):
         def __init__(self):
