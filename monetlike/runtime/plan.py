@@ -7,7 +7,8 @@ name). It is built once per input signature and then read by every step (`execut
 It also decides, per Value, how the runtime treats it (see NOTE [Value handling] below) and
 precomputes, per backward stage, when each dropped Value is released, with exactly the rule of
 solver/simulate.py (docs/execution-model.md section 3): unused drops at the stage start, drops
-read by a recomputation right after their last such read, the rest at the stage end.
+read by a recomputation right after their last such read, a dropped output of a recomputation
+that nothing later in the stage reads right after it is made, the rest at the stage end.
 """
 
 from __future__ import annotations
@@ -179,9 +180,14 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         for v in impl_saved[st.op]:
             if v in last:
                 last[v] = len(st.recompute)
+        # A dropped output of a recomputation that nothing later in the stage reads is freed as
+        # soon as it is made (its production is its last use in this stage).
+        made_late = [{v for v in graph.ops[j].outputs if v in last and last[v] < pos}
+                     for pos, j in enumerate(st.recompute)]
         releases.append(StageRelease(
             at_start=tuple(sorted(v for v, p in last.items() if p == -1)),
-            after_recompute=tuple(tuple(sorted(v for v, p in last.items() if p == pos))
+            after_recompute=tuple(tuple(sorted({v for v, p in last.items() if p == pos}
+                                               | made_late[pos]))
                                   for pos in range(len(st.recompute))),
             at_end=tuple(sorted(v for v, p in last.items() if p == len(st.recompute))),
         ))

@@ -149,6 +149,12 @@ class ScheduleWrapper(torch.nn.Module):
         finally:
             self._plain -= 1
 
+    def graph_for(self, *args, **kwargs) -> OpGraph:
+        """The OpGraph this wrapper runs the schedule on for inputs like these (profiling the
+        structure if this input signature is new); raises ScheduleMismatchError like a call."""
+        inputs = self._positional(args, kwargs)
+        return self._entry_for(inputs).plan.graph
+
     # -- the step ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if getattr(self, "_is_replica", False):

@@ -1,0 +1,189 @@
+"""`check_schedule`: run a schedule here and compare it with plain PyTorch (`monetlike check`).
+
+What MONeT's `--run_bs`, `--check_runtime` and `--check_diff` did, in one report: the measured
+peak memory and step time of the scheduled step and of the plain step, the time overhead, the
+simulator's predicted peak, and the largest absolute difference between the two steps' outputs,
+input gradients and parameter gradients (same parameters, same seed). A saving is only reported
+together with a passed gradient check (shared/REFERENCE.md: a "48 GB saving" that was gradients
+never computed).
+
+The user's model is not modified: both steps run on deep copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from solver.schedule import Schedule
+from solver.simulate import simulate
+from solver.units import format_bytes
+
+from .measure import measure_step
+from .runtime import ScheduleWrapper
+
+__all__ = ["CheckReport", "check_schedule"]
+
+# fp32 on one device with the same kernels: recomputation is bitwise identical, so any
+# difference above rounding noise in the loss reduction is a bug.
+GRAD_ATOL = 1e-5
+GRAD_RTOL = 1.3e-6
+# Allocator slack allowed over the prediction (docs/execution-model.md).
+PEAK_SLACK = (1.02, 2**20)
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    peak_bytes: int
+    """Measured peak of one scheduled training step (forward and backward)."""
+    plain_peak_bytes: int
+    step_time_s: float
+    plain_step_time_s: float
+    overhead: float
+    """step_time_s / plain_step_time_s - 1."""
+    max_abs_grad_diff: float
+    """Largest absolute difference over outputs, input gradients and parameter gradients."""
+    grads_match: bool
+    predicted_peak_bytes: int | None
+    budget_bytes: int | None
+    within_budget: bool | None
+    """Measured peak <= budget * 1.02 + 1 MiB (None without a budget)."""
+    within_prediction: bool | None
+    device: str
+    fingerprint: str
+    cost_provenance: str
+
+    @property
+    def passed(self) -> bool:
+        return self.grads_match and self.within_budget is not False
+
+    def table(self):
+        import pandas as pd
+
+        def b(n):
+            return "-" if n is None else format_bytes(n)
+
+        rows = [
+            ("peak memory", b(self.plain_peak_bytes), b(self.peak_bytes),
+             f"predicted {b(self.predicted_peak_bytes)}, budget {b(self.budget_bytes)}"),
+            ("step time", f"{self.plain_step_time_s * 1e3:.1f} ms",
+             f"{self.step_time_s * 1e3:.1f} ms", f"overhead {100 * self.overhead:+.1f}%"),
+            ("max |grad diff|", "", f"{self.max_abs_grad_diff:.3g}",
+             "ok" if self.grads_match else "MISMATCH"),
+        ]
+        return pd.DataFrame(rows, columns=["", "plain PyTorch", "schedule", "note"])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+    def __str__(self) -> str:
+        return self.table().to_string(index=False)
+
+
+def _as_tuple(x: Any) -> tuple:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def _loss(out) -> torch.Tensor:
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    return sum((o.float() * o.float().detach().sign()).sum() for o in leaves
+               if isinstance(o, torch.Tensor) and o.is_floating_point())
+
+
+def _one_step(module, inputs: tuple, seed: int):
+    torch.manual_seed(seed)
+    xs = tuple(x.detach().clone().requires_grad_(x.requires_grad and x.is_floating_point())
+               if isinstance(x, torch.Tensor) else x for x in inputs)
+    out = module(*xs)
+    _loss(out).backward()
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    return ([o.detach() for o in leaves if isinstance(o, torch.Tensor)],
+            [x.grad for x in xs if isinstance(x, torch.Tensor)])
+
+
+def _max_diff(a, b) -> tuple[float, bool]:
+    worst, ok = 0.0, True
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return float("inf"), False
+            continue
+        d = (x.double() - y.double()).abs()
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+        ok = ok and bool(torch.allclose(y, x, atol=GRAD_ATOL, rtol=GRAD_RTOL))
+    return worst, ok
+
+
+def _unique_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen.setdefault(s._cdata, s.nbytes())
+    return sum(seen.values())
+
+
+def _measure(module, model, inputs, repeat):
+    """Peak of one step of `module` counted like the simulator: this model's parameters,
+    buffers and inputs plus what the step allocates (other copies alive in this process, such as
+    the plain model, are not counted), and its median time."""
+    from .measure import Measurement
+
+    def step():
+        out = module(*inputs)
+        _loss(out).backward()
+
+    step()  # warm-up (the first scheduled call builds its plan)
+    for p in model.parameters():
+        p.grad = None  # a step starts from zero_grad(set_to_none=True)
+    m = measure_step(step, warmup=0, repeat=repeat)
+    own = _unique_bytes([*model.parameters(), *model.buffers(), *inputs])
+    return Measurement(peak_bytes=m.peak_bytes - m.start_bytes + own, seconds=m.seconds,
+                       start_bytes=own, device=m.device)
+
+
+def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Module,
+                   example_inputs: Any, *, repeat: int = 3, seed: int = 0) -> CheckReport:
+    """Run `schedule` on `model` with `example_inputs` here; compare with plain PyTorch."""
+    if not isinstance(schedule, Schedule):
+        schedule = Schedule.load(schedule)
+    inputs = _as_tuple(example_inputs)
+    plain = copy.deepcopy(model).train()
+    mine = copy.deepcopy(model).train()
+    wrapped = ScheduleWrapper(mine, schedule)
+
+    # Gradients first (the first scheduled call also checks the fingerprint and raises
+    # ScheduleMismatchError for a schedule made for another model or batch).
+    out_p, gx_p = _one_step(plain, inputs, seed)
+    out_w, gx_w = _one_step(wrapped, inputs, seed)
+    grads_p = [p.grad for p in plain.parameters()]
+    grads_w = [p.grad for p in mine.parameters()]
+    worst, ok = 0.0, True
+    for a, b in ((out_p, out_w), (gx_p, gx_w), (grads_p, grads_w)):
+        d, good = _max_diff(a, b)
+        worst, ok = max(worst, d), ok and good
+
+    m_plain = _measure(plain, plain, inputs, repeat)
+    m_mine = _measure(wrapped, mine, inputs, repeat)
+
+    predicted = schedule.predicted_peak_bytes
+    if predicted is None:
+        predicted = simulate(wrapped.graph_for(*inputs), schedule).peak_bytes
+    slack_mul, slack_add = PEAK_SLACK
+    budget = schedule.budget_bytes
+    return CheckReport(
+        peak_bytes=m_mine.peak_bytes, plain_peak_bytes=m_plain.peak_bytes,
+        step_time_s=m_mine.seconds, plain_step_time_s=m_plain.seconds,
+        overhead=m_mine.seconds / m_plain.seconds - 1.0 if m_plain.seconds > 0 else 0.0,
+        max_abs_grad_diff=worst, grads_match=ok, predicted_peak_bytes=predicted,
+        budget_bytes=budget,
+        within_budget=None if budget is None else m_mine.peak_bytes <= budget * slack_mul + slack_add,
+        within_prediction=m_mine.peak_bytes <= predicted * slack_mul + slack_add,
+        device=m_mine.device, fingerprint=schedule.fingerprint,
+        cost_provenance=schedule.cost_provenance)

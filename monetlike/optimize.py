@@ -1,0 +1,116 @@
+"""`monetlike.optimize`: profile, solve (cached on disk), wrap; the one-line entry point.
+
+    wrapped = monetlike.optimize(model, x, budget="8GiB")
+    wrapped(x).sum().backward()
+
+The schedule is cached as JSON under `cache_dir` (default `$MONETLIKE_CACHE` or
+`~/.cache/monetlike`), keyed by everything that changes the answer: the graph fingerprint (model
+structure, batch, shapes, dtypes, Impl set), the budget, the fixed memory (optimizer state,
+parameters, inputs), the cost provenance and the solver settings. Measured costs differ a little
+from run to run, so they are not part of the key: a cached schedule is reused as long as the
+structure and settings are the same. Files are written atomically (a reader sees the old file
+or the new one), so concurrent processes never read half a schedule; an unreadable cache entry
+is solved again and overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+
+from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
+from solver.graph import OpGraph
+from solver.schedule import Schedule, SolveResult
+from solver.units import format_bytes, parse_bytes
+
+from .runtime import ScheduleWrapper
+
+__all__ = ["optimize", "solve_cached", "default_cache_dir"]
+
+CACHE_VERSION = 1
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("MONETLIKE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "monetlike")
+
+
+def _cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
+    settings = {
+        "version": CACHE_VERSION,
+        "fingerprint": graph.fingerprint,
+        "budget": budget,
+        "param_bytes": graph.param_bytes,
+        "optimizer_bytes": graph.optimizer_bytes,
+        "input_bytes": graph.input_bytes,
+        "cost": graph.cost_provenance,
+        "solve": {k: repr(v) for k, v in sorted(solve_kwargs.items())},
+    }
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
+    try:
+        from solver.solve import solve
+    except ImportError as e:  # pragma: no cover - only before solver/solve.py existed
+        raise MonetlikeError(f"solver.solve is not available ({e}); install the solver") from e
+    return solve(graph, budget, **kwargs)
+
+
+def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None = None,
+                 **solve_kwargs) -> Schedule:
+    """Solve `graph` under `budget`, reading and writing the on-disk cache; return the Schedule.
+
+    Raises InfeasibleBudgetError (with the minimum feasible budget when the solver found it) or
+    MonetlikeError when no schedule was found.
+    """
+    budget_bytes = parse_bytes(budget)
+    cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
+    key = _cache_key(graph, budget_bytes, solve_kwargs)
+    path = os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-{key}.json")
+    if os.path.exists(path):
+        try:
+            cached = Schedule.load(path)
+            if cached.fingerprint == graph.fingerprint:
+                return cached
+        except FormatError:
+            pass  # truncated or from another version: solve again and overwrite
+    result = _solve(graph, budget_bytes, **solve_kwargs)
+    if not result.ok:
+        message = (f"no schedule for {graph.model} batch {graph.batch} within "
+                   f"{format_bytes(budget_bytes)}: {result.message}")
+        if result.status == "infeasible":
+            raise InfeasibleBudgetError(message, budget=budget_bytes,
+                                        min_budget=(result.stats or {}).get("min_budget"))
+        raise MonetlikeError(message)
+    schedule = result.schedule
+    os.makedirs(cache_dir, exist_ok=True)
+    schedule.save(path)
+    return schedule
+
+
+def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
+             cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
+             leaf_modules: Iterable = (), **solve_kwargs) -> ScheduleWrapper:
+    """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
+
+    budget: bytes or a string such as "8GiB" (the whole training-step peak: parameters,
+        gradients, optimizer state, inputs, activations, workspace).
+    cost: "measured" (time each op here) or "analytical:<DEVICE>" (roofline; see
+        monetlike.profile).
+    optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
+    solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
+    """
+    from .profile import profile
+
+    budget_bytes = parse_bytes(budget)
+    leaf_modules = list(leaf_modules)
+    graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
+                    leaf_modules=leaf_modules)
+    schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, **solve_kwargs)
+    return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
