@@ -160,7 +160,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             p.grad = None  # a step starts from zero_grad(set_to_none=True)
         gm = trace(work, leaf_modules)
         n_nodes = len(gm.graph.nodes)
-        bar = _progress(n_nodes * (1 + (repeat if kind == "measured" else 0)))
+        bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
         try:
             with torch.enable_grad():
                 run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
@@ -170,6 +170,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 bwd_times: dict[int, list[float]] = {}
                 if kind == "measured":
                     timing = TimingRun(gm, run.node_gid, Timer(device), progress=bar)
+                    timing.step(xs)  # warm-up without the instrumentation's overhead
                     for _ in range(repeat):
                         f, b = timing.step(xs)
                         for gid in range(len(run.groups)):

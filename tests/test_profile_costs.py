@@ -1,0 +1,59 @@
+"""Costs: measured timings are positive where work happens; the analytical roofline is exact on a
+hand-computed linear layer and follows the preset and dtype rules."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monetlike
+from monetlike.profile import PRESETS
+from monetlike.profile.costs import Roofline, get_preset, parse_cost
+
+
+def test_presets_exist_with_cited_numbers():
+    for name in ("P100-16GB", "V100-16GB", "A100-40GB", "A100-80GB", "H100-80GB"):
+        p = get_preset(name)
+        assert p.flops["fp32"] > 1e12 and p.bandwidth > 5e11 and p.source
+    assert get_preset("a100-40gb") is PRESETS["A100-40GB"]  # case-insensitive
+    assert parse_cost("measured") == ("measured", None)
+    assert parse_cost("analytical:H100-80GB")[1].name == "H100-80GB"
+
+
+def test_linear_roofline_is_exact():
+    b, n_in, n_out = 1024, 1024, 512
+    m = nn.Sequential(nn.Linear(n_in, n_out))
+    g = monetlike.profile(m, torch.randn(b, n_in), cost="analytical:A100-40GB")
+    (op,) = g.ops
+    a100 = PRESETS["A100-40GB"]
+    flops = 2 * b * n_in * n_out                           # aten.addmm
+    moved = 4 * (n_out + b * n_in + n_in * n_out + b * n_out)  # bias, x, W^T, out (t() is a view)
+    expected = max(flops / a100.flops["fp32"], moved / a100.bandwidth)  # matmul TF32 is off
+    assert op.impls[0].fwd_time == pytest.approx(expected, rel=1e-9)
+    # Backward: grad wrt weight is one more matmul of the same size (x does not need a grad),
+    # plus the bias reduction; so at least the matmul time.
+    assert op.impls[0].bwd_time >= flops / a100.flops["fp32"]
+    assert op.has_backward
+
+
+def test_bf16_and_tf32_rates():
+    r = Roofline(PRESETS["A100-40GB"])
+    x = torch.empty(256, 256, device="meta", dtype=torch.bfloat16)
+    t = r.op_time(torch.ops.aten.mm.default, (x, x), {}, torch.empty_like(x))
+    assert t == pytest.approx(max(2 * 256 ** 3 / 312e12, 3 * 256 * 256 * 2 / 1555e9))
+    # V100 has no bf16 rate: falls back to fp32.
+    v = Roofline(PRESETS["V100-16GB"])
+    t = v.op_time(torch.ops.aten.mm.default, (x, x), {}, torch.empty_like(x))
+    assert t == pytest.approx(max(2 * 256 ** 3 / 15.7e12, 3 * 256 * 256 * 2 / 900e9))
+    # Views and allocations are free.
+    assert r.op_time(torch.ops.aten.view.default, (x, [65536]), {}, x.view(65536)) == 0.0
+
+
+def test_measured_costs_are_positive_and_labelled():
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    g = monetlike.profile(m, torch.randn(2, 3, 16, 16), repeat=3)
+    assert g.cost_provenance == "measured:cpu" and g.meta["repeat"] == 3
+    for op in g.ops:
+        assert op.impls[0].fwd_time > 0
+        assert (op.impls[0].bwd_time > 0) == op.has_backward
+    assert g.meta["device"] == "cpu" and g.meta["profile_seconds"] > 0
+    assert g.meta["torch_version"] == torch.__version__
