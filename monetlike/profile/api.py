@@ -74,8 +74,13 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
         if id(b) not in memo:
             memo[id(b)] = torch.empty_like(b, device="meta")
     m = copy.deepcopy(model, memo)
-    # Anything else tensor-valued (plain tensor attributes) follows to meta too.
-    return m.to("meta")
+    # Plain tensor attributes (not registered as parameters or buffers) follow to meta too, or
+    # the meta run would mix devices.
+    for mod in m.modules():
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                setattr(mod, k, v.to("meta"))
+    return m
 
 
 def _model_device(model: torch.nn.Module, inputs: tuple) -> torch.device:
