@@ -85,14 +85,17 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
         frame = _user_frame(e.__traceback__)
         at = f" at {frame}" if frame else ""
         name = type(model).__name__
-        leaf_hint = (f"leaf_modules=[{stack[-1][0]!r}]" if stack and stack[-1][0]
-                     else "leaf_modules=[<module name or class>]")
+        if stack and stack[-1][0]:
+            leaf = (f"make that module a leaf (pass leaf_modules=[{stack[-1][0]!r}] to "
+                    f"monetlike.profile, so it becomes one op run as a whole)")
+        else:
+            leaf = ("move that code into a submodule and make it a leaf (leaf_modules=[<its "
+                    "name or class>] in monetlike.profile, so it becomes one op run as a whole)")
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {name}{where}{at}: "
-            f"{type(e).__name__}: {e}. Ways out: make that module a leaf (pass {leaf_hint} to "
-            f"monetlike.profile, so it becomes one op run as a whole), or remove the data-dependent "
-            f"Python control flow on tensor values there (use torch.where, or move the branch into "
-            f"a leaf module). A torch.export fallback is not implemented.") from e
+            f"{type(e).__name__}: {e}. Ways out: {leaf}, or remove the data-dependent Python "
+            f"control flow on tensor values there (torch.where instead of `if`). A torch.export "
+            f"fallback is not implemented.") from e
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return gm

@@ -387,6 +387,22 @@ def test_untraceable_model_names_module_and_line():
     assert g.meta["leaf_modules"] == ["inner"]
 
 
+def test_untraceable_root_says_to_move_the_code_into_a_leaf():
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if y.max() > 0:
+                y = y * 2
+            return y
+
+    with pytest.raises(TraceError, match=r"if y.max\(\) > 0.*submodule.*leaf"):
+        prof(Root(), torch.randn(2, 4))
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="example_inputs"):
         prof(nn.Linear(2, 2), [1, 2])
