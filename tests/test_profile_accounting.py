@@ -68,6 +68,10 @@ def test_dropout_train_internal_is_the_mask():
     assert drop.impls[0].saved == ()
     assert drop.impls[0].internal_bytes == 4 * 32 * 4
     assert drop.recompute_unsafe is None  # default generator: replayable
+    # Analytical profiles describe a GPU: the fused kernel's bool mask, 1 byte per element.
+    ga = prof(m, x, cost="analytical:A100-40GB")
+    assert by_name(ga, "_1").impls[0].internal_bytes == 4 * 32 * 1
+    assert ga.fingerprint == g.fingerprint
 
 
 def test_dropout_eval_is_an_alias_not_an_op():

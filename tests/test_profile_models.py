@@ -90,7 +90,9 @@ def test_store_all_peak_matches_pytorch(name):
     # Same structure from the analytical (meta device) profile.
     ga = monetlike.profile(model, xs, cost="analytical:A100-40GB")
     assert ga.fingerprint == g.fingerprint
-    assert solver.simulate(ga, solver.store_all_schedule(ga)).peak_bytes == predicted
+    if not any(o.kind == "Dropout" for o in g.ops):
+        # Without dropout (whose GPU mask is smaller than the CPU's noise) even the bytes agree.
+        assert solver.simulate(ga, solver.store_all_schedule(ga)).peak_bytes == predicted
     # The forward pass alone: its peak is the highest forward point. Compared with the traced
     # module (what the runtime executes): eager Python can hold a local a little longer than fx
     # does (UNet's `x` after `torch.cat`), which the whole-step comparison above absorbs.

@@ -13,12 +13,15 @@ same for both, so both graphs have the same fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import time
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from solver.graph import Impl, Op, OpGraph, Value
 
@@ -89,6 +92,27 @@ def _model_device(model: torch.nn.Module, inputs: tuple) -> torch.device:
     for t in model.buffers():
         return t.device
     return inputs[0].device
+
+
+class _GpuLikeDropout(TorchFunctionMode):
+    """During an analytical (GPU) profile, run `F.dropout` the way CUDA does.
+
+    On CUDA, training-mode dropout is the fused `native_dropout`, whose backward keeps a bool mask
+    (1 byte per element); the CPU and meta devices instead compute `x * bernoulli_noise` and keep
+    the noise in the input's dtype (4 bytes per element in float32). The graph structure (Ops,
+    Values, saved Values) is the same either way; only `internal_bytes` differs, and it should be
+    the target GPU's."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            names = ("input", "p", "training", "inplace")
+            a = dict(zip(names, args), **kwargs)
+            x, p = a.get("input"), a.get("p", 0.5)
+            if (a.get("training", True) and not a.get("inplace", False)
+                    and isinstance(x, torch.Tensor) and 0 < p < 1 and x.numel() > 0):
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
 
 
 def _device_name(dev: torch.device) -> str:
@@ -167,7 +191,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         n_nodes = len(gm.graph.nodes)
         bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
         try:
-            with torch.enable_grad():
+            gpu_like = _GpuLikeDropout() if kind == "analytical" else contextlib.nullcontext()
+            with torch.enable_grad(), gpu_like:
                 run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
                                  device_note=note, progress=bar, device=device)
                 run.profile_step(xs)
