@@ -390,8 +390,8 @@ class ProfileRun(fx.Interpreter):
             p = self.values[tid].producer
             if p is not None and p != g.gid:
                 self.groups[p].add_unsafe(
-                    f"its output {self.values[tid].name} is overwritten in place by node {n.name} "
-                    f"after other ops read it")
+                    f"its output {self.values[tid].name} is later overwritten in place by node "
+                    f"{n.name} of another op (recomputing would give the old contents)")
 
         # What the backward holds.
         persistent = sum(self.values[tid].nbytes for tid in g.outputs
