@@ -160,6 +160,11 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
                     + dup + rimpl.internal_bytes + rimpl.fwd_workspace)
             resident.update(new)
             release_after(pos)
+            # A dropped output that nothing later in this stage reads is freed at once (its
+            # production is its last use); otherwise it would stay resident past the stage.
+            for v in rop.outputs:
+                if v in last_in_stage and last_in_stage[v] < pos:
+                    resident.discard(v)
             recompute_time += rimpl.fwd_time
             points.append(Point("recompute", t, j, peak, tuple(sorted(resident))))
         missing = sorted(needed - resident)

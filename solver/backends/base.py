@@ -1,0 +1,90 @@
+"""What every MILP backend promises: one `solve(milp, ...)` returning one `BackendResult`.
+
+A backend translates a `formulation.MILP` into its solver's input, runs it under a time limit and
+translates the answer back: the best incumbent (a full column vector), its objective, and the
+solver's proven lower bound when it reports one. It never sees a graph or a schedule; solve.py
+decodes and checks the answer with the simulator. Capabilities are class attributes, so callers
+can ask before they pass a warm start or expect a bound, and availability is checked with
+`importlib.util.find_spec`, which does not load native code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+
+# Backend status vocabulary (solve.py maps it onto the SolveResult statuses).
+OPTIMAL = "optimal"          # proven within the requested gap
+TIME_LIMIT = "time_limit"    # stopped by the time limit (x is the incumbent, if any)
+INFEASIBLE = "infeasible"    # proven infeasible
+ERROR = "error"              # the solver failed; message says how
+
+
+@dataclass
+class BackendResult:
+    status: str
+    x: np.ndarray | None
+    objective: float | None
+    """Objective of x in the MILP's own units (c.x + offset)."""
+    bound: float | None
+    """A proven lower bound on the MILP optimum, or None when the solver reports none."""
+    seconds: float
+    first_incumbent_s: float | None = None
+    message: str = ""
+    log: list = field(default_factory=list)
+
+
+Progress = Callable[[float, "float | None", "float | None"], None]
+"""progress(seconds, incumbent objective or None, lower bound or None), called as the solve runs."""
+
+
+class Backend:
+    """Base class: subclasses set the capability attributes and implement `_solve`."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Importable top-level modules it needs."""
+    MIP_CAPABLE: ClassVar[bool] = True
+    WARM_START: ClassVar[bool] = False
+    """Accepts a full feasible solution vector as its first incumbent."""
+    TIME_LIMIT: ClassVar[bool] = True
+    """Stops at the time limit and returns its incumbent."""
+    DUAL_BOUND: ClassVar[bool] = False
+    """Reports a proven lower bound (so a gap can be stated)."""
+    PROGRESS: ClassVar[bool] = False
+    """Reports incumbents and bounds while it runs."""
+
+    @classmethod
+    def available(cls) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in cls.requires)
+
+    def solve(self, milp, *, time_limit_s: float, mip_gap: float,
+              warm_start: np.ndarray | None = None, verbose: bool = False,
+              progress: Progress | None = None) -> BackendResult:
+        if milp.num_vars == 0:  # nothing to decide; several solvers refuse an empty model
+            ok = bool(np.all(milp.row_lo <= 0) and np.all(milp.row_hi >= 0))
+            return BackendResult(status=OPTIMAL if ok else INFEASIBLE,
+                                 x=np.zeros(0) if ok else None,
+                                 objective=milp.offset if ok else None,
+                                 bound=milp.offset if ok else None, seconds=0.0,
+                                 first_incumbent_s=0.0 if ok else None,
+                                 message="empty model: nothing to decide")
+        try:
+            return self._solve(milp, time_limit_s=time_limit_s, mip_gap=mip_gap,
+                               warm_start=warm_start if self.WARM_START else None,
+                               verbose=verbose, progress=progress)
+        except Exception as e:  # a crash of the solver is an answer, not a traceback
+            return BackendResult(status=ERROR, x=None, objective=None, bound=None, seconds=0.0,
+                                 message=f"{self.name} failed: {type(e).__name__}: {e}")
+
+    def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
+        raise NotImplementedError
+
+
+def finite(a: np.ndarray, inf: float) -> np.ndarray:
+    """Replace +-inf by +-`inf` (solvers that want their own infinity)."""
+    return np.where(np.isinf(a), np.sign(a) * inf, a)

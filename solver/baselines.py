@@ -1,0 +1,238 @@
+"""Baselines: schedules from simple rules, each `f(graph, budget=None) -> SolveResult`.
+
+- `store_all`: plain PyTorch (keep everything a backward reads).
+- `checkpoint_only`: the MILP with keep/recompute decisions only, every op on Impl 0.
+- `chen_sqrt_n`: Chen et al. 2016: cut the forward graph at articulation Values into segments of
+  about sqrt(n) ops, keep the segment boundaries, and recompute a segment's interior at the first
+  backward stage that needs it (then hold it until its last use).
+- `greedy`: start from store-all and stop keeping the Values with the most bytes per second of
+  recomputation until the budget fits.
+
+Every schedule is built by `schedule_from_keep` (a kept set plus a recomputation policy),
+cleaned by `canonical.canonicalize` and evaluated by the simulator; nothing here predicts memory.
+Budgets: `budget=None` returns the baseline's schedule whatever its peak. With a budget, a
+heuristic whose schedule does not fit returns `SolveResult.failure(status="error")` whose message
+gives the peak it reached (a heuristic's miss proves nothing about the budget); `checkpoint_only`
+behaves like `solve` and raises `InfeasibleBudgetError` with the minimum feasible budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from .analysis import GraphFacts
+from .canonical import canonicalize
+from .graph import OpGraph
+from .schedule import ERROR, HEURISTIC, Schedule, SolveResult, StageSchedule
+from .simulate import simulate, store_all_schedule
+from .units import format_bytes, parse_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Building schedules from a kept set
+# ----------------------------------------------------------------------------------------------
+def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved",
+                       facts: GraphFacts | None = None, mode: str = "store_all",
+                       created_by: str = "") -> Schedule:
+    """The schedule that keeps `keep` from the forward pass and recomputes the rest on demand.
+
+    At each backward stage, a Value the stage's backward reads that is not resident is rebuilt by
+    recomputing the fewest ops back to resident Values. What a stage recomputed is then held for
+    later stages according to `retain`: 'all' (every recomputed Value, Chen's segment policy),
+    'saved' (only Values some later backward reads) or 'none' (recompute again when needed).
+    Kept Values are held until their last use. Outputs of ops that must never be recomputed are
+    always kept when anything later may read them. The result is canonical.
+    """
+    facts = facts or GraphFacts(graph, "full")
+    impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
+    ops, sched = graph.ops, facts.scheduled
+    T = len(graph.backward_order)
+    keep = {v for v in keep if sched[v]}
+    for op in ops:
+        if op.recompute_unsafe is not None:
+            keep |= {w for w in op.outputs if sched[w] and facts.horizon[w] >= 0}
+    needs = [{v for v in ops[k].impls[impl[k]].saved if sched[v]} for k in graph.backward_order]
+    later_need = [set() for _ in range(T + 1)]
+    for t in range(T - 1, -1, -1):
+        later_need[t] = later_need[t + 1] | needs[t]
+
+    resident = set(keep)
+    stages = []
+    for t, k in enumerate(graph.backward_order):
+        todo: set[int] = set()
+
+        def require(v: int) -> None:
+            if not sched[v] or v in resident:
+                return
+            p = graph.values[v].producer
+            if p in todo:
+                return
+            if ops[p].recompute_unsafe is not None:
+                raise AssertionError(f"value {v} of an unsafe op is not resident")
+            todo.add(p)
+            for u in ops[p].inputs:
+                require(u)
+
+        for v in sorted(needs[t]):
+            require(v)
+        made = {w for j in todo for w in ops[j].outputs if sched[w]}
+        present = resident | made
+        if retain == "all":
+            carry = set(present)
+        elif retain == "saved":
+            carry = {v for v in present if v in keep or v in later_need[t + 1]}
+        else:
+            carry = {v for v in present if v in keep}
+        carry = {v for v in carry if facts.horizon[v] > t}
+        stages.append(StageSchedule(op=k, recompute=tuple(sorted(todo)),
+                                    drop=tuple(sorted(present - carry))))
+        resident = carry
+    s = Schedule(fingerprint=graph.fingerprint, graph_summary=graph.summary(), impl=impl,
+                 forward_keep=tuple(sorted(keep)), stages=tuple(stages), mode=mode,
+                 created_by=created_by, cost_provenance=graph.cost_provenance)
+    return canonicalize(graph, s, facts)
+
+
+def articulation_values(graph: OpGraph, facts: GraphFacts | None = None) -> list[int]:
+    """Values that every path of the forward graph crosses: after their producer runs, they are
+    the only scheduled Value that later ops still read. Ordered by producer."""
+    facts = facts or GraphFacts(graph, "full")
+    sched, last = facts.scheduled, facts.last_use
+    n = len(graph.ops)
+    crossing = [0] * (n + 1)  # scheduled values live across the boundary after op i
+    for v in graph.values:
+        if sched[v.id] and last[v.id] > v.producer:
+            crossing[v.producer + 1] += 1
+            crossing[last[v.id] + 1] -= 1
+    live = 0
+    count = []
+    for i in range(n):
+        live += crossing[i + 1]
+        count.append(live)
+    out = []
+    for op in graph.ops:
+        if count[op.id] == 1:
+            alive = [w for w in op.outputs if sched[w] and last[w] > op.id]
+            if len(alive) == 1:
+                out.append(alive[0])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------
+def _result(graph: OpGraph, schedule: Schedule, budget: int | None, name: str,
+            started: float, stats: dict | None = None) -> SolveResult:
+    tl = simulate(graph, schedule)
+    schedule = dataclasses.replace(schedule, budget_bytes=budget, created_by=f"baseline:{name}",
+                                   predicted_peak_bytes=tl.peak_bytes,
+                                   predicted_time=tl.total_time)
+    seconds = time.perf_counter() - started
+    if budget is not None and tl.peak_bytes > budget:
+        return SolveResult.failure(
+            status=ERROR, backend=f"baseline:{name}", solve_time_s=seconds,
+            stats={"peak_bytes": tl.peak_bytes, **(stats or {})},
+            message=f"{name} reaches a peak of {format_bytes(tl.peak_bytes)}, over the budget of "
+                    f"{format_bytes(budget)}; the budget may still be feasible (try solve)")
+    return SolveResult(status=HEURISTIC, schedule=schedule, objective=tl.total_time,
+                       predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
+                       mip_gap=None, solve_time_s=seconds, backend=f"baseline:{name}",
+                       stats=dict(stats or {}))
+
+
+def store_all(graph: OpGraph, budget=None) -> SolveResult:
+    """Plain PyTorch: every Value a backward reads is kept until its last stage."""
+    started = time.perf_counter()
+    budget = None if budget is None else parse_bytes(budget)
+    return _result(graph, store_all_schedule(graph), budget, "store_all", started)
+
+
+def checkpoint_only(graph: OpGraph, budget=None, **kwargs) -> SolveResult:
+    """The MILP with keep/recompute decisions only (every op on Impl 0). Without a budget, the
+    budget is the store-all peak (so it returns store-all's time at most)."""
+    from .solve import solve
+
+    if budget is None:
+        budget = simulate(graph, store_all_schedule(graph)).peak_bytes
+    return solve(graph, budget, mode="checkpoint", **kwargs)
+
+
+def _segments(graph: OpGraph, facts: GraphFacts, length: float) -> list[int]:
+    """Articulation Values about `length` ops apart (the segment boundaries to keep)."""
+    arts = articulation_values(graph, facts)
+    chosen, last = [], -1
+    for v in arts:
+        p = graph.values[v].producer
+        if p - last >= length:
+            chosen.append(v)
+            last = p
+    return chosen
+
+
+def chen_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None) -> Schedule:
+    return schedule_from_keep(graph, _segments(graph, facts, length), impl=impl, retain="all",
+                              facts=facts, mode="checkpoint", created_by="baseline:chen_sqrt_n")
+
+
+def chen_sqrt_n(graph: OpGraph, budget=None) -> SolveResult:
+    """Chen et al.'s sqrt(n) checkpointing on the articulation Values of the forward graph."""
+    started = time.perf_counter()
+    budget = None if budget is None else parse_bytes(budget)
+    facts = GraphFacts(graph, "checkpoint")
+    length = math.sqrt(len(graph.ops))
+    return _result(graph, chen_schedule(graph, facts, length), budget, "chen_sqrt_n", started,
+                   {"segment_length": length})
+
+
+def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
+                    retain: str = "saved") -> Schedule:
+    """Stop keeping Values, best bytes per recompute second first, until the peak fits; then
+    keep again, in reverse order, those whose return still fits (a cheap clean-up pass)."""
+    ops = graph.ops
+    impl = tuple(impl) if impl is not None else (0,) * len(ops)
+    base = store_all_schedule(graph, impl)
+    keep = set(base.forward_keep)
+
+    def cost(v: int) -> float:
+        p = graph.values[v].producer
+        return ops[p].impls[impl[p]].fwd_time
+
+    order = sorted((v for v in keep if ops[graph.values[v].producer].recompute_unsafe is None),
+                   key=lambda v: -graph.values[v].bytes / max(cost(v), 1e-12))
+
+    def build(k):
+        return schedule_from_keep(graph, k, impl=impl, retain=retain, facts=facts,
+                                  mode="checkpoint", created_by="baseline:greedy")
+
+    s = build(keep)
+    dropped = []
+    for v in order:
+        if simulate(graph, s).peak_bytes <= budget:
+            break
+        keep.discard(v)
+        dropped.append(v)
+        s = build(keep)
+    if simulate(graph, s).peak_bytes <= budget:
+        for v in reversed(dropped):
+            trial = build(keep | {v})
+            if simulate(graph, trial).peak_bytes <= budget:
+                keep.add(v)
+                s = trial
+    return s
+
+
+def greedy(graph: OpGraph, budget=None) -> SolveResult:
+    """Drop kept Values by bytes per recompute second until the budget fits (no budget: the
+    store-all schedule)."""
+    started = time.perf_counter()
+    budget = None if budget is None else parse_bytes(budget)
+    facts = GraphFacts(graph, "checkpoint")
+    if budget is None:
+        return _result(graph, store_all_schedule(graph), None, "greedy", started)
+    return _result(graph, greedy_schedule(graph, budget, facts), budget, "greedy", started)
+
+
+BASELINES = {"store_all": store_all, "checkpoint_only": checkpoint_only,
+             "chen_sqrt_n": chen_sqrt_n, "greedy": greedy}

@@ -1,0 +1,79 @@
+"""Residency of a schedule per stage, and its canonical form.
+
+The MILP describes a schedule by which Values are resident entering each backward stage and which
+ops are recomputed in it. `residency` replays a Schedule into those sets (no memory accounting:
+that is the simulator's job). `canonicalize` removes what can only cost: recomputations whose
+outputs nothing reads or keeps, duplicates of a resident output, and residency that nothing in the
+stage uses and that is not carried further (it is freed at the stage start anyway; dropping it
+earlier is never worse). By the simulator's rules the result has a peak and a time no higher than
+the original. Every schedule the MILP can describe is canonical, so a baseline's schedule becomes
+a MILP warm start through this function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .analysis import GraphFacts
+from .graph import OpGraph
+from .schedule import Schedule, StageSchedule
+
+
+@dataclasses.dataclass
+class Residency:
+    """Sets per stage: `resident[t]` entering stage t (t = 0..T, T is after the last stage),
+    `recompute[t]` the ops recomputed in stage t. Only scheduled Values (see GraphFacts)."""
+
+    impl: tuple[int, ...]
+    resident: list[set[int]]
+    recompute: list[set[int]]
+
+
+def residency(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Residency:
+    sched = facts.scheduled
+    ops = graph.ops
+    res = [set(v for v in schedule.forward_keep if sched[v])]
+    rec = []
+    for st in schedule.stages:
+        r = set(st.recompute)
+        present = res[-1] | {w for j in r for w in ops[j].outputs if sched[w]}
+        res.append(present - set(st.drop))
+        rec.append(r)
+    return Residency(tuple(schedule.impl), res, rec)
+
+
+def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Schedule:
+    """The same schedule without work or residency that can only cost (see the module doc)."""
+    ops, sched = graph.ops, facts.scheduled
+    r = residency(graph, schedule, facts)
+    T = len(graph.backward_order)
+    r.resident[T] = set()  # nothing scheduled is needed after the last stage
+    changed = True
+    while changed:
+        changed = False
+        for t in range(T - 1, -1, -1):
+            k = graph.backward_order[t]
+            needed = {v for v in ops[k].impls[r.impl[k]].saved if sched[v]}
+            after = r.resident[t + 1]
+            # Recomputations, latest first, so that dropping one can make an earlier one useless.
+            for j in sorted(r.recompute[t], reverse=True):
+                outs = [w for w in ops[j].outputs if sched[w]]
+                read_later = {v for i in r.recompute[t] if i > j for v in ops[i].inputs}
+                useful = any(w in after or w in needed or w in read_later for w in outs)
+                duplicate = len(ops[j].outputs) == 1 and outs and outs[0] in r.resident[t]
+                if not useful or duplicate:
+                    r.recompute[t].discard(j)
+                    changed = True
+            read = needed | {v for i in r.recompute[t] for v in ops[i].inputs}
+            for v in list(r.resident[t]):
+                if v not in after and v not in read:
+                    r.resident[t].discard(v)
+                    changed = True
+    stages = []
+    for t, k in enumerate(graph.backward_order):
+        present = r.resident[t] | {w for j in r.recompute[t] for w in ops[j].outputs if sched[w]}
+        stages.append(StageSchedule(op=k, recompute=tuple(sorted(r.recompute[t])),
+                                    drop=tuple(sorted(present - r.resident[t + 1]))))
+    return dataclasses.replace(schedule, forward_keep=tuple(sorted(r.resident[0])),
+                               stages=tuple(stages), predicted_peak_bytes=None,
+                               predicted_time=None)
