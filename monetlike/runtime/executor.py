@@ -27,6 +27,14 @@ So each Value's key is dropped by a weakref callback on its storage the moment t
 (an UntypedStorage's Python object lives exactly as long as the storage, since PyTorch 2.1). The
 callback holds the key dictionary only, never the StepState.
 
+NOTE [Where the hooks are]
+The saved-tensor hooks are pushed only around the nodes of Ops that read or make a scheduled
+Value (NOTE [Value handling] in plan.py): only there can a saved tensor need a handle. Every other
+node saves its tensors the ordinary way, with autograd's own version checks and without a Python
+call per tensor, and a tensor saved that way keeps its history, so double backward through it is
+right. A schedule that recomputes nothing (store-all) runs as plain autograd node by node: no
+hooks, no stage prehooks, no recorded contexts.
+
 NOTE [No reference cycles]
 A step's state must die with its autograd graph, also with the garbage collector disabled
 (a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
@@ -138,8 +146,6 @@ class StepState:
     def on_stage(self, t: int, grad_outputs) -> None:
         if self.current_stage == t:
             return
-        if torch.is_grad_enabled():
-            raise RuntimeError(CREATE_GRAPH_MESSAGE)
         gid = torch._C._current_graph_task_id()
         if gid != self.task_id:
             self.task_id = gid
@@ -331,6 +337,8 @@ class StepState:
         self.vref.clear()
         self.pending.clear()
         self.current_op = None
+        if self.plan.store_all:
+            return
         missing = [t for t, n in enumerate(self.stage_hooked) if n == 0]
         if missing:
             graph = self.plan.graph
@@ -354,6 +362,7 @@ class ScheduledForward(fx.Interpreter):
         self._op_started: set[int] = set()
         self._buffer_versions: dict[int, list] = {}
         self._capturer: rc.ContextCapturer | None = None
+        self._hooks = None
 
     # Parameters and submodules are looked up on the live model, not on the traced copy, so
     # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step.
@@ -372,32 +381,45 @@ class ScheduledForward(fx.Interpreter):
         self._op_started = set()
         self._buffer_versions = {}
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors)) \
-            if self.plan.recomputed_ops else None
-        for fn in grad_fns(tensors):
-            self._seq_hi = max(self._seq_hi, _seq(fn))
+        if not self.plan.store_all:
+            self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors))
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
+            # Every autograd node made before this step is older than this probe. Some outlive
+            # their step (autocast caches the cast of a weight, and its node, for as long as the
+            # autocast context lasts), and must not be taken for this step's nodes.
+            self._seq_hi = _current_sequence_nr()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack):
-                return self.run(*args)
+            return self.run(*args)
         finally:
             self.env = {}
             self.args_iter = iter(())
             self.state = None
             self._capturer = None
+            self._hooks = None
 
     def run_node(self, n: fx.Node) -> Any:
-        state = self.state
         plan = self.plan
+        if plan.store_all:
+            # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
+            # stage hook or a recorded context: the step is plain autograd, node by node.
+            result = super().run_node(n)
+            return result if (n.users or n.op == "output") else None
+        state = self.state
         op = plan.node_op.get(n.name)
         if op is not None and op not in self._op_started:
             self._op_started.add(op)
             if op in plan.recomputed_ops:
                 self._before_recomputed_op(op)
                 state.op_ctx[op] = self._capturer.capture()
+        hooked = op is not None and op in plan.hooked_ops
         state.current_op = op
+        if hooked:
+            self._hooks.__enter__()
         try:
             result = super().run_node(n)
         finally:
+            if hooked:
+                self._hooks.__exit__(None, None, None)
             state.current_op = None
         if op is not None and n.name == plan.graph.ops[op].name:
             state._register_outputs(n, result, None, recompute=False)
@@ -406,7 +428,8 @@ class ScheduledForward(fx.Interpreter):
         if n.name in plan.meta_nodes:
             state.record_meta(n, op, result)
         if n.op != "output":
-            roots = grad_fns(tree_flatten(result)[0])
+            roots = grad_fns((result,) if isinstance(result, torch.Tensor)
+                             else tree_flatten(result)[0])
             if roots:
                 created = new_autograd_nodes(roots, self._seq_hi)
                 if created:
@@ -461,6 +484,12 @@ class ScheduledForward(fx.Interpreter):
         if node.op == "get_attr":
             return self.fetch_attr(node.target)
         raise RuntimeError(f"ScheduleWrapper: cannot recompute node {node.format_node()}")
+
+
+def _current_sequence_nr() -> int:
+    with torch.enable_grad():
+        probe = torch.empty(0, requires_grad=True).view(0)
+    return probe.grad_fn._sequence_nr()
 
 
 def _forget(vkey: dict, v: int, key: int, _ref) -> None:

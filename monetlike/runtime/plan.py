@@ -30,9 +30,10 @@ from solver.simulate import simulate
 #   (value id and geometry) and unpacked from `StepState.resident`.
 # - pass-through: saved by some backward but never recomputed. The schedule keeps it from the
 #   forward pass until after its last use, which is exactly what autograd does with a saved
-#   tensor, so the handle holds a detached alias and autograd frees it after the last backward
-#   node that saved it ran (never later than the schedule's drop). This keeps a store-all schedule
-#   as cheap as plain PyTorch.
+#   tensor: it is saved the ordinary way (or, inside an Op that also touches a scheduled Value,
+#   as a detached alias in its handle), and autograd frees it after the last backward node that
+#   saved it ran, never later than the schedule's drop. This keeps a store-all schedule as cheap
+#   as plain PyTorch.
 # - neither: never saved; freed at its last forward use by the interpreter's garbage collection.
 # Independently, a Value is held in `resident` (from the forward pass when it is in
 # `forward_keep`, or from its recomputation) if a handle or a recomputation reads it: scheduled
@@ -94,6 +95,9 @@ class Plan:
     keep_from_forward: frozenset[int]
     """held & (forward_keep | outputs): put in `resident` when created in the forward pass."""
     recomputed_ops: frozenset[int]
+    hooked_ops: frozenset[int]
+    """Ops whose nodes run under the saved-tensor hooks: those that read or make a scheduled
+    Value (NOTE [Where the hooks are] in executor.py)."""
     meta_nodes: frozenset[str]
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
@@ -143,6 +147,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     recompute_inputs = frozenset(v for j in recomputed_ops for v in graph.ops[j].inputs
                                  if v not in is_input)
     held = scheduled | recompute_inputs
+    hooked_ops = frozenset(op.id for op in graph.ops if not scheduled.isdisjoint(op_values[op.id]))
     keep = set(schedule.forward_keep) | set(graph.outputs)
     keep_from_forward = frozenset(v for v in held if v in keep)
 
@@ -196,6 +201,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
+                hooked_ops=hooked_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
                 impl_saved=impl_saved)
 
