@@ -71,15 +71,19 @@ def test_store_all_peak_matches_pytorch(name):
     torch.manual_seed(0)
     model, xs = make(), make_x()
     g = monetlike.profile(model, xs, repeat=1)
-    predicted = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    sim_peak = predicted = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
     gc.collect()
     m = monetlike.measure_step(plain_step(model, xs), warmup=1, repeat=1)
+    # Tensors that other tests left alive in this process are part of what measure_step sees
+    # (it counts everything alive, like max_memory_allocated); add them to the prediction.
+    foreign = m.start_bytes - g.fixed_bytes
+    assert foreign >= 0
+    predicted += foreign
     gap = (predicted - m.peak_bytes) / m.peak_bytes
     GAPS[name] = gap
-    act_share = (m.peak_bytes - m.start_bytes - g.final_grad_bytes) / m.peak_bytes
+    act_share = (m.peak_bytes - m.start_bytes - g.final_grad_bytes) / (m.peak_bytes - foreign)
     print(f"{name}: predicted {predicted} measured {m.peak_bytes} gap {gap:+.4%} "
           f"activation share {act_share:.2f}")
-    assert m.start_bytes == g.fixed_bytes  # parameters, buffers and inputs, nothing else
     assert abs(gap) <= 0.03
     # The gap is small against the part that the schedule is about, too.
     dynamic = m.peak_bytes - m.start_bytes
@@ -92,7 +96,7 @@ def test_store_all_peak_matches_pytorch(name):
     assert ga.fingerprint == g.fingerprint
     if not any(o.kind == "Dropout" for o in g.ops):
         # Without dropout (whose GPU mask is smaller than the CPU's noise) even the bytes agree.
-        assert solver.simulate(ga, solver.store_all_schedule(ga)).peak_bytes == predicted
+        assert solver.simulate(ga, solver.store_all_schedule(ga)).peak_bytes == sim_peak
     # The forward pass alone: its peak is the highest forward point. Compared with the traced
     # module (what the runtime executes): eager Python can hold a local a little longer than fx
     # does (UNet's `x` after `torch.cat`), which the whole-step comparison above absorbs.
@@ -100,6 +104,7 @@ def test_store_all_peak_matches_pytorch(name):
     fwd_pred = max(p.bytes for p in tl.points if p.phase == "forward")
     gm = trace(model)
     fwd = monetlike.measure_step(lambda: gm(*xs), warmup=0, repeat=1)
+    fwd_pred += fwd.start_bytes - g.fixed_bytes
     print(f"{name}: forward predicted {fwd_pred} measured {fwd.peak_bytes}")
     assert abs(fwd_pred - fwd.peak_bytes) <= 0.01 * (fwd.peak_bytes - fwd.start_bytes)
 

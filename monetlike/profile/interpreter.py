@@ -510,7 +510,6 @@ class TimingRun(fx.Interpreter):
         self.bwd_marks: list[tuple[int, Any, Any]] = []
         self.fn_owner: dict[int, int] = {}
         self.fn_keep: list = []
-        self.open: dict[int, Any] = {}
         out = self.run(*inputs)
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
@@ -547,13 +546,17 @@ class TimingRun(fx.Interpreter):
         return result
 
     def _hook_fn(self, fn, gid: int) -> None:
-        key = id(fn)
+        # The closures own their state (this step's list, a cell per node): an autograd node can
+        # outlive a step (autocast caches weight casts with their grad_fn) and fire again later,
+        # with this step's hooks still on it; it then writes into this step's dead list.
+        marks, timer, cell = self.bwd_marks, self.timer, []
 
-        def pre(grad_outputs, key=key):
-            self.open[key] = self.timer.mark()
+        def pre(grad_outputs):
+            cell.append(timer.mark())
 
-        def post(grad_inputs, grad_outputs, key=key, gid=gid):
-            self.bwd_marks.append((gid, self.open.pop(key), self.timer.mark()))
+        def post(grad_inputs, grad_outputs):
+            if cell:
+                marks.append((gid, cell.pop(), timer.mark()))
 
         fn.register_prehook(pre)
         fn.register_hook(post)
