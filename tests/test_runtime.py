@@ -118,3 +118,21 @@ def test_measured_peak_within_simulated(name):
     assert abs(peaks["store_all"] - plain) <= 64 * 1024, (peaks["store_all"], plain)
     # Fewer kept Values never measure more.
     assert peaks["store_all"] >= peaks["middle"] >= peaks["tight"], peaks
+
+
+@pytest.mark.parametrize("baseline", ["chen_sqrt_n", "greedy"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_exact_gradients_solver_baselines(name, baseline):
+    """Schedules made by the solver side (not by these tests) run exactly too."""
+    baselines = pytest.importorskip("solver.baselines")
+    model, inputs, graph, schedules = family(name)
+    if baseline == "chen_sqrt_n":
+        result = baselines.chen_sqrt_n(graph)
+    else:
+        store = simulate(graph, schedules["store_all"]).peak_bytes
+        low = simulate(graph, schedules["tight"]).peak_bytes
+        result = baselines.greedy(graph, (store + low) // 2)
+    if not result.ok:
+        pytest.skip(f"{baseline} found no schedule: {result.message}")
+    compare_step(model, lambda m: ScheduleWrapper(m, result.schedule, graph=graph), inputs,
+                 steps=1)

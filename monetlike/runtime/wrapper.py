@@ -98,6 +98,7 @@ class ScheduleWrapper(torch.nn.Module):
         self._given_graph = graph
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
+        self._placeholders = None
         self._plain = 0
 
     # -- the model's own identity ---------------------------------------------------------------
@@ -181,8 +182,10 @@ class ScheduleWrapper(torch.nn.Module):
         return out
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
-        gm = self._traced()
-        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        names = self._placeholders
+        if names is None:
+            names = [n.target for n in self._traced().graph.nodes if n.op == "placeholder"]
+            self._placeholders = names
         if not kwargs and len(args) == len(names):
             return args
         try:
