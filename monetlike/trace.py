@@ -2,7 +2,8 @@
 
 The profiler names Ops after fx nodes and the runtime finds them again by those names, so both
 must trace the same way: call `trace(model, leaf_modules)` with the same arguments (the profiler
-records them in `OpGraph.meta["leaf_modules"]`).
+records them in `OpGraph.meta["leaf_modules"]`, classes as "package.module.Class" strings, which
+`trace` accepts back).
 
 Leaves are the `torch.nn` modules (fx's default: conv, bn, relu, linear, ...), any module the
 caller names, and any module with forward hooks or forward pre-hooks: tracing through such a module
@@ -49,6 +50,10 @@ class MonetTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or (self.leaf_types
                                                         and isinstance(m, self.leaf_types)):
+            return True
+        # A string may also name a class as "package.module.Class" (how OpGraph.meta records
+        # class leaves), so a graph's leaf_modules can be passed back to trace().
+        if self.leaf_names and f"{type(m).__module__}.{type(m).__qualname__}" in self.leaf_names:
             return True
         if m._forward_hooks or m._forward_pre_hooks:
             return True

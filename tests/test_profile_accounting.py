@@ -290,6 +290,11 @@ def test_buffer_update_unsafe_but_batchnorm_safe():
     # Kept whole (a leaf), the module's Op updates the buffer: recomputing it would count twice.
     g = prof(nn.Sequential(Counter()), torch.randn(4, 8), leaf_modules=[Counter])
     assert "seen" in g.ops[0].recompute_unsafe
+    # The recorded leaf list traces the same graph again (classes recorded as dotted names).
+    from monetlike.trace import trace
+
+    gm = trace(nn.Sequential(Counter()), g.meta["leaf_modules"])
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_module", "output"]
     # Traced through, `self.seen.add_(1)` is a node of its own that creates no storage: it belongs
     # to no Op, so no recomputation ever repeats it, and the ops around it stay safe.
     g = prof(Counter(), torch.randn(4, 8))
