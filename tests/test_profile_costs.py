@@ -57,3 +57,16 @@ def test_measured_costs_are_positive_and_labelled():
         assert (op.impls[0].bwd_time > 0) == op.has_backward
     assert g.meta["device"] == "cpu" and g.meta["profile_seconds"] > 0
     assert g.meta["torch_version"] == torch.__version__
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    import sys
+
+    from monetlike.profile import api
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert api._progress(10) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = api._progress(10)
+    assert bar is not None and bar.total == 10
+    bar.close()
