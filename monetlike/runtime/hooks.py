@@ -3,18 +3,13 @@
 - `Saved` is what the pack hook returns for each tensor a backward node saves: either a handle to a
   Value (id and geometry; the tensor itself is dropped, see NOTE [Value handling] in plan.py) or
   the tensor kept as it is (parameters, graph inputs, internals, pass-through Values).
-- `new_autograd_nodes` finds the autograd nodes one fx node created, so that each Op's backward
-  stage is delimited by hooks on its own nodes (NOTE [Stage boundaries] in executor.py).
+- `grad_fns` finds the autograd nodes that give an Op's results their grad_fn: the stage hooks
+  go there (NOTE [Stage boundaries] in executor.py).
 """
 
 from __future__ import annotations
 
 import torch
-
-# AccumulateGrad nodes carry the largest sequence number so that the engine runs them as soon as
-# they are ready; they belong to parameters, not to Ops.
-_ACCUMULATE_SEQ = 2**64 - 1
-
 
 class Saved:
     """What the pack hook returns: a Value handle, or a tensor kept as it is."""
@@ -51,37 +46,13 @@ class Saved:
         return self
 
 
-def new_autograd_nodes(roots, seq_hi: int) -> list:
-    """Autograd nodes reachable from `roots` with a sequence number above `seq_hi`.
-
-    Sequence numbers grow by one per autograd node created in this thread, so the nodes an fx node
-    created are exactly those numbered above the highest number seen before it ran; the walk stops
-    at older nodes (earlier Ops, views) and at AccumulateGrad nodes (parameters, leaves).
-    """
-    found = []
-    keep_alive = []  # visited wrappers stay alive so that id() stays unique during the walk
-    seen: set[int] = set()
-    stack = [r for r in roots if r is not None]
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        keep_alive.append(fn)
-        seq = fn._sequence_nr()
-        if seq <= seq_hi or seq == _ACCUMULATE_SEQ:
-            continue
-        found.append(fn)
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return found
-
-
 def grad_fns(leaves) -> list:
+    """The distinct grad_fn nodes of the tensors among `leaves` (tuple outputs often share one)."""
     out = []
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             fn = t.grad_fn
-            if fn is not None:
+            if fn is not None and all(fn is not f for f in out):
                 out.append(fn)
     return out
 

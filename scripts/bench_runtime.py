@@ -1,0 +1,181 @@
+"""Runtime benchmark: what ScheduleWrapper costs over plain PyTorch, measured against predicted.
+
+    python scripts/bench_runtime.py                 # writes the "Runtime" section of BENCHMARKS.md
+    python scripts/bench_runtime.py --models unet --repeat 5 --no-write
+
+Per model: a measured-cost profile on this CPU, then schedules at decreasing budgets (the store-all
+peak; then budgets between it and Chen's sqrt(n) checkpointing peak, solved by `solver.solve` when
+it exists, else by the greedy baseline). For each schedule, the step time (forward and backward)
+is timed against plain PyTorch in interleaved pairs (median over pairs, so load from other
+processes hits both alike) and the measured overhead is set next to the simulator's predicted
+one. The store-all row is the runtime's own cost: nothing is recomputed, so any overhead is the
+node-by-node execution. Peaks are measured with `monetlike.measure_step` (the model's fixed memory
+plus what the step allocates) next to the simulator's.
+
+One thread (`torch.set_num_threads(1)`): on a shared 2-core machine, OpenMP threads spinning
+against other processes swing timings tenfold; one thread keeps the ratios meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+
+import monetlike  # noqa: E402
+from monetlike.models import transformer_block, unet  # noqa: E402
+from solver.simulate import simulate, store_all_schedule, with_predictions  # noqa: E402
+from solver.units import format_bytes  # noqa: E402
+
+MODELS = {
+    # name: (factory, input shape)
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), (16, 3, 64, 64)),
+    "mobilenet_v2": (lambda: torchvision.models.mobilenet_v2(num_classes=10), (16, 3, 64, 64)),
+    "unet": (lambda: unet(width=16, depth=3), (4, 3, 64, 64)),
+    "transformer_block": (lambda: transformer_block(dim=128, heads=4), (16, 64, 128)),
+}
+
+
+def schedules_for(graph, fractions):
+    """[(label, schedule)]: store-all, then schedules at budgets between the store-all peak and
+    the sqrt(n) checkpointing peak."""
+    from solver import baselines
+
+    store = with_predictions(graph, store_all_schedule(graph))
+    out = [("store-all", store)]
+    high = store.predicted_peak_bytes
+    chen = baselines.chen_sqrt_n(graph)
+    low = chen.predicted_peak_bytes if chen.ok else high
+    try:
+        from solver.solve import solve
+    except ImportError:
+        solve = None
+    for f in fractions:
+        budget = int(low + f * (high - low))
+        if solve is not None:
+            result, how = solve(graph, budget, time_limit_s=60), "solve"
+        else:
+            result, how = baselines.greedy(graph, budget), "greedy"
+        if result.ok:
+            out.append((f"{format_bytes(budget)} ({how})", result.schedule))
+    if chen.ok:
+        out.append(("sqrt(n) checkpoints", chen.schedule))
+    return out
+
+
+def time_pairs(plain_step, sched_step, repeat: int) -> tuple[float, float]:
+    """Median times of the two steps, run in alternating order."""
+    for _ in range(2):
+        plain_step()
+        sched_step()
+    a, b = [], []
+    for i in range(repeat):
+        order = (plain_step, sched_step) if i % 2 == 0 else (sched_step, plain_step)
+        for fn in order:
+            t0 = time.perf_counter()
+            fn()
+            (a if fn is plain_step else b).append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
+
+
+def measured_peak(graph, model, module, x) -> int:
+    def step():
+        module(x).float().sum().backward()
+
+    step()
+    for p in model.parameters():
+        p.grad = None
+    m = monetlike.measure_step(step, warmup=0, repeat=1)
+    return m.peak_bytes - m.start_bytes + graph.fixed_bytes
+
+
+def bench_model(name: str, repeat: int, fractions) -> list[dict]:
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    x = torch.randn(*shape)
+    graph = monetlike.profile(model, x, cost="measured", repeat=3)
+    base = simulate(graph, store_all_schedule(graph))
+
+    def plain_step():
+        for p in model.parameters():
+            p.grad = None
+        model(x).float().sum().backward()
+
+    rows = []
+    for label, schedule in schedules_for(graph, fractions):
+        wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
+
+        def sched_step():
+            for p in model.parameters():
+                p.grad = None
+            wrapped(x).float().sum().backward()
+
+        t_plain, t_sched = time_pairs(plain_step, sched_step, repeat)
+        tl = simulate(graph, schedule)
+        rows.append({
+            "model": f"{name} {tuple(shape)}", "schedule": label,
+            "recomputed ops": sum(len(s.recompute) for s in schedule.stages),
+            "plain ms": 1e3 * t_plain, "scheduled ms": 1e3 * t_sched,
+            "measured overhead": t_sched / t_plain - 1,
+            "predicted overhead": tl.total_time / base.total_time - 1,
+            "measured peak": measured_peak(graph, model, wrapped, x),
+            "predicted peak": tl.peak_bytes,
+        })
+        print(_row_text(rows[-1]), flush=True)
+    return rows
+
+
+def _row_text(r: dict) -> str:
+    return (f"| {r['model']} | {r['schedule']} | {r['recomputed ops']} | {r['plain ms']:.1f} | "
+            f"{r['scheduled ms']:.1f} | {100 * r['measured overhead']:+.1f}% | "
+            f"{100 * r['predicted overhead']:+.1f}% | {format_bytes(r['measured peak'])} | "
+            f"{format_bytes(r['predicted peak'])} |")
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS),
+                    help="models to run")
+    ap.add_argument("--repeat", type=int, default=15, help="timed pairs per schedule")
+    ap.add_argument("--fractions", type=float, nargs="*", default=[0.5, 0.0],
+                    help="budgets as fractions of the way from the sqrt(n) peak to store-all")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    header = ("| model (input) | schedule | recomputed ops | plain ms | scheduled ms | "
+              "measured overhead | predicted overhead | measured peak | predicted peak |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+    print(header)
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args.repeat, args.fractions)
+    if not args.no_write:
+        from bench_doc import header as doc_header, replace_section
+
+        command = "python scripts/bench_runtime.py " + " ".join(argv if argv is not None
+                                                                else sys.argv[1:])
+        store = [r for r in rows if r["schedule"] == "store-all"]
+        worst = max(1 + r["measured overhead"] for r in store) if store else float("nan")
+        body = (doc_header(command.strip()) + "\n"
+                "Step = forward + backward of one batch, one thread, costs measured on this CPU. "
+                "Overheads are over plain PyTorch on the same model (median of interleaved "
+                "pairs); predicted ones are the simulator's over its own store-all time. "
+                f"Store-all step time over plain PyTorch: worst {worst:.3f} (target <= 1.05).\n\n"
+                + header + "\n" + "\n".join(_row_text(r) for r in rows) + "\n")
+        replace_section("runtime", body)
+        print("wrote the Runtime section of docs/BENCHMARKS.md")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
