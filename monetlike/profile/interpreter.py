@@ -274,8 +274,13 @@ class ProfileRun(fx.Interpreter):
             if self.cuda is not None:  # pragma: no cover
                 rec.peak = max(rec.peak, rec.start_live
                                + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
+        # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
+        # (CopySlices) belongs to this node's Op.
+        written = [t for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and storage_of(t) is not None
+                   and storage_of(t)._cdata in rec.writes]
         del args, kwargs
-        self._after(rec, n, result)
+        self._after(rec, n, result, written)
         if self.progress is not None:
             self.progress.update(1)
         if not n.users and n.op != "output":
@@ -289,7 +294,7 @@ class ProfileRun(fx.Interpreter):
                                     int(nbytes), producer, bool(t.requires_grad)))
         return tid
 
-    def _after(self, rec: _NodeRec, n: fx.Node, result: Any) -> None:
+    def _after(self, rec: _NodeRec, n: fx.Node, result: Any, written=()) -> None:
         tr = self.tracker
         multi = not isinstance(result, torch.Tensor)
         leaves = tree_leaves(result)
@@ -412,7 +417,8 @@ class ProfileRun(fx.Interpreter):
             # counted for the Op that created it.
         g.fwd_workspace = max(g.fwd_workspace, rec.peak - rec.start_live - persistent)
         g.fwd_cost += rec.cost
-        _walk_new_autograd_nodes(leaves, self.fn_owner, self.fn_keep, g.gid, self._hook_fn)
+        _walk_new_autograd_nodes(list(leaves) + list(written), self.fn_owner, self.fn_keep,
+                                 g.gid, self._hook_fn)
 
     def _open_group(self, n: fx.Node, rec: _NodeRec) -> Group:
         g = Group(gid=len(self.groups), name=n.name, kind=_node_kind(self.gm, n), position=rec.pos)
