@@ -363,6 +363,26 @@ def test_inplace_join_reading_a_later_value_is_ordered_topologically():
     assert bn.recompute_unsafe is None
 
 
+def test_copy_into_a_fresh_buffer_joins_it_and_owns_the_copy_backward():
+    class Fill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(16, 4)
+
+        def forward(self, x):
+            buf = x.new_zeros(x.shape[0], 16)
+            buf.narrow(1, 0, 8).copy_(self.a(x))
+            return self.b(buf)
+
+    g = prof(Fill(), torch.randn(4, 8))
+    a, fill, b = g.ops
+    assert fill.nodes == ("new_zeros", "copy_") and a.outputs[0] in fill.inputs
+    assert fill.has_backward  # the CopySlices node belongs to the Op that owns the buffer
+    assert g.values[fill.outputs[0]].requires_grad
+    assert b.impls[0].saved == fill.outputs
+
+
 # -- trace errors -----------------------------------------------------------------------------
 def test_untraceable_model_names_module_and_line():
     class Branchy(nn.Module):
