@@ -86,6 +86,7 @@ class Explanation:
                     label="minimum feasible budget")
         ax1.set_xlabel("point of the training step (forward ops, then backward stages)")
         ax1.set_ylabel("tensor memory (GiB)")
+        ax1.set_ylim(bottom=0)
         ax1.set_title(f"{self.model} batch {self.batch}")
         ax1.legend(loc="upper left")
         bottom = 0.0

@@ -1,0 +1,41 @@
+"""pareto and maxbatch: planned with the solver, never by trial runs."""
+
+import torch
+import torchvision
+
+import solver
+from monetlike.maxbatch import max_batch
+from monetlike.pareto import pareto, plot_pareto
+from monetlike.profile import profile
+
+
+def test_pareto_rows_are_consistent_and_the_plot_is_written(tmp_path):
+    g = profile(torchvision.models.resnet18(), torch.randn(64, 3, 128, 128, device="meta"),
+                cost="analytical:A100-40GB")
+    peak = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    floor = solver.min_budget(g)
+    budgets = [int(floor + f * (peak - floor)) for f in (0.2, 0.6, 1.0)]
+    df = pareto(g, budgets, time_limit_s=20)
+    assert len(df) == 3 * 4
+    ok = df.dropna(subset=["overhead_pct"])
+    assert (ok["peak_bytes"] <= ok["budget_bytes"]).all()
+    full = ok[ok.method == "full"].set_index("budget_bytes")["overhead_pct"]
+    assert len(full) == 3 and full.iloc[-1] == 0.0  # store-all fits at the peak: no overhead
+    assert (full.diff().dropna() <= 1e-9).all()  # more memory never costs more
+    for b in budgets:  # the ILP is never worse than a baseline that found a schedule
+        rows = ok[ok.budget_bytes == b].set_index("method")["overhead_pct"]
+        for m in ("chen_sqrt_n", "greedy"):
+            if m in rows and "full" in rows:
+                assert rows["full"] <= rows[m] + 1e-6
+    png = tmp_path / "p.png"
+    plot_pareto(df, str(png), "resnet18")
+    assert png.stat().st_size > 10_000
+
+
+def test_maxbatch_finds_the_boundary():
+    model = torchvision.models.resnet18()
+    budget = 250 * 2**20
+    found = max_batch(model, budget, (3, 64, 64), limit=4096, time_limit_s=20)
+    assert found.result.predicted_peak_bytes <= budget
+    assert found.tried[found.batch] == "ok"
+    assert found.tried.get(found.batch + 1) not in (None, "ok")  # the next batch was refused
