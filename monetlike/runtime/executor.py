@@ -407,7 +407,7 @@ class ScheduledForward(fx.Interpreter):
             self._op_started.add(op)
             if op in plan.recomputed_ops:
                 self._before_recomputed_op(op)
-                state.op_ctx[op] = self._capturer.capture()
+                state.op_ctx[op] = self._capturer.capture(rng=op in plan.rng_ops)
         hooked = op is not None and op in plan.hooked_ops
         state.current_op = op
         if hooked:

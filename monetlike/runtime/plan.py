@@ -95,6 +95,8 @@ class Plan:
     keep_from_forward: frozenset[int]
     """held & (forward_keep | outputs): put in `resident` when created in the forward pass."""
     recomputed_ops: frozenset[int]
+    rng_ops: frozenset[int]
+    """Recomputed Ops whose RNG state is captured and replayed (not known to be RNG-free)."""
     hooked_ops: frozenset[int]
     """Ops whose nodes run under the saved-tensor hooks: those that read or make a scheduled
     Value (NOTE [Where the hooks are] in executor.py)."""
@@ -148,6 +150,14 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                                  if v not in is_input)
     held = scheduled | recompute_inputs
     hooked_ops = frozenset(op.id for op in graph.ops if not scheduled.isdisjoint(op_values[op.id]))
+    from .recompute import rng_free
+
+    def kind(n: fx.Node) -> str:
+        if n.op == "call_module":
+            return type(module_of(gm, n.target)).__name__
+        return target_name(n).split(".")[-1]
+
+    rng_ops = frozenset(j for j in recomputed_ops if not rng_free([kind(n) for n in op_nodes[j]]))
     keep = set(schedule.forward_keep) | set(graph.outputs)
     keep_from_forward = frozenset(v for v in held if v in keep)
 
@@ -201,7 +211,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
-                hooked_ops=hooked_ops,
+                hooked_ops=hooked_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
                 impl_saved=impl_saved)
 

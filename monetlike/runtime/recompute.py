@@ -37,7 +37,8 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 class ForwardContext:
     """What an Op's original forward ran under, besides its inputs."""
 
-    cpu_rng: torch.Tensor
+    cpu_rng: torch.Tensor | None
+    """None for an Op that draws no random numbers (nothing to replay)."""
     cuda_devices: tuple[int, ...]
     cuda_rng: tuple[torch.Tensor, ...]
     autocast: tuple[tuple[str, bool, Any], ...]
@@ -54,25 +55,28 @@ class ContextCapturer:
         self._last_cuda: tuple[torch.Tensor, ...] = ()
         self._autocast = _autocast_state()
 
-    def capture(self) -> ForwardContext:
-        cpu = torch.get_rng_state()
-        if self._last_cpu is not None and torch.equal(cpu, self._last_cpu):
-            cpu = self._last_cpu
-        self._last_cpu = cpu
+    def capture(self, rng: bool = True) -> ForwardContext:
+        """The context now. rng=False for Ops known not to draw random numbers (RNG_FREE)."""
+        cpu: torch.Tensor | None = None
         cuda: tuple[torch.Tensor, ...] = ()
-        if self.cuda_devices:
-            states = []
-            for i, d in enumerate(self.cuda_devices):
-                s = torch.cuda.get_rng_state(d)
-                if i < len(self._last_cuda) and torch.equal(s, self._last_cuda[i]):
-                    s = self._last_cuda[i]
-                states.append(s)
-            cuda = tuple(states)
-            self._last_cuda = cuda
+        if rng:
+            cpu = torch.get_rng_state()
+            if self._last_cpu is not None and torch.equal(cpu, self._last_cpu):
+                cpu = self._last_cpu
+            self._last_cpu = cpu
+            if self.cuda_devices:
+                states = []
+                for i, d in enumerate(self.cuda_devices):
+                    s = torch.cuda.get_rng_state(d)
+                    if i < len(self._last_cuda) and torch.equal(s, self._last_cuda[i]):
+                        s = self._last_cuda[i]
+                    states.append(s)
+                cuda = tuple(states)
+                self._last_cuda = cuda
         # Autocast can only change between nodes if the traced code entered a context itself;
         # reading it is cheap, so read it per Op rather than assume.
-        return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices, cuda_rng=cuda,
-                              autocast=_autocast_state(),
+        return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices if rng else (),
+                              cuda_rng=cuda, autocast=_autocast_state(),
                               autocast_cache=torch.is_autocast_cache_enabled())
 
 
@@ -97,24 +101,65 @@ def replay(ctx: ForwardContext):
     """Run the body under the RNG and autocast state of an Op's original forward.
 
     The RNG states current before entering are put back on exit, so recomputation in the backward
-    pass does not shift the random numbers of the next forward pass.
+    pass does not shift the random numbers of the next forward pass. Autocast contexts are only
+    entered when the current state differs (usually it is the same: off in both).
     """
-    saved_cpu = torch.get_rng_state()
-    saved_cuda = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
-    torch.set_rng_state(ctx.cpu_rng)
-    for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
-        torch.cuda.set_rng_state(s, d)
-    try:
-        with contextlib.ExitStack() as stack:
-            for device_type, enabled, dtype in ctx.autocast:
-                stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype,
-                                                   enabled=enabled,
-                                                   cache_enabled=ctx.autocast_cache))
-            yield
-    finally:
-        torch.set_rng_state(saved_cpu)
-        for d, s in zip(ctx.cuda_devices, saved_cuda):
+    rng = ctx.cpu_rng is not None
+    if rng:
+        saved_cpu = torch.get_rng_state()
+        saved_cuda = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
+        torch.set_rng_state(ctx.cpu_rng)
+        for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
             torch.cuda.set_rng_state(s, d)
+    try:
+        if ctx.autocast == _autocast_state() and (
+                not any(enabled for _, enabled, _ in ctx.autocast)
+                or ctx.autocast_cache == torch.is_autocast_cache_enabled()):
+            yield
+        else:
+            with contextlib.ExitStack() as stack:
+                for device_type, enabled, dtype in ctx.autocast:
+                    stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype,
+                                                       enabled=enabled,
+                                                       cache_enabled=ctx.autocast_cache))
+                yield
+    finally:
+        if rng:
+            torch.set_rng_state(saved_cpu)
+            for d, s in zip(ctx.cuda_devices, saved_cuda):
+                torch.cuda.set_rng_state(s, d)
+
+
+# Ops made only of these never draw random numbers, so their RNG state is neither captured nor
+# replayed (a CPU state is 5 KB to copy and compare per Op). Anything else (dropout, custom
+# modules, unknown functions) gets the full replay: the list only has to be right, not complete.
+RNG_FREE_MODULES = frozenset({
+    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "Linear", "Bilinear", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "GroupNorm",
+    "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm", "RMSNorm",
+    "ReLU", "ReLU6", "LeakyReLU", "PReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish",
+    "Sigmoid", "Tanh", "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus", "Softmax",
+    "LogSoftmax", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d",
+    "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "Identity", "Flatten", "Unflatten", "Embedding",
+    "Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d", "ZeroPad2d", "ConstantPad2d",
+    "ReflectionPad2d", "ReplicationPad2d", "PixelShuffle",
+})
+RNG_FREE_FUNCTIONS = frozenset({
+    "add", "add_", "iadd", "sub", "isub", "mul", "mul_", "imul", "truediv", "floordiv", "div",
+    "matmul", "bmm", "mm", "cat", "stack", "relu", "relu_", "gelu", "silu", "sigmoid", "tanh",
+    "softmax", "log_softmax", "layer_norm", "batch_norm", "linear", "conv2d", "flatten", "view",
+    "reshape", "permute", "transpose", "contiguous", "getitem", "getattr", "size", "chunk",
+    "split", "pad", "interpolate", "adaptive_avg_pool2d", "max_pool2d", "avg_pool2d", "mean",
+    "sum", "exp", "sqrt", "rsqrt", "pow", "neg", "clamp", "hardtanh", "hardtanh_", "relu6",
+    "expand", "repeat", "squeeze", "unsqueeze", "t", "masked_fill", "where", "float", "to",
+    "type_as", "scaled_dot_product_attention",
+})
+
+
+def rng_free(kinds: list[str]) -> bool:
+    """True when every node of an Op is known not to draw random numbers."""
+    return all(k in RNG_FREE_MODULES or k in RNG_FREE_FUNCTIONS for k in kinds)
 
 
 # ----------------------------------------------------------------------------------------------
