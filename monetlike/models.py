@@ -137,3 +137,21 @@ def transformer_block(**kw) -> TransformerBlock:
 
 def two_in_out(**kw) -> TwoInOut:
     return TwoInOut(**kw)
+
+
+class TransformerStack(nn.Module):
+    """A GPT-style stack of TransformerBlocks on (batch, tokens, dim) embeddings, for the zoo."""
+
+    def __init__(self, depth: int = 12, dim: int = 768, heads: int = 12, mlp_ratio: int = 4,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.blocks = nn.Sequential(*(TransformerBlock(dim, heads, mlp_ratio, dropout)
+                                      for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x))
+
+
+def transformer(**kw) -> TransformerStack:
+    return TransformerStack(**kw)

@@ -1,0 +1,113 @@
+"""Build the schedule zoo: MONeT's models and batches at 5-10 GiB, plus a transformer.
+
+    python scripts/build_zoo.py                         # everything (long: one solve per entry)
+    python scripts/build_zoo.py --models resnet50 --budgets 8GiB --time-limit 120
+
+Every entry is solved in full mode with analytical costs for a named GPU (stated in the entry),
+checked by the simulator, and written as JSON into schedules/ with an index (schedules/index.json)
+that `monetlike zoo` reads. Sizes follow MONeT: 3x224x224 inputs, UNet at 3x416x608 (MONeT's
+UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import solver  # noqa: E402
+from monetlike.modelspec import build_model  # noqa: E402
+from monetlike.profile import profile  # noqa: E402
+from monetlike.zoo import INDEX, ZooEntry  # noqa: E402
+from solver.graph import atomic_write_text  # noqa: E402
+
+# name -> (factory as given to the CLI, batch, input shape)
+MODELS = {
+    "resnet50": ("torchvision.models.resnet50", 184, (3, 224, 224)),
+    "googlenet": ("torchvision.models.googlenet", 320, (3, 224, 224)),
+    "unet": ("monetlike.models.unet", 11, (3, 416, 608)),
+    "mobilenet_v2": ("torchvision.models.mobilenet_v2", 272, (3, 224, 224)),
+    "vgg16": ("torchvision.models.vgg16", 176, (3, 224, 224)),
+    "transformer": ("monetlike.models.transformer", 24, (512, 768)),
+}
+BUDGETS_GIB = (5, 6, 7, 8, 9, 10)
+DEFAULT_COST = "analytical:A100-40GB"
+OUT = os.path.join(ROOT, "schedules")
+
+
+def build(names, budgets_gib, cost, time_limit, backend):
+    index_path = os.path.join(OUT, INDEX)
+    entries = {}
+    if os.path.exists(index_path):
+        for e in json.load(open(index_path))["entries"]:
+            entries[e["name"]] = e
+    jobs = [(n, b) for n in names for b in budgets_gib]
+    bar = tqdm(jobs, disable=not sys.stderr.isatty(), desc="zoo")
+    graphs = {}
+    for name, gib in bar:
+        spec, batch, shape = MODELS[name]
+        if name not in graphs:
+            model = build_model(spec)
+            graphs[name] = profile(model, torch.randn(batch, *shape, device="meta"), cost=cost)
+        g = graphs[name]
+        base = solver.simulate(g, solver.store_all_schedule(g))
+        budget = gib * 2**30
+        entry_name = f"{name}_{batch}_{gib}GiB"
+        bar.set_postfix_str(entry_name)
+        start = time.perf_counter()
+        try:
+            r = solver.solve(g, budget, mode="full", backend=backend, time_limit_s=time_limit)
+        except solver.InfeasibleBudgetError as e:
+            print(f"{entry_name}: infeasible: {e}", flush=True)
+            continue
+        if r.schedule is None:
+            print(f"{entry_name}: {r.status}: {r.message}", flush=True)
+            continue
+        tl = solver.simulate(g, r.schedule)
+        assert tl.peak_bytes == r.predicted_peak_bytes <= budget, entry_name
+        r.schedule.save(os.path.join(OUT, f"{entry_name}.json"))
+        entries[entry_name] = ZooEntry(
+            name=entry_name, model=spec, batch=batch, input_shape=tuple(shape),
+            budget_bytes=budget, predicted_peak_bytes=tl.peak_bytes,
+            predicted_time=tl.total_time, store_all_time=base.total_time,
+            store_all_peak_bytes=base.peak_bytes, mode="full", status=r.status,
+            mip_gap=r.mip_gap, cost_provenance=g.cost_provenance,
+            fingerprint=g.fingerprint).to_dict()
+        print(f"{entry_name}: {r.status}, peak {tl.peak_bytes / 2**30:.2f} GiB, overhead "
+              f"{100 * (tl.total_time / base.total_time - 1):.2f}%, gap "
+              f"{'-' if r.mip_gap is None else f'{100 * r.mip_gap:.2f}%'}, "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
+        # Rewrite the index after every entry, so an interrupted build keeps what it made.
+        atomic_write_text(index_path, json.dumps(
+            {"format": "monetlike.zoo-index", "entries": sorted(entries.values(),
+                                                                key=lambda e: e["name"])},
+            indent=1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
+    ap.add_argument("--budgets", default=",".join(f"{b}" for b in BUDGETS_GIB),
+                    help="comma-separated budgets in GiB")
+    ap.add_argument("--cost", default=DEFAULT_COST, help="analytical:DEVICE cost model")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per solve")
+    ap.add_argument("--backend", default="highs", help="MILP backend")
+    args = ap.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    budgets = [int(b.lower().replace("gib", "")) for b in args.budgets.split(",") if b]
+    build(names, budgets, args.cost, args.time_limit, args.backend)
+
+
+if __name__ == "__main__":
+    main()
