@@ -454,3 +454,28 @@ def test_dataparallel_cpu_runs_and_replicas_are_refused():
     w._is_replica = True  # what DataParallel's replicate() sets on GPU replicas
     with pytest.raises(RuntimeError, match="DistributedDataParallel"):
         w(x)
+
+
+class CopyIntoNarrow(nn.Module):
+    """An in-place write through a view, read afterwards only through the base."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 8)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.a(x) + 1.0  # saves nothing, so the write below is legal for autograd
+        y.narrow(1, 0, 8).copy_(torch.sigmoid(self.b(x)))
+        y.narrow(1, 8, 8).relu_()  # saves its result: a view of y's storage
+        return self.c(torch.tanh(y))
+
+
+def test_copy_into_a_narrow_view_read_through_the_base():
+    torch.manual_seed(0)
+    model = CopyIntoNarrow()
+    x = torch.randn(4, 16, requires_grad=True)
+    graph = profiled(model, (x,))
+    for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
+        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)

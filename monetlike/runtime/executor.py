@@ -426,8 +426,11 @@ class ScheduledForward(fx.Interpreter):
             state.record_meta(n, op, result)
         if op is not None and n.op != "output" and op in plan.stage_of_op:
             # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
-            roots = grad_fns((result,) if isinstance(result, torch.Tensor)
-                             else tree_flatten(result)[0])
+            leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
+            # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's base a
+            # new grad_fn (CopySlices); a gradient may enter through the base alone.
+            bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
+            roots = grad_fns(list(leaves) + bases)
             if roots:
                 state.hook_stage(op, roots)
         if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
