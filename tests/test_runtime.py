@@ -136,3 +136,24 @@ def test_exact_gradients_solver_baselines(name, baseline):
         pytest.skip(f"{baseline} found no schedule: {result.message}")
     compare_step(model, lambda m: ScheduleWrapper(m, result.schedule, graph=graph), inputs,
                  steps=1)
+
+
+def test_three_decreasing_budgets_solved_measured_peaks_never_increase():
+    solve = pytest.importorskip("solver.solve").solve
+    model, inputs, graph, schedules = family("unet")
+    store = simulate(graph, schedules["store_all"]).peak_bytes
+    low = simulate(graph, schedules["tight"]).peak_bytes
+    budgets = [store, (store + low) // 2, low + (store - low) // 5]
+    peaks = []
+    for budget in budgets:
+        result = solve(graph, budget, time_limit_s=10, mip_gap=0.05)
+        assert result.ok, result.message
+        s = result.schedule
+        predicted = simulate(graph, s).peak_bytes
+        assert predicted <= budget
+        measured = measured_peak(graph, model, ScheduleWrapper(model, s, graph=graph), inputs)
+        assert measured <= predicted * 1.02 + 2**20, (budget, measured, predicted)
+        assert measured <= budget * 1.02 + 2**20, (budget, measured)
+        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), inputs, steps=1)
+        peaks.append(measured)
+    assert peaks[0] >= peaks[1] >= peaks[2], peaks

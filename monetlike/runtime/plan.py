@@ -52,6 +52,10 @@ _NEVER_RECOMPUTE_NAMES = frozenset({
 })
 
 
+# Impls the runtime knows how to execute: 'default' is the op as the model wrote it.
+RUNTIME_IMPLS = frozenset({"default"})
+
+
 def target_name(node: fx.Node) -> str:
     """A readable name for what a node calls ('conv2d', 'relu_', 'layer1.0.conv1')."""
     t = node.target
@@ -117,6 +121,12 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     # Value a recomputation or a backward reads, unsafe Ops); a schedule it rejects never runs.
     simulate(graph, schedule)
 
+    for op, k in zip(graph.ops, schedule.impl):
+        if op.impls[k].name not in RUNTIME_IMPLS:
+            raise ScheduleError(
+                f"schedule picks Impl {op.impls[k].name!r} for op {op.id} ({op.name}); this "
+                f"runtime executes {sorted(RUNTIME_IMPLS)} only: solve with mode='checkpoint' or "
+                f"update monetlike")
     nodes = {n.name: n for n in gm.graph.nodes}
     node_op: dict[str, int] = {}
     op_nodes: list[list[fx.Node]] = []
