@@ -129,8 +129,8 @@ class Config:
 class Bench:
     """Shared state for one model: the input batch, the loss, and the step builder."""
 
-    def __init__(self, spec: ModelSpec, args):
-        self.spec, self.args = spec, args
+    def __init__(self, spec: ModelSpec, args, log=lambda s: None):
+        self.spec, self.args, self.log = spec, args, log
         torch.manual_seed(0)
         self.model = spec.build().train()
         self.x = spec.example_input(seed=1)
@@ -215,13 +215,26 @@ def time_block(bench: Bench, cfgs: list[Config], rounds: int) -> float:
 # ----------------------------------------------------------------------------------------------
 # Ours
 # ----------------------------------------------------------------------------------------------
+def _solver_module():
+    # solver/solve.py: `solve` and `min_budget` (imported late: it may land after this file).
+    # (importlib: `import solver.solve as m` yields the function once solver/__init__ exports it)
+    import importlib
+    return importlib.import_module("solver.solve")
+
+
 def solve(graph, budget: int, time_limit: float):
-    """solver.solve in full mode on HiGHS (imported late: the solver may land after this file)."""
+    """solver.solve in full mode on HiGHS; an infeasible budget becomes a failed SolveResult."""
+    from solver.errors import InfeasibleBudgetError
+    from solver.schedule import INFEASIBLE, SolveResult
     try:
-        from solver import solve as _solve  # type: ignore[attr-defined]
-    except ImportError:
-        from solver.solve import solve as _solve  # type: ignore
-    return _solve(graph, budget, mode="full", backend="highs", time_limit_s=time_limit)
+        return _solver_module().solve(graph, budget, mode="full", backend="highs",
+                                      time_limit_s=time_limit)
+    except InfeasibleBudgetError as e:
+        return SolveResult.failure(status=INFEASIBLE, backend="highs", message=str(e))
+
+
+def min_budget(graph, time_limit: float) -> int:
+    return _solver_module().min_budget(graph, "full", backend="highs", time_limit_s=time_limit)
 
 
 def wrapper_class():
@@ -243,7 +256,13 @@ class Ours:
 
     def result(self, budget: int):
         if budget not in self.results:
-            self.results[budget] = solve(self.graph, budget, self.bench.args.time_limit)
+            t0 = time.perf_counter()
+            res = solve(self.graph, budget, self.bench.args.time_limit)
+            self.results[budget] = res
+            self.bench.log(f"[{self.bench.spec.name}] solve at {budget / MiB:.2f} MiB: {res.status}"
+                           f" in {time.perf_counter() - t0:.1f} s"
+                           + (f", predicted peak {res.predicted_peak_bytes / MiB:.2f} MiB"
+                              if res.ok else ""))
         return self.results[budget]
 
     def config(self, budget: int, name: str, reference: tuple) -> Config:
@@ -308,7 +327,7 @@ def counting_aot_eager():
 
 
 def bench_model(spec: ModelSpec, args, log) -> dict:
-    bench = Bench(spec, args)
+    bench = Bench(spec, args, log)
     ad = bench.adapter
     rows, sweep_pts, notes = [], [], []
     plain = bench.add("plain", "plain", lambda: (lambda m: (m, m.parameters()))(bench.fresh_copy()))
@@ -378,7 +397,7 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
                 cfg.grad_check = "equal"
             except AssertionError:
                 diff = max((grads[k] - ref[1][k]).abs().max().item() for k in ref[1])
-                cfg.grad_check = f"differs (max |dg| {diff:.1e})"
+                cfg.grad_check = f"differs (max abs {diff:.1e})"
             pstart = len(plain.times)
             bench.measure(cfg)
             log(f"[{spec.name}] {cfg.name}: peak {cfg.peak / MiB:.1f} MiB")
@@ -391,7 +410,7 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
         del holder
 
     # Pareto sweep of ours: budgets between the fixed bytes and plain's peak, plus the peers'.
-    lo = ours.graph.fixed_bytes + ours.graph.param_bytes  # parameters + their gradients + inputs
+    lo = min_budget(ours.graph, args.time_limit)
     hi = plain.peak
     budgets = sorted({int(lo + f * (hi - lo)) for f in args.sweep} | {hi})
     sweep_cfgs = []

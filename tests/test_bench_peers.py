@@ -20,6 +20,7 @@ def _load():
     spec = importlib.util.spec_from_file_location("bench_peers_under_test",
                                                   ROOT / "scripts" / "bench_peers.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -56,7 +57,7 @@ def test_quick_run_has_every_peer_row_and_checked_gradients(bench, tmp_path, mon
     out.write_text("# Benchmarks\n\n<!-- other:start -->\nkeep me\n<!-- other:end -->\n")
     rc = bench.main(["--quick", "--models", "transformer", "--out", str(out),
                      "--img-dir", str(tmp_path / "img"), "--rounds", "1", "--repeat", "1",
-                     "--sweep", "0.5", "--time-limit", "5"])
+                     "--sweep", "0.5", "--time-limit", "2"])
     assert rc == 0
     md = out.read_text()
     assert "keep me" in md, "another script's section was overwritten"
@@ -92,6 +93,6 @@ def test_wrong_gradients_stop_the_report(bench, tmp_path, monkeypatch):
     out = tmp_path / "BENCH.md"
     rc = bench.main(["--quick", "--models", "transformer", "--out", str(out),
                      "--img-dir", str(tmp_path / "img"), "--rounds", "1", "--repeat", "1",
-                     "--sweep", "0.5", "--time-limit", "5"])
+                     "--sweep", "0.5", "--time-limit", "2"])
     assert rc == 1
     assert not out.exists() or not _rows(out.read_text(), "transformer")
