@@ -479,3 +479,27 @@ def test_copy_into_a_narrow_view_read_through_the_base():
     graph = profiled(model, (x,))
     for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
         compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+
+
+def test_keyword_inputs_copy_and_pickle(tmp_path):
+    from monetlike.models import two_in_out
+
+    torch.manual_seed(0)
+    model = two_in_out(width=8)
+    image, vec = torch.randn(2, 3, 8, 8), torch.randn(2, 32)
+    graph = profiled(model, (image, vec))
+    w = ScheduleWrapper(model, tight(graph), graph=graph)
+    ref = copy.deepcopy(model)
+    a = ref(image, vec=vec)
+    b = w(image, vec=vec)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y, x)
+    w2 = copy.deepcopy(w)  # a copy shares nothing with the original and runs on its own
+    assert w2.model is not model
+    assert all(p is not q for p, q in zip(w2.parameters(), model.parameters()))
+    torch.save(w, tmp_path / "w.pt")
+    w3 = torch.load(tmp_path / "w.pt", weights_only=False)
+    for module in (w2, w3):
+        out = module(image, vec)
+        sum(o.sum() for o in out).backward()
+        assert all(p.grad is not None for p in module.parameters())

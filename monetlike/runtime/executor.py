@@ -188,6 +188,7 @@ class StepState:
             self.resident.clear()
             self.node_meta.clear()
             self.op_ctx.clear()
+            self.inputs = ()
 
     # -- recomputation ----------------------------------------------------------------------
     def recompute_op(self, j: int, t: int) -> None:

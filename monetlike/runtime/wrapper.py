@@ -141,6 +141,20 @@ class ScheduleWrapper(torch.nn.Module):
         budget = f", budget {s.budget_bytes} B" if s.budget_bytes is not None else ""
         return f"model={type(self._model).__name__}, schedule {s.fingerprint} ({s.mode}{budget})"
 
+    # Plans hold the traced module, fx nodes and interpreters: rebuilt on the first call after a
+    # copy or an unpickle rather than copied.
+    _CACHES = ("_entries", "_gm", "_placeholders")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in self._CACHES:
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._entries, self._gm, self._placeholders = {}, None, None
+
     @contextlib.contextmanager
     def plain(self):
         """Within this block the wrapper runs the model without the schedule."""
