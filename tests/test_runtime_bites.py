@@ -503,3 +503,37 @@ def test_keyword_inputs_copy_and_pickle(tmp_path):
         out = module(image, vec)
         sum(o.sum() for o in out).backward()
         assert all(p.grad is not None for p in module.parameters())
+
+
+class InplaceResidual(nn.Module):
+    """`out.add_(identity)` with the identity branch computed after `out`'s creator: the Op of
+    bn2 (bn2, add_, relu_) is not contiguous in the forward, and in the backward the engine runs
+    part of it, then the downsample branch, then the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.down = nn.Conv2d(4, 8, 1)
+        self.down_bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        identity = self.down_bn(self.down(x))
+        out.add_(identity)
+        out = torch.relu_(out)
+        return self.head(out.mean((2, 3)))
+
+
+def test_inplace_residual_split_stage():
+    torch.manual_seed(0)
+    model = InplaceResidual()
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    graph = profiled(model, (x,))
+    group = next(op for op in graph.ops if op.name == "bn2")
+    assert len(group.nodes) == 3, group.nodes  # bn2, add_, relu_
+    for s in three_schedules(graph).values():
+        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)

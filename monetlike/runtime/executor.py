@@ -8,17 +8,19 @@ Ops, and the progress of the backward stages. Only autograd references it (throu
 handles and the stage hooks), so it dies with the step's autograd graph.
 
 NOTE [Stage boundaries]
-Each Op's stage starts when the first of its autograd nodes is about to run and ends when another
-stage starts or the backward finishes (an engine callback). The prehooks sit on the nodes that
-give the Op's results their grad_fn (after an in-place node, its node too): a gradient can only
-enter an Op's part of the graph through its results, so one of these runs first. That the stage
-is one contiguous run of the engine follows from its order: among the nodes ready, it runs the one
-created last, and a node only waits for nodes created after it; so when a node runs, every node
-created after it that will run has run. An Op's nodes are created together (while its fx nodes
-run), so nothing of another Op runs between them; nodes of views between Ops belong to no stage.
-No posthooks are needed, which keeps the rule right when the engine prunes some of an Op's nodes
-(torch.autograd.grad with `inputs=`). Hooking only these nodes, rather than walking to every node
-an Op created, costs a few microseconds per Op instead of tens per node.
+Each Op's stage starts when the first of its autograd nodes is about to run. The prehooks sit on
+the nodes that give the Op's results their grad_fn ("roots"; after an in-place write through a
+view, the base's new grad_fn too): a gradient can only enter an Op's part of the graph through its
+results, so a root runs first. A stage ends when another stage starts after all its roots have run
+(posthooks count them), or when the backward finishes (an engine callback). Not at its last
+root: nodes behind the roots (a module's inner nodes) still unpack saved tensors. Not at the next
+stage's start alone: an Op whose fx nodes are not contiguous (`out.add_(identity)` with the
+identity branch computed after `out`) has nodes created before and after another Op's, and the
+engine, which runs the ready node created last, runs part of it, then the other Op, then the rest.
+For contiguous Ops the two rules agree, because when a node runs every node created after it
+that will run has run. If the engine prunes a root (torch.autograd.grad with `inputs=`), the
+stage ends with the backward: later than the schedule says, never too early. Hooking roots only,
+rather than every node an Op created, costs microseconds per Op.
 
 NOTE [Storage identity]
 A saved tensor is matched to a Value by storage identity (`untyped_storage()._cdata`), and only
@@ -93,7 +95,8 @@ class StepState:
         n_stages = len(plan.graph.backward_order)
         self.stage_status = [NOT_STARTED] * n_stages
         self.stage_hooked = [0] * n_stages
-        self.current_stage: int | None = None
+        self.roots_pending = [0] * n_stages  # hooked result nodes of the stage not yet run
+        self.running: list[int] = []  # stages started and not ended, usually one
         self.task_id: int | None = None
 
     # -- saved tensors ----------------------------------------------------------------------
@@ -147,20 +150,22 @@ class StepState:
 
     # -- backward stages (NOTE [Stage boundaries]) ------------------------------------------
     def on_stage(self, t: int, grad_outputs) -> None:
-        if self.current_stage == t:
+        status = self.stage_status
+        if status[t] == RUNNING:
             return
         gid = torch._C._current_graph_task_id()
         if gid != self.task_id:
             self.task_id = gid
             torch.autograd.Variable._execution_engine.queue_callback(self._end_task)
-        if self.current_stage is not None:
-            self._end_stage(self.current_stage)
-        if self.stage_status[t] == DONE:
+        # Another stage starts: the running ones whose roots have all run are over.
+        for s in [s for s in self.running if self.roots_pending[s] <= 0]:
+            self._end_stage(s)
+        if status[t] == DONE:
             # A second backward through the same forward (retain_graph=True): nothing is
             # recomputed or released again; unpacking a released Value raises a clear error.
             return
-        self.current_stage = t
-        self.stage_status[t] = RUNNING
+        status[t] = RUNNING
+        self.running.append(t)
         plan = self.plan
         rel = plan.releases[t]
         resident = self.resident
@@ -171,15 +176,18 @@ class StepState:
             for v in rel.after_recompute[pos]:
                 resident.pop(v, None)
 
+    def on_root_done(self, t: int, grad_inputs, grad_outputs) -> None:
+        self.roots_pending[t] -= 1
+
     def _end_stage(self, t: int) -> None:
         for v in self.plan.releases[t].at_end:
             self.resident.pop(v, None)
         self.stage_status[t] = DONE
-        self.current_stage = None
+        self.running.remove(t)
 
     def _end_task(self) -> None:
-        if self.current_stage is not None:
-            self._end_stage(self.current_stage)
+        for t in list(self.running):
+            self._end_stage(t)
         self.task_id = None
         if all(s == DONE for s in self.stage_status):
             # Every stage ran: nothing can need the rest any more. Releasing it here rather than
@@ -331,10 +339,13 @@ class StepState:
         t = self.plan.stage_of_op.get(op)
         if t is None:
             return
-        hook = functools.partial(self.on_stage, t)
+        pre = functools.partial(self.on_stage, t)
+        post = functools.partial(self.on_root_done, t)
         for fn in nodes:
-            fn.register_prehook(hook)
+            fn.register_prehook(pre)
+            fn.register_hook(post)
         self.stage_hooked[t] += len(nodes)
+        self.roots_pending[t] += len(nodes)
 
     def finish_forward(self) -> None:
         self.vkey.clear()
