@@ -16,3 +16,9 @@ __all__ = [
     "Schedule", "SolveResult", "StageSchedule", "Timeline", "simulate", "store_all_schedule",
     "format_bytes", "parse_bytes",
 ]
+
+# The MILP side: solve, the minimum feasible budget, the baselines.
+from . import baselines  # noqa: E402
+from .solve import min_budget, solve  # noqa: E402
+
+__all__ += ["solve", "min_budget", "baselines"]

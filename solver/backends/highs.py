@@ -26,6 +26,9 @@ class HighsBackend(Backend):
 
     options: dict = {}
     """Extra HiGHS options (name -> value) applied after the defaults; for experiments."""
+    extra_callbacks = None
+    """(on_improving, on_user_solution, on_logging) for a caller that shares incumbents with
+    HiGHS while it runs (solve.py); each takes a highspy callback event. None: not used."""
 
     def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
         import highspy
@@ -86,6 +89,11 @@ class HighsBackend(Backend):
         h.cbMipImprovingSolution.subscribe(on_improving)
         if progress is not None:
             h.cbMipLogging.subscribe(on_logging)
+        if self.extra_callbacks is not None:
+            improving, user_solution, logging = self.extra_callbacks
+            h.cbMipImprovingSolution.subscribe(improving)
+            h.cbMipUserSolution.subscribe(user_solution)
+            h.cbMipLogging.subscribe(logging)
 
         if warm_start is not None:
             sol = highspy.HighsSolution()

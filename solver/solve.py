@@ -1,0 +1,410 @@
+"""`solve` and `min_budget`: from a graph and a budget to a checked SolveResult.
+
+The pipeline: build the MILP (formulation.py); answer a budget below what some point of the step
+needs whatever the schedule with InfeasibleBudgetError at once; take the fastest heuristic
+schedule that fits as the first incumbent (warmstart.py), or, when none fits, the least-memory
+schedule from an exact min-peak solve (which also proves infeasibility); then solve. With the
+HiGHS backend both cores work: one thread runs branch and bound on the whole MILP (the only source
+of the lower bound), the other improves the incumbent by LP rounding and large-neighbourhood
+search (lns.py), and each hands the other its better solutions through HiGHS's callbacks. Every
+answer is decoded into a Schedule and replayed by the simulator: the peak must fit the budget and
+the time must equal the MILP's objective, or it is a bug and says so.
+
+Gaps are (incumbent - lower bound) / incumbent on the whole step time (forward + recomputation +
+backward), as MONeT reports them, and only against a bound the full MILP proved.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+
+import numpy as np
+
+from . import lns
+from .analysis import MODES, GraphFacts
+from .backends import get_backend
+from .backends.base import INFEASIBLE as B_INFEASIBLE
+from .backends.base import OPTIMAL as B_OPTIMAL
+from .errors import InfeasibleBudgetError
+from .formulation import Formulation
+from .graph import OpGraph
+from .schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
+from .simulate import simulate, store_all_schedule
+from .units import format_bytes, parse_bytes
+from .warmstart import (best_fitting, heuristic_schedules, least_memory, low_memory_schedules,
+                        lp_rounding)
+
+MIN_BUDGET_TIME_LIMIT_S = 120.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+# ----------------------------------------------------------------------------------------------
+class _Progress:
+    """A tqdm bar over the time limit showing the incumbent's overhead and the gap (thread-safe);
+    silent unless verbose or stderr is a terminal."""
+
+    def __init__(self, enabled: bool, time_limit_s: float, base_time: float, time_scale: float,
+                 desc: str, peak: float | None = None):
+        self.enabled = enabled
+        self.base, self.scale = base_time, time_scale
+        self.peak_scale = peak  # set when the objective is the peak (MILP units -> bytes)
+        self.lock = threading.Lock()
+        self.incumbent = self.bound = None
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=max(1, int(math.ceil(time_limit_s))), unit="s", desc=desc,
+                            leave=True, file=sys.stderr, dynamic_ncols=True,
+                            bar_format="{desc}: {n:.0f}/{total}s |{bar}| {postfix}")
+
+    def update(self, incumbent=None, bound=None) -> None:
+        """incumbent and bound in MILP objective units."""
+        if self.bar is None:
+            return
+        with self.lock:
+            if incumbent is not None and np.isfinite(incumbent):
+                self.incumbent = incumbent if self.incumbent is None else min(self.incumbent,
+                                                                              incumbent)
+            if bound is not None and np.isfinite(bound):
+                self.bound = bound if self.bound is None else max(self.bound, bound)
+            post = []
+            if self.incumbent is not None and self.peak_scale is not None:
+                post.append(f"peak {format_bytes(int(self.incumbent * self.peak_scale))}")
+            elif self.incumbent is not None:
+                post.append(f"overhead {100 * (self.incumbent / self.scale / self.base - 1):.2f}%")
+            if self.incumbent is not None and self.bound is not None:
+                post.append(f"gap {100 * max(0.0, 1 - self.bound / self.incumbent):.2f}%")
+            self.bar.set_postfix_str(", ".join(post) or "searching", refresh=False)
+            self.bar.n = min(self.bar.total, time.perf_counter() - self.start)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Min budget
+# ----------------------------------------------------------------------------------------------
+_MIN_BUDGET_CACHE: dict[tuple[str, str], tuple[int, int, bool, Schedule]] = {}
+
+
+def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
+                       time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, verbose: bool = False
+                       ) -> tuple[int, int, bool, Schedule]:
+    """(least feasible peak found, proven lower bound, proven optimal?, a schedule at that peak).
+
+    An exact min-peak MILP (the same model with the peak as objective), started from the
+    least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
+    bound). Cached per graph and mode."""
+    key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
+                                    graph.param_bytes, graph.optimizer_bytes,
+                                    tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace)
+                                          for op in graph.ops for i in op.impls))), mode)
+    if key in _MIN_BUDGET_CACHE:
+        return _MIN_BUDGET_CACHE[key]
+    started = time.perf_counter()
+    be = get_backend(backend)
+    form = Formulation(graph, None, mode=mode, objective="peak")
+    name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts))
+    shared = _Shared(form.milp)
+    shared.offer(form.encode(s0), f"heuristic:{name}")
+    progress = _Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
+                         peak=form.mem_scale)
+    try:
+        r, _ = _optimize(form, be, shared, started + time_limit_s, 1e-6, verbose, progress)
+    finally:
+        progress.close()
+    x, _, _ = shared.get()
+    best_s = form.decode(x)
+    best_peak = simulate(graph, best_s).peak_bytes
+    if best_peak > peak0:  # never worse than the rule we started from
+        best_s, best_peak = s0, peak0
+    lower = form.const_peak
+    if r.bound is not None:
+        lower = max(lower, int(math.ceil(r.bound * form.mem_scale - 1e-6 * form.mem_scale)))
+    proven = lower >= best_peak or (r.status == B_OPTIMAL and r.x is not None
+                                    and form.claimed_peak(r.x) >= best_peak)
+    lower = min(lower, best_peak)
+    out = (best_peak, lower, proven, best_s)
+    _MIN_BUDGET_CACHE[key] = out
+    return out
+
+
+def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
+               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S) -> int:
+    """The least budget (bytes) at which a schedule exists: an exact min-peak solve, warm-started
+    from the least-memory rules. Exact when the solve proves it within `time_limit_s` (seconds on
+    the models measured); otherwise the least feasible peak found, an upper bound."""
+    return min_budget_details(graph, mode, backend=backend, time_limit_s=time_limit_s)[0]
+
+
+def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
+                why: str = "") -> InfeasibleBudgetError:
+    peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
+                                                time_limit_s=time_limit_s)
+    what = f"{graph.model} batch {graph.batch}"
+    if proven:
+        msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
+               f"{format_bytes(peak)} for {what} ({mode} mode); raise --budget")
+    else:
+        msg = (f"budget {format_bytes(budget)} is infeasible for {what} ({mode} mode): the "
+               f"minimum feasible budget is between {format_bytes(max(lower, budget + 1))} and "
+               f"{format_bytes(peak)} (not proven within the time limit); raise --budget")
+    if why:
+        msg += f" ({why})"
+    return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
+
+
+# ----------------------------------------------------------------------------------------------
+# Solve
+# ----------------------------------------------------------------------------------------------
+class _Shared:
+    """The best solution known to either thread (MILP column vector and objective)."""
+
+    def __init__(self, milp):
+        self.milp = milp
+        self.lock = threading.Lock()
+        self.x = None
+        self.obj = math.inf
+        self.source = ""
+        self.first_s = None
+        self.start = time.perf_counter()
+        self.version = 0
+
+    def offer(self, x: np.ndarray, source: str) -> bool:
+        obj = self.milp.objective(x)
+        with self.lock:
+            if obj < self.obj - 1e-9 * max(1.0, abs(obj)):
+                self.x, self.obj, self.source = np.array(x, dtype=float), obj, source
+                self.version += 1
+                if self.first_s is None:
+                    self.first_s = time.perf_counter() - self.start
+                return True
+        return False
+
+    def get(self):
+        with self.lock:
+            return self.x, self.obj, self.version
+
+
+def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
+          time_limit_s: float = 600, mip_gap: float = 0.01, warm_start: bool = True,
+          verbose: bool = False) -> SolveResult:
+    """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
+
+    mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
+    Returns a SolveResult whose schedule has been replayed by the simulator; raises
+    InfeasibleBudgetError (with the minimum feasible budget) when no schedule fits, and
+    BackendUnavailableError for an unknown or missing backend. A time-out with no schedule, or a
+    solver failure, is a SolveResult with status 'error' and a message.
+    """
+    started = time.perf_counter()
+    budget = parse_bytes(budget)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    be = get_backend(backend)
+    deadline = started + time_limit_s
+    form = Formulation(graph, budget, mode=mode)
+    build_s = time.perf_counter() - started
+    stats = {**form.stats(), "build_s": round(build_s, 3), "mode": mode}
+    if form.infeasible_points:
+        where, need = max(form.infeasible_points, key=lambda p: p[1])
+        raise _infeasible(graph, budget, mode, backend, min(MIN_BUDGET_TIME_LIMIT_S,
+                                                            time_limit_s),
+                          why=f"the {where} alone needs {format_bytes(need)}")
+    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    shared = _Shared(form.milp)
+    shared.start = started
+
+    # -- first incumbent -----------------------------------------------------------------------
+    if warm_start:
+        best = best_fitting(graph, budget, heuristic_schedules(graph, budget, form.facts))
+        if best is not None:
+            shared.offer(form.encode(best[1]), f"heuristic:{best[0]}")
+        else:
+            # No rule fits: the least-memory schedule decides feasibility and is a start.
+            peak, lower, proven, s = min_budget_details(
+                graph, mode, backend=backend if be.WARM_START else "highs",
+                time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, 0.3 * time_limit_s)))
+            if peak <= budget:
+                shared.offer(form.encode(s), "min_peak")
+            elif lower > budget:
+                raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
+    stats["heuristic"] = shared.source or None
+    stats["heuristic_objective_s"] = (None if shared.x is None
+                                      else shared.obj / form.time_scale)
+
+    progress = _Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
+                         form.time_scale, f"{graph.model} {format_bytes(budget)}")
+    if shared.x is not None:
+        progress.update(incumbent=shared.obj)
+    try:
+        r, lns_stats = _optimize(form, be, shared, deadline, mip_gap, verbose, progress)
+    finally:
+        progress.close()
+    if lns_stats is not None:
+        stats["lns"] = lns_stats
+    solve_s = time.perf_counter() - started
+
+    if r.status == B_INFEASIBLE:
+        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
+    x, obj, _ = shared.get()
+    stats["message"] = r.message
+    if x is None:
+        why = (f"{be.name} failed: {r.message}" if r.status == "error" else
+               f"no schedule found within the time limit of {time_limit_s:g} s "
+               f"({r.message}); raise --time-limit")
+        return SolveResult.failure(status=ERROR, backend=be.name, message=why,
+                                   solve_time_s=solve_s, stats=stats)
+
+    schedule = form.decode(x)
+    tl = simulate(graph, schedule)
+    claimed = form.seconds(x)
+    # The MILP and the simulator must agree: anything else is a bug in the formulation.
+    assert tl.peak_bytes <= budget, (
+        f"internal error: the MILP's schedule peaks at {tl.peak_bytes} bytes in the simulator, "
+        f"over the budget {budget}")
+    assert abs(tl.total_time - claimed) <= 1e-7 * max(1.0, tl.total_time), (
+        f"internal error: the MILP claims {claimed} s, the simulator says {tl.total_time} s")
+    lower = None
+    bound = r.bound
+    if bound is None and r.status == B_OPTIMAL and r.objective is not None:
+        # the backend proved its answer within mip_gap but reports no number (SCIPY)
+        bound = r.objective - mip_gap * abs(r.objective)
+    if bound is not None:
+        lower = min(bound / form.time_scale, tl.total_time)
+    gap = None if lower is None else max(0.0, (tl.total_time - lower) / tl.total_time)
+    proven = gap is not None and gap <= mip_gap + 1e-9
+    status = OPTIMAL if proven else FEASIBLE_AT_TIME_LIMIT
+    schedule = Schedule(**{**schedule.__dict__, "created_by": be.name,
+                           "predicted_peak_bytes": tl.peak_bytes,
+                           "predicted_time": tl.total_time,
+                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
+                                    "store_all_time_s": base_time}})
+    stats.update({"first_incumbent_s": None if shared.first_s is None else round(shared.first_s, 3),
+                  "lower_bound_s": lower, "incumbent_source": shared.source,
+                  "store_all_time_s": base_time, "backend_status": r.status})
+    return SolveResult(status=status, schedule=schedule, objective=tl.total_time,
+                       predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
+                       mip_gap=gap, solve_time_s=solve_s, backend=be.name, stats=stats)
+
+
+def _optimize(form: Formulation, be, shared: _Shared, deadline: float, mip_gap: float,
+              verbose: bool, progress: _Progress):
+    """Solve form's MILP until `deadline`, improving `shared`; returns the branch-and-bound
+    BackendResult (its bound is the only valid lower bound) and LNS statistics (or None)."""
+    if be.name != "highs":
+        # Other backends: one solve, warm-started where the backend takes it.
+        r = be.solve(form.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
+                     mip_gap=mip_gap, warm_start=shared.x if be.WARM_START else None,
+                     verbose=verbose, progress=lambda sec, inc, bd: progress.update(inc, bd))
+        if r.x is not None:
+            shared.offer(r.x, be.name)
+        return r, None
+    return _solve_concurrently(form, be, shared, deadline, mip_gap, verbose, progress)
+
+
+def _solve_concurrently(form: Formulation, be, shared: _Shared, deadline: float, mip_gap: float,
+                        verbose: bool, progress: _Progress):
+    """Branch and bound on the whole MILP in a thread; LP rounding and LNS in this one, each
+    handing the other its better solutions (HiGHS's improving-solution and user-solution
+    callbacks). Returns the branch-and-bound BackendResult and the LNS statistics."""
+    milp = form.milp
+    done = threading.Event()
+    result: dict = {}
+    injected = {"version": 0}
+
+    def on_improving(e):
+        x = np.array(e.data_out.mip_solution, dtype=float)
+        if len(x) == milp.num_vars and shared.offer(x, "highs"):
+            progress.update(incumbent=e.data_out.mip_primal_bound)
+
+    def on_user_solution(e):
+        x, obj, version = shared.get()
+        if x is None or version == injected["version"]:
+            return
+        if obj < e.data_out.mip_primal_bound - 1e-9 * max(1.0, abs(obj)):
+            e.data_in.setSolution(x)
+            e.data_in.user_has_solution = True
+        injected["version"] = version
+
+    def on_logging(e):
+        d = e.data_out
+        progress.update(incumbent=d.mip_primal_bound, bound=d.mip_dual_bound)
+
+    def run_full():
+        try:
+            x0, _, version = shared.get()
+            injected["version"] = version
+            result["r"] = _HighsWithCallbacks(on_improving, on_user_solution, on_logging).solve(
+                milp, time_limit_s=max(0.1, deadline - time.perf_counter()), mip_gap=mip_gap,
+                warm_start=x0, verbose=verbose)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run_full, name="monetlike-milp", daemon=True)
+    worker.start()
+    lns_stats = None
+    try:
+        remaining = deadline - time.perf_counter()
+        # LP rounding: one LP solve, worth it when there is time for it and the search after.
+        if remaining > 20 and not done.is_set():
+            rounded = lp_rounding(form, highspy_backend(), time_limit_s=min(60.0, 0.25 * remaining))
+            if rounded is not None and shared.offer(form.encode(rounded[1]), rounded[0]):
+                progress.update(incumbent=shared.obj)
+        # Wait for a first incumbent (from the heuristics or branch and bound) before LNS.
+        while shared.get()[0] is None and not done.wait(0.2):
+            if time.perf_counter() > deadline:
+                break
+        x0 = shared.get()[0]
+        if x0 is not None and not done.is_set():
+            seen = {"version": shared.get()[2]}
+
+            def incoming():
+                x, _, version = shared.get()
+                if version != seen["version"]:
+                    seen["version"] = version
+                    return x
+                return None
+
+            def on_improve(x, obj):
+                if shared.offer(x, "lns"):
+                    seen["version"] = shared.get()[2]
+                    progress.update(incumbent=obj)
+
+            _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
+                                on_improve=on_improve, incoming=incoming,
+                                should_stop=done.is_set)
+            lns_stats = {"windows": st.windows, "improved": st.improved,
+                         "timed_out": st.timed_out, "seconds": round(st.seconds, 1)}
+    finally:
+        done.wait()
+        worker.join()
+    return result["r"], lns_stats
+
+
+def highspy_backend():
+    from .backends.highs import HighsBackend
+    return HighsBackend()
+
+
+class _HighsWithCallbacks:
+    """The HiGHS backend with extra callbacks subscribed (improving, user solution, logging)."""
+
+    def __init__(self, on_improving, on_user_solution, on_logging):
+        self.cbs = (on_improving, on_user_solution, on_logging)
+
+    def solve(self, milp, **kw):
+        from .backends.highs import HighsBackend
+
+        be = HighsBackend()
+        be.extra_callbacks = self.cbs
+        return be.solve(milp, **kw)
