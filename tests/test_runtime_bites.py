@@ -537,3 +537,22 @@ def test_inplace_residual_split_stage():
     assert len(group.nodes) == 3, group.nodes  # bn2, add_, relu_
     for s in three_schedules(graph).values():
         compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+
+
+def test_parameters_replaced_after_the_first_call_are_used():
+    model = small_cnn()
+    x = torch.randn(2, 3, 8, 8)
+    graph = profiled(model, (x,))
+    for s in (store_all_schedule(graph), tight(graph)):
+        w = ScheduleWrapper(model, s, graph=graph)
+        w(x).sum().backward()  # builds the plan
+        fresh = small_cnn()
+        for p in fresh.parameters():
+            p.data.mul_(-1.0)
+        model.load_state_dict(fresh.state_dict(), assign=True)  # new Parameter objects
+        torch.manual_seed(0)
+        out = w(x)
+        out.sum().backward()
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, fresh(x))
+        assert all(p.grad is not None for p in model.parameters())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+
 class Saved:
     """What the pack hook returns: a Value handle, or a tensor kept as it is."""
 
