@@ -258,12 +258,14 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
     x, obj, _ = shared.get()
     stats["message"] = r.message
+    if r.status == "error":  # a solver failure is reported, even with a heuristic in hand
+        return SolveResult.failure(status=ERROR, backend=be.name, solve_time_s=solve_s,
+                                   stats=stats, message=r.message)
     if x is None:
-        why = (f"{be.name} failed: {r.message}" if r.status == "error" else
-               f"no schedule found within the time limit of {time_limit_s:g} s "
-               f"({r.message}); raise --time-limit")
-        return SolveResult.failure(status=ERROR, backend=be.name, message=why,
-                                   solve_time_s=solve_s, stats=stats)
+        return SolveResult.failure(
+            status=ERROR, backend=be.name, solve_time_s=solve_s, stats=stats,
+            message=f"no schedule found within the time limit of {time_limit_s:g} s "
+                    f"({r.message}); raise --time-limit")
 
     schedule = form.decode(x)
     tl = simulate(graph, schedule)

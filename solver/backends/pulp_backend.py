@@ -14,6 +14,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def _build(milp, warm_start):
         lo = None if np.isinf(milp.lb[i]) else float(milp.lb[i])
         hi = None if np.isinf(milp.ub[i]) else float(milp.ub[i])
         cat = pulp.LpInteger if milp.integrality[i] else pulp.LpContinuous
-        v = pulp.LpVariable(f"x{i:0{width}d}", lowBound=lo, upBound=hi, cat=cat)
+        v = prob.add_variable(f"x{i:0{width}d}", lowBound=lo, upBound=hi, cat=cat)
         if warm_start is not None:
             v.setInitialValue(float(round(warm_start[i]) if milp.integrality[i]
                                     else warm_start[i]))
@@ -76,9 +77,12 @@ class PulpCbcBackend(Backend):
         fd, log_path = tempfile.mkstemp(prefix="monetlike-cbc-", suffix=".log")
         os.close(fd)
         try:
-            solver = pulp.PULP_CBC_CMD(msg=bool(verbose), timeLimit=max(1, int(time_limit_s)),
-                                       gapRel=float(mip_gap), threads=1,
-                                       warmStart=warm_start is not None, logPath=log_path)
+            with warnings.catch_warnings():
+                # PuLP 3.3 deprecates PULP_CBC_CMD, but it is the only way to its bundled CBC
+                warnings.simplefilter("ignore", DeprecationWarning)
+                solver = pulp.PULP_CBC_CMD(msg=bool(verbose), timeLimit=max(1, int(time_limit_s)),
+                                           gapRel=float(mip_gap), threads=1,
+                                           warmStart=warm_start is not None, logPath=log_path)
             prob.solve(solver)
             with open(log_path, encoding="utf-8", errors="replace") as f:
                 log = f.read()

@@ -1,0 +1,123 @@
+"""Baselines: known schedules on hand-built graphs, every result replayed by the simulator, and the
+documented behaviour at budgets they cannot meet."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import solver
+from solver import InfeasibleBudgetError, baselines, simulate
+from solver.analysis import GraphFacts
+from solver.baselines import articulation_values, schedule_from_keep
+from solver_cases import GraphBuilder, random_dag
+from test_solver_catalogue import chain, diamond, skip
+
+
+def unit_chain(n: int):
+    """x -> op0 -> v0 -> ... -> op{n-1} -> v{n-1} (output); size 10, fwd 1, bwd 1, saves input."""
+    b = GraphBuilder(f"chain{n}")
+    v = b.input("x", 0)
+    for i in range(n):
+        v = b.op(f"op{i}", [v], 10 if i < n - 1 else 1)
+    return b.build(outputs=v)
+
+
+def _replayed(graph, r):
+    tl = simulate(graph, r.schedule)
+    assert r.predicted_peak_bytes == tl.peak_bytes == r.schedule.predicted_peak_bytes
+    assert r.predicted_time == tl.total_time == r.objective
+    return tl
+
+
+def test_store_all():
+    g = chain()
+    r = baselines.store_all(g)
+    assert r.status == "heuristic" and r.backend == "baseline:store_all"
+    assert r.schedule.created_by == "baseline:store_all"
+    tl = _replayed(g, r)
+    assert (tl.peak_bytes, tl.total_time) == (31, 11.0)
+    assert baselines.store_all(g, "31B").ok
+
+
+def test_chen_sqrt_n_on_a_nine_op_chain():
+    # every Value of a chain is an articulation point; segments of sqrt(9) = 3 ops keep v2 and
+    # v5, and each segment's interior is recomputed once, at the first stage that needs it
+    g = unit_chain(9)
+    r = baselines.chen_sqrt_n(g)
+    s = r.schedule
+    assert [g.values[v].name for v in s.forward_keep] == ["op2", "op5"]
+    rec = {g.ops[st.op].name: [g.ops[j].name for j in st.recompute] for st in s.stages
+           if st.recompute}
+    assert rec == {"op8": ["op6", "op7"], "op5": ["op3", "op4"], "op2": ["op0", "op1"]}
+    tl = _replayed(g, r)
+    assert tl.total_time == 9 + 9 + 6
+    assert r.stats["segment_length"] == 3
+
+
+def test_articulation_values():
+    assert [chain().values[v].name for v in articulation_values(chain())] == ["op0", "op1", "op2"]
+    assert [skip().values[v].name for v in articulation_values(skip())] == ["op0"]
+    assert articulation_values(diamond()) == [1]
+
+
+def test_greedy_fits_the_budget_and_keeps_what_it_can():
+    g = unit_chain(9)
+    top = baselines.store_all(g).predicted_peak_bytes
+    r = baselines.greedy(g, top)  # nothing to drop
+    assert r.predicted_time == baselines.store_all(g).predicted_time
+    for budget in (top - 10, top - 30, 60):
+        r = baselines.greedy(g, budget)
+        assert r.status == "heuristic" and r.predicted_peak_bytes <= budget
+        _replayed(g, r)
+    assert baselines.greedy(g, 60).predicted_time > baselines.greedy(g, top - 10).predicted_time
+
+
+def test_heuristics_report_a_budget_they_cannot_meet():
+    g = chain()
+    for f in (baselines.store_all, baselines.chen_sqrt_n, baselines.greedy):
+        r = f(g, 20)
+        assert r.status == "error" and r.schedule is None
+        assert "over the budget of 20 B; the budget may still be feasible" in r.message
+        assert r.stats["peak_bytes"] > 20
+
+
+def test_checkpoint_only_is_the_checkpoint_milp():
+    g = chain()
+    r = baselines.checkpoint_only(g, 21)
+    assert r.status == "optimal" and r.schedule.mode == "checkpoint"
+    assert r.objective == pytest.approx(12.0)
+    assert baselines.checkpoint_only(g).objective == pytest.approx(11.0)  # store-all budget
+    with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible 21 B"):
+        baselines.checkpoint_only(g, 20)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_baselines_never_beat_the_milp(seed):
+    g = random_dag(random.Random(seed), 10)
+    top = baselines.store_all(g).predicted_peak_bytes
+    for frac in (1.0, 0.8, 0.6):
+        budget = int(top * frac)
+        try:
+            best = solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
+        except InfeasibleBudgetError:
+            continue
+        for f in (baselines.store_all, baselines.chen_sqrt_n, baselines.greedy):
+            r = f(g, budget)
+            if r.ok:
+                _replayed(g, r)
+                assert r.predicted_time >= best.objective - 1e-9
+
+
+def test_schedule_from_keep_retention_policies():
+    g = unit_chain(6)
+    facts = GraphFacts(g, "full")
+    times = {}
+    for retain in ("all", "saved", "none"):
+        s = schedule_from_keep(g, (), retain=retain, facts=facts)
+        times[retain] = simulate(g, s).total_time
+    # keeping nothing and holding what was recomputed: each op recomputed once (5 ops)
+    assert times["all"] == times["saved"] == 6 + 6 + 5
+    # recomputing from the input at every stage: 5 + 4 + 3 + 2 + 1
+    assert times["none"] == 6 + 6 + 15

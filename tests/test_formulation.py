@@ -1,0 +1,155 @@
+"""The MILP as data: its blocks match docs/formulation.md, any schedule encodes to a feasible
+vector whose memory rows equal the simulator's memory, canonical schedules never cost more, and
+its size stays O(n^2) on a ResNet-50-sized graph."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import re
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solver import simulate, store_all_schedule
+from solver.analysis import GraphFacts
+from solver.baselines import chen_schedule, schedule_from_keep
+from solver.canonical import canonicalize
+from solver.formulation import Formulation
+from solver_cases import GraphBuilder, random_chain, random_dag, resnet_like
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "formulation.md"
+
+
+def _doc_blocks(section: str) -> set[str]:
+    text = DOC.read_text()
+    part = text.split(f"## {section}")[1].split("\n## ")[0]
+    return set(re.findall(r"^\| `([a-z_]+)` \|", part, flags=re.M))
+
+
+def _graph_with_every_block():
+    """Two Impls differing in forward cost, internals and saved set: every block appears."""
+    b = GraphBuilder("every_block")
+    x = b.input("x", 0)
+    a = b.op("op0", [x], 10, fwd=3)
+    m = b.op("op1", [a], 10, impls=[
+        dict(name="default", saved=("in0",), internal_bytes=0, fwd_time=1, bwd_time=1),
+        dict(name="alt", saved=("out0",), internal_bytes=3, fwd_time=2, bwd_time=1,
+             fwd_workspace=1)])
+    c = b.op("op2", [m, a], 10, fwd=1)
+    y = b.op("op3", [c], 1, fwd=1)
+    return b.build(outputs=y, stage_grad_bytes=[1, 2, 3, 4])
+
+
+def test_blocks_match_the_documentation():
+    g = _graph_with_every_block()
+    milp = Formulation(g, 60).milp
+    peak = Formulation(g, None, objective="peak").milp
+    rows = {b.name for b in milp.row_blocks}
+    cols = {b.name for b in milp.var_blocks} | {b.name for b in peak.var_blocks}
+    assert rows == _doc_blocks("4. Rows")
+    assert cols == _doc_blocks("3. Columns")
+
+
+def _random_schedules(g, rng):
+    """Schedules from every rule, with random kept sets, plus store-all and Chen's."""
+    facts = GraphFacts(g, "full")
+    out = [store_all_schedule(g), chen_schedule(g, facts, 2)]
+    values = [v.id for v in g.values if v.producer is not None]
+    for _ in range(4):
+        keep = {v for v in values if rng.random() < 0.5}
+        out.append(schedule_from_keep(g, keep, retain=rng.choice(["all", "saved", "none"]),
+                                      facts=facts))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(1, 9), kind=st.sampled_from(["chain", "dag"]))
+def test_encoded_schedules_are_feasible_and_claim_the_simulated_peak(seed, n, kind):
+    rng = random.Random(seed)
+    g = random_chain(rng, n) if kind == "chain" else random_dag(rng, n, two_impl=True)
+    for s in _random_schedules(g, rng):
+        tl = simulate(g, s)
+        f = Formulation(g, tl.peak_bytes)
+        x = f.encode(s)
+        assert f.milp.violations(x) == []
+        # the vector describes a schedule (canonical, dominated Impls replaced) that costs no
+        # more than s, and its memory rows claim exactly the simulator's peak
+        dt = simulate(g, f.decode(x))
+        assert f.claimed_peak(x) == dt.peak_bytes
+        assert f.seconds(x) == pytest.approx(dt.total_time, rel=1e-12)
+        assert dt.peak_bytes <= tl.peak_bytes and dt.total_time <= tl.total_time + 1e-12
+        # canonical schedules never cost more than the original
+        ct = simulate(g, canonicalize(g, s, f.facts))
+        assert ct.peak_bytes <= tl.peak_bytes and ct.total_time <= tl.total_time + 1e-12
+        # and the peak objective claims exactly the same peak
+        fp = Formulation(g, None, objective="peak")
+        xp = fp.encode(s)
+        assert fp.milp.violations(xp) == []
+        assert fp.milp.objective(xp) * fp.mem_scale == pytest.approx(dt.peak_bytes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_running_sums_and_full_sums_give_the_same_optimum(seed):
+    from solver.backends.highs import HighsBackend
+
+    rng = random.Random(seed)
+    g = random_dag(rng, 8, two_impl=True)
+    budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.6)
+    objs = []
+    for running in (True, False):
+        f = Formulation(g, budget, running_sums=running)
+        if f.infeasible_points:
+            objs.append(None)
+            continue
+        r = HighsBackend().solve(f.milp, time_limit_s=30, mip_gap=0)
+        objs.append(None if r.x is None else round(f.seconds(r.x), 9))
+    assert objs[0] == objs[1]
+
+
+def test_size_is_quadratic_on_a_resnet50_sized_graph():
+    g = resnet_like()
+    started = time.perf_counter()
+    f = Formulation(g, 8 * 2**30)
+    seconds = time.perf_counter() - started
+    n = len(g.ops)
+    m = f.milp
+    assert seconds < 5
+    assert m.num_integer < 2 * n * n
+    assert m.nnz < 20 * n * n
+    # the O(n^3) alternative is several times larger
+    assert Formulation(g, 8 * 2**30, running_sums=False).milp.nnz > 2 * m.nnz
+
+
+def test_variables_past_their_horizon_do_not_exist():
+    # chain where op1 saves nothing: its input a is never needed after the forward pass
+    b = GraphBuilder("horizon")
+    x = b.input("x", 0)
+    a = b.op("op0", [x], 10)
+    c = b.op("op1", [a], 10, saved=())
+    y = b.op("op2", [c], 1)
+    g = b.build(outputs=y)
+    f = Formulation(g, 100)
+    # c is read by stage 0 (op2's backward); a only feeds op1, which may be recomputed for it;
+    # nothing is read after stage 0, so no column exists for stages 1 and 2
+    assert set(f.S) == {(0, a), (0, c)}
+    assert set(f.R) == {(0, 0), (0, 1)}
+    assert f.facts.horizon[a] == 0 and f.facts.horizon[c] == 0
+
+
+def test_constant_points_over_budget_are_reported():
+    g = random_chain(random.Random(0), 3)
+    f = Formulation(g, 0)
+    assert f.infeasible_points and f.infeasible_points[0][1] > 0
+
+
+def test_encode_refuses_an_impl_outside_checkpoint_mode():
+    g = _graph_with_every_block()
+    s = store_all_schedule(g, impl=(0, 1, 0, 0))
+    f = Formulation(g, 100, mode="checkpoint")
+    with pytest.raises(ValueError, match="not among the checkpoint mode's choices"):
+        f.encode(s)
+    assert np.all(Formulation(g, 100).encode(s) >= -1e-9)

@@ -1,0 +1,138 @@
+"""solve() and min_budget() as a user sees them: arguments, results, errors and progress."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+import solver
+from solver import (BackendUnavailableError, BudgetParseError, InfeasibleBudgetError, Schedule,
+                    simulate, store_all_schedule)
+from solver.backends import available, get_backend, known
+from solver.backends.base import BackendResult
+from solver_cases import GraphBuilder, resnet_like
+from test_solver_catalogue import chain
+
+
+def test_budget_strings_and_result_fields(tmp_path):
+    g = chain()
+    r = solver.solve(g, "21B", time_limit_s=30)
+    assert r.status == "optimal" and r.backend == "highs"
+    assert r.objective == pytest.approx(12.0)
+    assert r.predicted_peak_bytes == 21 and r.predicted_time == pytest.approx(12.0)
+    assert 0 <= r.mip_gap <= 0.01
+    s = r.schedule
+    assert s.fingerprint == g.fingerprint and s.graph_summary == g.summary()
+    assert s.budget_bytes == 21 and s.mode == "full" and s.created_by == "highs"
+    assert s.predicted_peak_bytes == 21 and s.predicted_time == pytest.approx(12.0)
+    for key in ("variables", "integer_variables", "constraints", "nonzeros", "first_incumbent_s",
+                "lower_bound_s"):
+        assert key in r.stats
+    # the schedule survives a JSON round trip and still replays to the same numbers
+    path = tmp_path / "s.json"
+    s.save(path)
+    assert simulate(g, Schedule.load(path)).peak_bytes == 21
+    json.loads(path.read_text())
+
+
+def test_budget_units():
+    assert solver.parse_bytes("8GiB") == 8 * 2**30
+    assert solver.parse_bytes("8GB") == 8 * 10**9
+    with pytest.raises(BudgetParseError, match="cannot parse budget"):
+        solver.solve(chain(), "eight gigs")
+
+
+def test_infeasible_budget_names_the_minimum():
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solver.solve(chain(), 20, time_limit_s=30)
+    assert str(e.value).startswith("budget 20 B is below the minimum feasible 21 B for chain "
+                                   "batch 1 (full mode); raise --budget")
+    assert e.value.budget == 20 and e.value.min_budget == 21
+
+
+def test_infeasible_when_a_single_point_is_over_budget():
+    # forward op1 holds a+b = 20 whatever the schedule: said without any solve
+    with pytest.raises(InfeasibleBudgetError, match=r"forward of op 1 op1 alone needs 20 B"):
+        solver.solve(chain(), 15)
+
+
+def test_min_budget():
+    assert solver.min_budget(chain()) == 21
+    assert solver.min_budget(chain(), mode="checkpoint") == 21
+
+
+def test_unknown_and_missing_backends_list_the_installed_ones(monkeypatch):
+    with pytest.raises(BackendUnavailableError, match=r"unknown MILP backend 'gurobi'.*installed"):
+        solver.solve(chain(), 31, backend="gurobi")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pulp" else real(name, *a))
+    assert "cbc" not in available() and "highs" in available()
+    with pytest.raises(BackendUnavailableError,
+                       match=r"'cbc' is not installed \(it needs pulp\); installed here: "):
+        get_backend("cbc")
+    assert set(known()) == {"highs", "cvxpy", "cvxpy-scipy", "cbc", "pulp-highs"}
+
+
+def test_bad_mode_and_time_limit():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        solver.solve(chain(), 31, mode="offload")
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        solver.solve(chain(), 31, time_limit_s=0)
+
+
+def test_solver_crash_is_an_error_result(monkeypatch):
+    from solver.backends.highs import HighsBackend
+
+    def boom(self, milp, **kw):
+        raise RuntimeError("segfault simulated")
+
+    monkeypatch.setattr(HighsBackend, "_solve", boom)
+    r = solver.solve(chain(), 21, time_limit_s=10)
+    assert r.status == "error" and r.schedule is None
+    assert "highs failed: RuntimeError: segfault simulated" in r.message
+
+
+def test_time_out_without_a_schedule_is_an_error_result(monkeypatch):
+    from solver.backends.highs import HighsBackend
+
+    def nothing(self, milp, **kw):
+        return BackendResult(status="time_limit", x=None, objective=None, bound=None,
+                             seconds=1.0, message="HiGHS: Time limit reached")
+
+    monkeypatch.setattr(HighsBackend, "_solve", nothing)
+    r = solver.solve(chain(), 21, time_limit_s=5, warm_start=False)
+    assert r.status == "error" and r.schedule is None
+    assert "no schedule found within the time limit of 5 s" in r.message
+    assert "raise --time-limit" in r.message
+
+
+def test_checkpoint_mode_never_picks_another_impl():
+    from test_solver_catalogue import two_impl
+
+    full = solver.solve(two_impl(), 24, time_limit_s=30)
+    ckpt = solver.solve(two_impl(), 24, mode="checkpoint", time_limit_s=30)
+    assert full.schedule.impl[1] == 1 and set(ckpt.schedule.impl) == {0}
+    assert full.objective == pytest.approx(10.5) and ckpt.objective == pytest.approx(15.0)
+    assert ckpt.schedule.mode == "checkpoint"
+
+
+def test_verbose_shows_progress(capsys):
+    solver.solve(chain(), 21, time_limit_s=10, verbose=True)
+    err = capsys.readouterr().err
+    assert "chain 21 B" in err and "overhead" in err
+
+
+@pytest.mark.slow
+def test_resnet50_sized_graph_to_one_percent():
+    """A ResNet-50-shaped graph (batch 184, roofline costs) at 8 GiB: to a 1% gap quickly."""
+    g = resnet_like()
+    r = solver.solve(g, "8GiB", time_limit_s=120)
+    assert r.status == "optimal" and r.mip_gap <= 0.01
+    assert r.solve_time_s < 120
+    assert r.stats["first_incumbent_s"] < 10
+    assert simulate(g, r.schedule).peak_bytes <= 8 * 2**30
+    base = simulate(g, store_all_schedule(g)).total_time
+    assert r.predicted_time < 1.12 * base

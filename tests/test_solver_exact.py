@@ -1,0 +1,93 @@
+"""The MILP against an independent exact method, on random small graphs (hypothesis).
+
+- Random chains: solve's optimum equals the exhaustive search of solver_reference.py (which
+  shares no code with the MILP), in both modes and at budgets from store-all down to infeasible.
+- Random small DAGs with two-Impl ops: every installed backend returns the same optimum, which
+  again equals the exhaustive search.
+Every answer is replayed by the simulator: same peak and time as claimed, peak within budget.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import solver
+from solver import InfeasibleBudgetError, simulate, store_all_schedule
+from solver.backends import available
+from solver_cases import random_chain, random_dag
+from solver_reference import exact_optimum
+
+FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.35)
+
+
+def _check(graph, r, budget):
+    tl = simulate(graph, r.schedule)
+    assert tl.peak_bytes == r.predicted_peak_bytes <= budget
+    assert tl.total_time == r.predicted_time
+    assert r.objective == pytest.approx(tl.total_time, rel=1e-12)
+
+
+def _solve_or_none(graph, budget, **kw):
+    try:
+        return solver.solve(graph, budget, time_limit_s=30, mip_gap=0, **kw)
+    except InfeasibleBudgetError:
+        return None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(1, 5), mode=st.sampled_from(["full",
+                                                                              "checkpoint"]))
+def test_chain_optimum_equals_exhaustive_search(seed, n, mode):
+    g = random_chain(random.Random(seed), n)
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    for frac in FRACTIONS:
+        budget = int(top * frac)
+        ref = exact_optimum(g, budget, mode=mode)
+        r = _solve_or_none(g, budget, mode=mode)
+        if ref is None:
+            assert r is None, f"solver found {r.objective} where no schedule fits {budget}"
+            continue
+        assert r is not None, f"solver says infeasible, reference finds {ref[0]} at {budget}"
+        assert r.status == "optimal"
+        assert r.objective == pytest.approx(ref[0], abs=1e-9)
+        _check(g, r, budget)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(2, 4))
+def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    for frac in (1.0, 0.7, 0.5):
+        budget = int(top * frac)
+        for mode in ("full", "checkpoint"):
+            ref = exact_optimum(g, budget, mode=mode)
+            for backend in available():
+                r = _solve_or_none(g, budget, mode=mode, backend=backend)
+                if ref is None:
+                    assert r is None, (backend, mode, budget)
+                    continue
+                assert r is not None and r.status == "optimal", (backend, mode, budget)
+                assert r.objective == pytest.approx(ref[0], abs=1e-9), (backend, mode, budget)
+                _check(g, r, budget)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(6, 14))
+def test_larger_dags_backends_agree(seed, n):
+    """Past the exhaustive search's reach: the backends still agree with each other."""
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    budget = int(top * 0.6)
+    results = {}
+    for backend in available():
+        r = _solve_or_none(g, budget, backend=backend)
+        results[backend] = None if r is None else round(r.objective, 9)
+        if r is not None:
+            assert r.status == "optimal"
+            _check(g, r, budget)
+    assert len(set(results.values())) == 1, results
