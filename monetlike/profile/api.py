@@ -146,7 +146,7 @@ def _progress(total: int):
 
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
-            leaf_modules: Iterable = ()) -> OpGraph:
+            leaf_modules: Iterable = (), impls: bool = True) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -154,6 +154,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         monetlike.profile.costs.PRESETS).
     optimizer: None, "sgd" (momentum: 1x trainable parameter bytes of state) or "adam" (2x).
     leaf_modules: extra module names or classes to keep as single ops (see monetlike.trace).
+    impls: also measure the registered operator implementations (monetlike.impls) as extra
+        Impls of the Ops they apply to. The runtime's structure check profiles with the default
+        (True): a graph made with impls=False must be passed to ScheduleWrapper as `graph=`.
     """
     kind, preset = parse_cost(cost)
     opt_mult = _optimizer_multiplier(optimizer)
@@ -206,6 +209,14 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                         for gid in range(len(run.groups)):
                             fwd_times.setdefault(gid, []).append(f.get(gid, 0.0))
                             bwd_times.setdefault(gid, []).append(b.get(gid, 0.0))
+            alternatives = {}
+            if impls:
+                from ..impls.profiling import measure_alternatives
+
+                alternatives = measure_alternatives(
+                    gm, work, xs, run, measured=kind == "measured", preset=preset,
+                    device=device, repeat=repeat, note=note,
+                    context=_GpuLikeDropout if kind == "analytical" else contextlib.nullcontext)
         finally:
             if bar is not None:
                 bar.close()
@@ -219,7 +230,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                              measured=kind == "measured", fwd_times=fwd_times,
                              bwd_times=bwd_times, param_bytes=param_bytes,
                              optimizer_bytes=opt_mult * trainable, input_bytes=input_bytes,
-                             provenance=provenance, meta={
+                             provenance=provenance, alternatives=alternatives, meta={
                                  "torch_version": torch.__version__,
                                  "profile_seconds": round(time.perf_counter() - t_start, 3),
                                  "optimizer": optimizer,
@@ -254,7 +265,8 @@ def _get_attr_tensors(gm, work) -> list[torch.Tensor]:
 
 def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool,
                  fwd_times: dict, bwd_times: dict, param_bytes: int, optimizer_bytes: int,
-                 input_bytes: int, provenance: str, meta: dict) -> OpGraph:
+                 input_bytes: int, provenance: str, meta: dict,
+                 alternatives: dict | None = None) -> OpGraph:
     order = run.topological_order()
     new_gid = {gid: i for i, gid in enumerate(order)}
     # Value ids: graph inputs first (placeholder order), then each Op's outputs in Op order.
@@ -282,9 +294,12 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                     bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0)
+        # Registered operator implementations measured in their own steps (monetlike.impls).
+        extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"]))})
+                      for alt in (alternatives or {}).get(gid, ()))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),
                       inputs=tuple(new_tid[t] for t in g.inputs),
-                      outputs=tuple(new_tid[t] for t in g.outputs), impls=(impl,),
+                      outputs=tuple(new_tid[t] for t in g.outputs), impls=(impl,) + extra,
                       has_backward=bool(g.ran_backward),
                       recompute_unsafe="; ".join(g.unsafe) if g.unsafe else None))
     backward_order = tuple(new_gid[gid] for gid in run.backward_order)

@@ -381,7 +381,9 @@ class ScheduledForward(fx.Interpreter):
         self._buffer_versions: dict[int, list] = {}
         self._capturer: rc.ContextCapturer | None = None
         self._hooks = None
-        self._fast = _live_forward(plan.gm, root) if plan.store_all else None
+        # Non-default Impls replace some nodes (plan.impl_calls): only the interpreter runs them.
+        self._fast = _live_forward(plan.gm, root) if plan.store_all and not plan.impl_calls \
+            else None
         self._nodes = list(self.graph.nodes)
         self._free_after = {n: list(ms) for n, ms in self.user_to_last_uses.items()}
         # Nodes whose arguments are a flat tuple of nodes and constants (most): fetched without
@@ -462,6 +464,10 @@ class ScheduledForward(fx.Interpreter):
         return None
 
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
+        if self.plan.impl_calls:
+            sub = self.plan.impl_calls.get(n.name)
+            if sub is not None:  # the node of an Op run with a registered Impl (monetlike.impls)
+                return sub(self, n, args, kwargs)
         op = n.op
         if op == "call_module":
             return self.fetch_attr(n.target)(*args, **kwargs)

@@ -52,8 +52,12 @@ _NEVER_RECOMPUTE_NAMES = frozenset({
 })
 
 
-# Impls the runtime knows how to execute: 'default' is the op as the model wrote it.
-RUNTIME_IMPLS = frozenset({"default"})
+# Impls the runtime knows how to execute: 'default' is the op as the model wrote it; the others
+# are the registered operator implementations (monetlike/impls), run in place of the Op's nodes.
+def runtime_impls() -> frozenset[str]:
+    from ..impls import names
+
+    return frozenset({"default"}) | names()
 
 
 def target_name(node: fx.Node) -> str:
@@ -109,6 +113,8 @@ class Plan:
     stage_of_op: dict[int, int]
     releases: list[StageRelease]
     impl_saved: list[frozenset[int]] = field(default_factory=list)
+    impl_calls: dict = field(default_factory=dict)
+    """fx node name -> replacement callable, for the nodes of Ops whose Impl is not 'default'."""
 
     @property
     def store_all(self) -> bool:
@@ -121,11 +127,12 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     # Value a recomputation or a backward reads, unsafe Ops); a schedule it rejects never runs.
     simulate(graph, schedule)
 
+    known = runtime_impls()
     for op, k in zip(graph.ops, schedule.impl):
-        if op.impls[k].name not in RUNTIME_IMPLS:
+        if op.impls[k].name not in known:
             raise ScheduleError(
                 f"schedule picks Impl {op.impls[k].name!r} for op {op.id} ({op.name}); this "
-                f"runtime executes {sorted(RUNTIME_IMPLS)} only: solve with mode='checkpoint' or "
+                f"runtime executes {sorted(known)} only: solve with mode='checkpoint' or "
                 f"update monetlike")
     nodes = {n.name: n for n in gm.graph.nodes}
     node_op: dict[str, int] = {}
@@ -143,6 +150,19 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         group.sort(key=lambda n: order[n])
         op_nodes.append(group)
     op_last_node = {g[-1].name: j for j, g in enumerate(op_nodes) if g}
+    # Non-default Impls: the replacement of each of their nodes (the forward runs it instead).
+    impl_calls: dict = {}
+    for op, k in zip(graph.ops, schedule.impl):
+        if k == 0:
+            continue
+        from ..impls import get
+
+        subs = get(op.impls[k].name).match(gm, op_nodes[op.id])
+        if not subs:
+            raise ScheduleError(
+                f"schedule picks Impl {op.impls[k].name!r} for op {op.id} ({op.name}), which "
+                f"does not apply to its nodes in this trace; re-profile the model and solve again")
+        impl_calls.update(subs)
 
     placeholder_index = {n.name: i for i, n in
                          enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -223,7 +243,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
                 hooked_ops=hooked_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
-                impl_saved=impl_saved)
+                impl_saved=impl_saved, impl_calls=impl_calls)
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

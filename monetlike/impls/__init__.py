@@ -1,0 +1,11 @@
+"""Operator implementations the solver can choose per Op (docs/impls.md).
+
+    relu_mask        ReLU whose backward holds a 1-byte mask instead of its output
+    bn_relu_lean     BatchNorm(train) + in-place ReLU holding only the BN input
+    maxpool_compact  MaxPool2d holding an int8 in-window argmax instead of its input and indices
+    dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
+"""
+
+from .registry import ImplSpec, SubstitutingMixin, get, matches, names, register, specs
+
+__all__ = ["ImplSpec", "SubstitutingMixin", "get", "matches", "names", "register", "specs"]

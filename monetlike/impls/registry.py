@@ -1,0 +1,112 @@
+"""The registry of operator implementations (Impls other than 'default').
+
+An `ImplSpec` says which Op groups it applies to and how it runs: `match(gm, nodes)` looks at the
+fx nodes of one Op (creator first, then its in-place nodes) and returns, for the nodes it
+replaces, a callable `fn(interp, node, args, kwargs) -> result` to run instead of the node; or
+None when the group does not fit. The same `match` is used by the profiler (to measure the Impl)
+and by the runtime (to execute `schedule.impl[op]`), so what is measured is what runs.
+
+Each replacement is a `torch.autograd.Function` whose forward result is bitwise the default's and
+whose backward gives the same gradients; only what its backward holds (and its costs) differ.
+Recomputation always runs the default nodes under no_grad: the output is the same bits, and
+without grad nothing is saved, so the Impl choice does not matter there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.fx as fx
+
+Replacement = Callable[[Any, fx.Node, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class ImplSpec:
+    name: str
+    match: Callable[[fx.GraphModule, list], "dict[str, Replacement] | None"]
+    doc: str
+
+
+_REGISTRY: dict[str, ImplSpec] = {}
+
+
+def register(spec: ImplSpec) -> ImplSpec:
+    if spec.name == "default" or spec.name in _REGISTRY:
+        raise ValueError(f"Impl name {spec.name!r} is reserved or already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def specs() -> list[ImplSpec]:
+    """Registered Impls, in registration order (the order extra Impls appear on an Op)."""
+    _load()
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> ImplSpec:
+    _load()
+    return _REGISTRY[name]
+
+
+def names() -> frozenset[str]:
+    _load()
+    return frozenset(_REGISTRY)
+
+
+def matches(gm: fx.GraphModule, nodes: list) -> list[tuple[ImplSpec, dict]]:
+    """The registered Impls that apply to an Op made of `nodes`, with their replacements."""
+    out = []
+    for spec in specs():
+        subs = spec.match(gm, list(nodes))
+        if subs:
+            out.append((spec, subs))
+    return out
+
+
+def _load() -> None:
+    # The families register themselves on import; imported lazily so that importing the
+    # registry (from the runtime's plan) stays cheap and free of cycles.
+    from . import dropout, pool, relu  # noqa: F401
+
+
+class SubstitutingMixin:
+    """For fx.Interpreter subclasses: run `self.impl_subs[node.name]` instead of the node.
+
+    Works under interpreters that call `self.call_module/call_function/call_method` from their
+    `run_node` (torch's Interpreter, the profiler's ProfileRun and TimingRun)."""
+
+    impl_subs: dict = {}
+    _impl_node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self._impl_node = n
+        try:
+            return super().run_node(n)
+        finally:
+            self._impl_node = None
+
+    def _impl_sub(self, target, args, kwargs, op):
+        n = self._impl_node
+        fn = self.impl_subs.get(n.name) if n is not None else None
+        if fn is None:
+            return getattr(super(), op)(target, args, kwargs)
+        return fn(self, n, args, kwargs)
+
+    def call_module(self, target, args, kwargs):
+        return self._impl_sub(target, args, kwargs, "call_module")
+
+    def call_function(self, target, args, kwargs):
+        return self._impl_sub(target, args, kwargs, "call_function")
+
+    def call_method(self, target, args, kwargs):
+        return self._impl_sub(target, args, kwargs, "call_method")
+
+
+def module_of(interp_or_gm, target: str):
+    """The submodule `target` as the interpreter sees it (the runtime reads the live model)."""
+    fetch = getattr(interp_or_gm, "fetch_attr", None)
+    if fetch is not None:
+        return fetch(target)
+    return interp_or_gm.get_submodule(target)
