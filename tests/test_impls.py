@@ -1,0 +1,379 @@
+"""Operator implementations (monetlike.impls): exact results, declared bytes, end-to-end runs.
+
+Each Impl must give outputs bitwise equal to plain PyTorch and gradients equal to it (they come
+out bitwise equal here), and hold between forward and backward exactly the bytes the profiler
+declares for it: the saved Values plus `internal_bytes`, checked against hand-derived numbers on
+tiny modules.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import monetlike
+import solver
+from monetlike.impls import names
+from monetlike.profile.memory import StorageTracker
+from solver.schedule import Schedule
+from solver.simulate import simulate, store_all_schedule, with_predictions
+
+A100 = "analytical:A100-40GB"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny modules, one per form an Impl must recognise
+# ----------------------------------------------------------------------------------------------
+class ConvAct(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.conv(x))
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x)) * 2
+
+
+def relu_method(x):
+    return x.relu()
+
+
+def relu_method_(x):
+    return x.relu_()
+
+
+def relu_inplace_kw(x):
+    return F.relu(x, inplace=True)
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=inplace)
+        with torch.no_grad():
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.relu(self.b(y) + y)
+
+
+class Pool(nn.Module):
+    def __init__(self, pool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = pool
+
+    def forward(self, x):
+        return self.pool(self.conv(x)) * 2
+
+
+class FnPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return F.max_pool2d(self.conv(x), 3, 2, 1) * 2
+
+
+class Drop(nn.Module):
+    def __init__(self, functional=False):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.drop = nn.Dropout(0.3)
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = F.dropout(h, 0.3, self.training) if self.functional else self.drop(h)
+        return h * 2
+
+
+X_IMG = (2, 3, 8, 8)
+CASES = {
+    "relu_module": (lambda: ConvAct(nn.ReLU()), X_IMG, "relu_mask"),
+    "relu_module_inplace": (lambda: ConvAct(nn.ReLU(inplace=True)), X_IMG, "relu_mask"),
+    "relu_function": (lambda: Fn(F.relu), X_IMG, "relu_mask"),
+    "relu_function_inplace": (lambda: Fn(relu_inplace_kw), X_IMG, "relu_mask"),
+    "relu_torch_": (lambda: Fn(torch.relu_), X_IMG, "relu_mask"),
+    "relu_method": (lambda: Fn(relu_method), X_IMG, "relu_mask"),
+    "relu_method_": (lambda: Fn(relu_method_), X_IMG, "relu_mask"),
+    "bn_relu_mask": (lambda: ConvBnRelu(), X_IMG, "relu_mask"),
+    "bn_relu_lean": (lambda: ConvBnRelu(), X_IMG, "bn_relu_lean"),
+    "add_relu_mask": (lambda: Residual(), (2, 4, 8, 8), "relu_mask"),
+    "maxpool_module": (lambda: Pool(nn.MaxPool2d(2)), X_IMG, "maxpool_compact"),
+    "maxpool_padded_dilated": (lambda: Pool(nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True)),
+                               (2, 3, 11, 9), "maxpool_compact"),
+    "maxpool_function": (lambda: FnPool(), (2, 3, 7, 9), "maxpool_compact"),
+    "dropout_module": (lambda: Drop(), (8, 16), "dropout_regen"),
+    "dropout_function": (lambda: Drop(functional=True), (8, 16), "dropout_regen"),
+}
+
+
+def _with_impl(graph, name: str) -> tuple[Schedule, list[int]]:
+    """Store-all schedule with Impl `name` on every Op that has it."""
+    impl, picked = [], []
+    for op in graph.ops:
+        k = next((i for i, im in enumerate(op.impls) if im.name == name), 0)
+        impl.append(k)
+        if k:
+            picked.append(op.id)
+    base = store_all_schedule(graph)
+    s = Schedule(fingerprint=base.fingerprint, graph_summary=base.graph_summary,
+                 impl=tuple(impl), forward_keep=base.forward_keep, stages=base.stages,
+                 mode="full", created_by="tests:impl", cost_provenance=graph.cost_provenance)
+    return with_predictions(graph, s), picked
+
+
+def _run(module, x, seed):
+    for p in module.parameters():
+        p.grad = None
+    xx = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = module(xx)
+    (out * torch.linspace(0.5, 1.5, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), xx.grad, [p.grad.clone() for p in module.parameters()], \
+        [b.clone() for b in module.buffers()]
+
+
+def _assert_same(a, b):
+    out_a, gx_a, gp_a, buf_a = a
+    out_b, gx_b, gp_b, buf_b = b
+    assert torch.equal(out_a, out_b)  # forward: bitwise
+    torch.testing.assert_close(gx_b, gx_a, rtol=0, atol=0)
+    for p, q in zip(gp_a, gp_b):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    for p, q in zip(buf_a, buf_b):  # running stats updated exactly once
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_impl_exact_through_runtime(case):
+    factory, shape, name = CASES[case]
+    torch.manual_seed(0)
+    model = factory().train()
+    x = torch.randn(*shape).requires_grad_()  # the input gradient is compared too
+    graph = monetlike.profile(model, x, cost=A100)
+    schedule, picked = _with_impl(graph, name)
+    assert picked, f"{name} did not apply to {case}"
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule)
+    for seed in (1, 2):  # two steps: running statistics stay in step
+        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+
+
+def _bytes_held(fn, x, fixed=()) -> int:
+    """Bytes the backward holds after the forward, by the saved-tensor accounting: unique
+    storages of the tensors autograd saved, except the leaf input and the module's parameters
+    and buffers (fixed memory). Saved tensors that alias each other count once."""
+    held: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        held.setdefault(s._cdata, int(s.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    skip = {t.untyped_storage()._cdata for t in (x, *fixed)}
+    del y
+    return sum(n for k, n in held.items() if k not in skip)
+
+
+def _held_by_op(graph, op, k) -> int:
+    im = op.impls[k]
+    return im.internal_bytes + sum(graph.values[v].bytes for v in im.saved
+                                   if graph.values[v].producer is not None)
+
+
+def test_declared_bytes_relu_mask():
+    torch.manual_seed(0)
+    model = ConvAct(nn.ReLU()).train()
+    x = torch.randn(*X_IMG)
+    g = monetlike.profile(model, x, cost=A100)
+    relu = next(o for o in g.ops if o.kind == "ReLU")
+    default, mask = relu.impls
+    assert mask.name == "relu_mask"
+    n = 2 * 4 * 8 * 8
+    assert default.saved == relu.outputs and default.internal_bytes == 0
+    assert mask.saved == () and mask.internal_bytes == n  # 1 byte per element
+    from monetlike.impls.relu import ReluMask
+
+    z = torch.randn(2, 4, 8, 8, requires_grad=True)
+    assert _bytes_held(lambda t: torch.relu(t * 1), z) == 4 * n  # the output; t*1 is not saved
+    assert _bytes_held(lambda t: ReluMask.apply(t * 1, False), z) == n
+    assert _held_by_op(g, relu, 0) == 4 * n and _held_by_op(g, relu, 1) == n
+
+
+def test_declared_bytes_bn_relu():
+    torch.manual_seed(0)
+    model = ConvBnRelu().train()
+    x = torch.randn(*X_IMG)
+    g = monetlike.profile(model, x, cost=A100)
+    conv, bn = g.ops[0], g.ops[1]
+    assert [i.name for i in bn.impls] == ["default", "relu_mask", "bn_relu_lean"]
+    n, c = 2 * 4 * 8 * 8, 4
+    default, mask, lean = bn.impls
+    assert set(default.saved) == set(conv.outputs) | set(bn.outputs)
+    assert default.internal_bytes == 2 * c * 4  # save_mean, save_invstd
+    assert mask.saved == conv.outputs and mask.internal_bytes == 2 * c * 4 + n
+    assert lean.saved == conv.outputs and lean.internal_bytes == 0
+    assert lean.bwd_time > default.bwd_time  # it recomputes the pre-activation
+    from monetlike.impls.relu import BnReluLean
+
+    bn_mod = nn.BatchNorm2d(4)
+    fixed = [*bn_mod.parameters(), *bn_mod.buffers()]
+    z = torch.randn(2, 4, 8, 8, requires_grad=True)
+    # Plain: BN input (t*1), output (ReLU), statistics. Lean: the BN input only.
+    assert _bytes_held(lambda t: torch.relu_(bn_mod(t * 1)), z, fixed) == 4 * n + 4 * n + 2 * c * 4
+    assert _bytes_held(lambda t: BnReluLean.apply(t * 1, bn_mod.weight, bn_mod.bias, bn_mod),
+                       z, fixed) == 4 * n
+    assert _held_by_op(g, bn, 0) == 4 * n + 4 * n + 2 * c * 4
+    assert _held_by_op(g, bn, 2) == 4 * n
+
+
+def test_declared_bytes_maxpool_compact():
+    torch.manual_seed(0)
+    model = Pool(nn.MaxPool2d(2)).train()
+    x = torch.randn(*X_IMG)
+    g = monetlike.profile(model, x, cost=A100)
+    conv, pool = g.ops[0], g.ops[1]
+    default, compact = pool.impls
+    out = 2 * 4 * 4 * 4
+    assert default.saved == conv.outputs and default.internal_bytes == 8 * out  # int64 indices
+    assert compact.saved == () and compact.internal_bytes == out  # int8 in-window argmax
+    from monetlike.impls.pool import MaxPoolCompact
+
+    z = torch.randn(2, 4, 8, 8, requires_grad=True)
+    assert _bytes_held(lambda t: F.max_pool2d(t * 1, 2), z) == 4 * 2 * 4 * 8 * 8 + 8 * out
+    assert _bytes_held(lambda t: MaxPoolCompact.apply(t * 1, (2, 2), (2, 2), (0, 0), (1, 1),
+                                                      False), z) == out
+
+
+def test_declared_bytes_dropout_regen():
+    torch.manual_seed(0)
+    model = Drop().train()
+    x = torch.randn(8, 16)
+    g = monetlike.profile(model, x, cost="measured", repeat=1)
+    drop = next(o for o in g.ops if o.kind == "Dropout")
+    default, regen = drop.impls
+    rng = torch.get_rng_state().numel()  # the CPU generator state, bytes (uint8)
+    assert default.saved == () and default.internal_bytes == 8 * 32 * 4  # CPU: float32 noise
+    assert regen.saved == () and regen.internal_bytes == rng
+    from monetlike.impls.dropout import DropoutRegen
+
+    z = torch.randn(8, 32, requires_grad=True)
+    assert _bytes_held(lambda t: F.dropout(t, 0.3, True), z) == 8 * 32 * 4
+    assert _bytes_held(lambda t: DropoutRegen.apply(t, 0.3), z) == rng
+    # On a GPU profile the default holds a bool mask (1 byte per element).
+    ga = monetlike.profile(model, x, cost=A100)
+    da = next(o for o in ga.ops if o.kind == "Dropout")
+    assert da.impls[0].internal_bytes == 8 * 32 and da.impls[1].internal_bytes == rng
+
+
+def test_impls_are_registered_and_checkpoint_mode_ignores_them():
+    assert {"relu_mask", "bn_relu_lean", "maxpool_compact", "dropout_regen"} <= names()
+    torch.manual_seed(0)
+    g = monetlike.profile(ConvBnRelu().train(), torch.randn(*X_IMG), cost=A100)
+    plain = monetlike.profile(ConvBnRelu().train(), torch.randn(*X_IMG), cost=A100, impls=False)
+    assert all(len(o.impls) == 1 for o in plain.ops)
+    assert any(len(o.impls) > 1 for o in g.ops)
+    peak = simulate(g, store_all_schedule(g)).peak_bytes
+    r = solver.solve(g, peak - 1, mode="checkpoint", time_limit_s=20) \
+        if peak - 1 >= solver.min_budget(g, "checkpoint", time_limit_s=20) else None
+    if r is not None:
+        assert all(k == 0 for k in r.schedule.impl)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: a small VGG-like network with BN, in-place ReLU, max-pool and dropout
+# ----------------------------------------------------------------------------------------------
+class SmallVGG(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+        def blk(i, o):
+            return [nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
+
+        self.features = nn.Sequential(*blk(3, 16), *blk(16, 16), nn.MaxPool2d(2), *blk(16, 32),
+                                      nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(),
+                                        nn.Dropout(0.5), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def _measured_peak(graph, model, wrapped, x) -> int:
+    def step():
+        wrapped(x).sum().backward()
+
+    torch.manual_seed(3)
+    step()
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    m = monetlike.measure_step(step, warmup=0, repeat=1)
+    return m.peak_bytes - m.start_bytes + graph.fixed_bytes
+
+
+def test_end_to_end_full_mode_picks_impls():
+    torch.manual_seed(0)
+    model = SmallVGG().train()
+    x = torch.randn(8, 3, 32, 32).requires_grad_()
+    g = monetlike.profile(model, x, cost=A100)
+    low_ckpt = solver.min_budget(g, "checkpoint", time_limit_s=30)
+    low_full = solver.min_budget(g, "full", time_limit_s=30)
+    assert low_full < low_ckpt  # the Impls lower the least feasible peak
+    with pytest.raises(solver.InfeasibleBudgetError if hasattr(solver, "InfeasibleBudgetError")
+                       else Exception):
+        solver.solve(g, low_full, mode="checkpoint", time_limit_s=30)
+    for budget in (low_full, (low_full + low_ckpt) // 2):
+        r = solver.solve(g, budget, mode="full", time_limit_s=30)
+        s = r.schedule
+        picked = [g.ops[j].impls[k].name for j, k in enumerate(s.impl) if k]
+        assert picked, "full mode below the checkpoint minimum must pick some Impl"
+        predicted = simulate(g, s).peak_bytes
+        assert predicted <= budget
+        ref = copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(model, s)
+        _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
+        measured = _measured_peak(g, model, wrapped, x)
+        assert measured <= predicted * 1.02 + 2 ** 20, (picked, measured, predicted)
