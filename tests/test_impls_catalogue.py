@@ -1,0 +1,153 @@
+"""Tiny graphs where an operator implementation (monetlike.impls) is the optimal choice.
+
+Torch-free: each graph mimics one Impl family with hand-picked sizes and costs (fixed memory 0),
+and the comments derive the optimum by the rules of docs/execution-model.md. Every installed
+backend must find it in mode full; mode checkpoint (Impl 0 only) must either be infeasible or
+pick only defaults; the exhaustive reference search must agree with the hand derivation.
+
+Common shape: x (graph input, 0 bytes) -> op0 "conv" (saves x) -> a (40) -> op1 (the Impl's op)
+-> ... -> op2 "sum" (saves nothing) -> y (1, model output). Backward order op2, op1, op0 with
+stage gradient bytes 50, 50, 0 (gradients in flight), so the backward is where memory binds
+unless the forward's transient does. Forward and backward times are 1 unless stated.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import solver
+from solver import InfeasibleBudgetError, simulate, store_all_schedule
+from solver.backends import available
+from solver_cases import GraphBuilder
+from solver_reference import exact_min_peak, exact_optimum
+
+
+def _graph(name, op1_out, impls):
+    b = GraphBuilder(name)
+    x = b.input("x", 0)
+    a = b.op("op0", [x], 40, saved=("in0",))
+    m = b.op("op1", [a], op1_out, impls=impls)
+    b.op("op2", [m], 1, saved=())
+    return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=[50, 50, 0])
+
+
+def relu_graph():
+    # op1 = ReLU (out-of-place) r (40). default saves r; relu_mask saves nothing, holds a mask of
+    # 10 (a quarter), forward 1.2.
+    # default: forward op1 a+r = 80; after the forward r (saved) + y = 41; stages op2/op1:
+    #   41 + 50 = 91 -> peak 91, time 6.
+    # relu_mask: forward op1 a+r+mask = 90; r dropped after op2; stages: y + mask + 50 = 61 ->
+    #   peak 90, time 6.2.
+    # checkpoint below 91: r must be resident at stage op1; recomputing it needs a, i.e. op0
+    #   from x at stage op1: 1 + 50 + a 40 = 91. So checkpoint's minimum is 91, full's 90.
+    return _graph("relu", 40, [
+        dict(name="default", saved=("out0",)),
+        dict(name="relu_mask", saved=(), internal_bytes=10, fwd_time=1.2),
+    ])
+
+
+def bn_relu_graph():
+    # op1 = BatchNorm + in-place ReLU, r (40); stats 2 bytes.
+    # default: saves a, r; internal 2. relu_mask: saves a; internal 2 + 10; forward 1.2.
+    # bn_relu_lean: saves a; internal 0; backward 2 (recomputes the pre-activation).
+    # After the forward (y 1): default a+r+y+2 = 83 -> stages 133; mask a+y+12 = 53 -> 103
+    # (forward op2: a+r+y+12 = 93); lean a+y = 41 -> 91 (forward op1: 80).
+    # Checkpoint: recomputing r at stage op1 costs r + its stats on top of 93 or, dropping a
+    # too, 53 + a + r + 2 = 135: never below store-all's 133.
+    # Times: default 6, mask 6.2, lean 7. Minimum budgets: full 91, checkpoint 133.
+    return _graph("bn_relu", 40, [
+        dict(name="default", saved=("in0", "out0"), internal_bytes=2),
+        dict(name="relu_mask", saved=("in0",), internal_bytes=12, fwd_time=1.2),
+        dict(name="bn_relu_lean", saved=("in0",), internal_bytes=0, bwd_time=2.0),
+    ])
+
+
+def maxpool_graph():
+    # op1 = MaxPool, p (8); default saves a and int64 indices (16); maxpool_compact saves nothing
+    # and an int8 argmax (2); forward 1.5, backward 1.2.
+    # default: forward op2 a+p+y+16 = 65; after the forward a+y+16 = 57 -> stages 107. Recomputing
+    #   a at stage op1 from x: 50 + y + 16 + a = 107 as well: checkpoint's minimum is 107.
+    # compact: forward op1 a+p+2 = 50; after the forward y+2 = 3 -> stages 53. Time 6.7.
+    return _graph("maxpool", 8, [
+        dict(name="default", saved=("in0",), internal_bytes=16),
+        dict(name="maxpool_compact", saved=(), internal_bytes=2, fwd_time=1.5, bwd_time=1.2),
+    ])
+
+
+def dropout_graph():
+    # op1 = Dropout, d (40); default holds a bool mask (10); dropout_regen holds the RNG state
+    # (1), forward 1.1, backward 1.5 (regenerates the mask).
+    # The forward transient binds: op1 a+d+mask = 90 (default) or 81 (regen); stages 61 / 52.
+    # No recomputation lowers a forward transient: checkpoint's minimum is 90, full's 81.
+    # Time with regen: 3.1 + 3.5 = 6.6.
+    return _graph("dropout", 40, [
+        dict(name="default", saved=(), internal_bytes=10),
+        dict(name="dropout_regen", saved=(), internal_bytes=1, fwd_time=1.1, bwd_time=1.5),
+    ])
+
+
+# (name, graph factory, budget, {mode: optimal time or None}, Impl picked by full mode)
+CASES = [
+    ("relu_mask/wins", relu_graph, 90, {"full": 6.2, "checkpoint": None}, "relu_mask"),
+    ("relu_mask/default_wins", relu_graph, 91, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("bn_relu/mask_wins", bn_relu_graph, 110, {"full": 6.2, "checkpoint": None}, "relu_mask"),
+    ("bn_relu/lean_wins", bn_relu_graph, 95, {"full": 7.0, "checkpoint": None}, "bn_relu_lean"),
+    ("bn_relu/default_wins", bn_relu_graph, 133, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("maxpool/compact_wins", maxpool_graph, 80, {"full": 6.7, "checkpoint": None},
+     "maxpool_compact"),
+    ("maxpool/default_wins", maxpool_graph, 107, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("dropout/regen_wins", dropout_graph, 85, {"full": 6.6, "checkpoint": None}, "dropout_regen"),
+    ("dropout/default_wins", dropout_graph, 90, {"full": 6.0, "checkpoint": 6.0}, None),
+]
+MIN_BUDGETS = {relu_graph: (90, 91), bn_relu_graph: (91, 133), maxpool_graph: (53, 107),
+               dropout_graph: (81, 90)}
+IDS = [c[0] for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("mode", ["full", "checkpoint"])
+def test_reference_search_agrees(case, mode):
+    _, factory, budget, times, _ = case
+    ref = exact_optimum(factory(), budget, mode=mode)
+    if times[mode] is None:
+        assert ref is None
+    else:
+        assert ref is not None and ref[0] == pytest.approx(times[mode])
+
+
+@pytest.mark.parametrize("factory", list(MIN_BUDGETS), ids=lambda f: f.__name__)
+def test_min_budgets(factory):
+    g = factory()
+    full, ckpt = MIN_BUDGETS[factory]
+    hi = simulate(g, store_all_schedule(g)).peak_bytes
+    assert exact_min_peak(g, mode="full", hi=hi) == full
+    assert exact_min_peak(g, mode="checkpoint", hi=hi) == ckpt
+    assert solver.min_budget(g, "full") == full
+    assert solver.min_budget(g, "checkpoint") == ckpt
+
+
+@pytest.mark.parametrize("backend", available())
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_every_backend_picks_the_impl(case, backend):
+    _, factory, budget, times, picked = case
+    g = factory()
+    r = solver.solve(g, budget, mode="full", backend=backend, time_limit_s=30, mip_gap=0)
+    assert r.status == "optimal"
+    assert r.objective == pytest.approx(times["full"], abs=1e-9)
+    tl = simulate(g, r.schedule)
+    assert tl.peak_bytes <= budget and tl.total_time == pytest.approx(times["full"])
+    names = {g.ops[j].impls[i].name for j, i in enumerate(r.schedule.impl) if i}
+    assert names == ({picked} if picked else set())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_checkpoint_mode_never_picks_it(case):
+    _, factory, budget, times, _ = case
+    g = factory()
+    if times["checkpoint"] is None:
+        with pytest.raises(InfeasibleBudgetError):
+            solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
+        return
+    r = solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
+    assert set(r.schedule.impl) == {0}
+    assert r.objective == pytest.approx(times["checkpoint"], abs=1e-9)
