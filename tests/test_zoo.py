@@ -1,0 +1,106 @@
+"""The schedule zoo: every entry matches today's profiler, picks are right, and it ships in the wheel."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torchvision
+
+import solver
+from monetlike import zoo
+from monetlike.modelspec import build_model
+from monetlike.profile import profile
+
+ENTRIES = zoo.entries()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_zoo_is_not_empty():
+    assert ENTRIES, "schedules/index.json lists no schedule; run scripts/build_zoo.py"
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """One analytical profile per (model, batch, shape) in the zoo (meta device: nothing real)."""
+    out = {}
+    for e in ENTRIES:
+        key = (e.model, e.batch, e.input_shape)
+        if key not in out:
+            x = torch.randn(e.batch, *e.input_shape, device="meta")
+            out[key] = profile(build_model(e.model), x, cost=e.cost_provenance)
+    return out
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_entry_matches_todays_profiler_and_simulator(entry, graphs):
+    g = graphs[(entry.model, entry.batch, entry.input_shape)]
+    sched = zoo.schedule(entry.name)
+    # A profiler change that alters the graph (ops, shapes, Impl set) must come with a new zoo.
+    assert sched.fingerprint == entry.fingerprint == g.fingerprint
+    tl = solver.simulate(g, sched)
+    assert tl.peak_bytes == entry.predicted_peak_bytes <= entry.budget_bytes
+    assert tl.total_time == pytest.approx(entry.predicted_time, rel=1e-12)
+    assert entry.cost_provenance.startswith("analytical:")
+
+
+def test_pick_is_the_cheapest_that_fits_and_refuses_clearly():
+    e = ENTRIES[0]
+    same = [x for x in ENTRIES if x.model == e.model and x.batch == e.batch]
+    big = max(x.budget_bytes for x in same)
+    picked = zoo.pick(e.model.rsplit(".", 1)[-1], e.batch, big)
+    assert picked.predicted_time == min(x.predicted_time for x in same)
+    with pytest.raises(zoo.ZooError, match="none fits for this model and batch.*the zoo has"):
+        zoo.pick(e.model, e.batch, min(x.predicted_peak_bytes for x in same) - 1)
+    with pytest.raises(zoo.ZooError, match="none exists"):
+        zoo.pick(e.model, e.batch + 1, big)
+
+
+def test_load_refuses_another_model():
+    e = ENTRIES[0]
+    wrong = torchvision.models.resnet18() if "resnet50" not in e.model else \
+        torchvision.models.resnet101()
+    with pytest.raises(solver.ScheduleMismatchError, match="was made for"):
+        zoo.load(e.name, wrong)
+
+
+def test_load_accepts_the_right_model():
+    e = ENTRIES[0]
+    with torch.device("meta"):
+        model = build_model(e.model)
+    assert zoo.load(e.name, model).fingerprint == e.fingerprint
+
+
+def test_zoo_ships_in_the_wheel_and_works_installed(tmp_path):
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w",
+                    str(wheel_dir)], check=True, capture_output=True)
+    (whl,) = wheel_dir.glob("*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert "monetlike/schedules/index.json" in names
+    assert all(f"monetlike/schedules/{e.name}.json" in names for e in ENTRIES)
+    site = tmp_path / "site"
+    zipfile.ZipFile(whl).extractall(site)
+    code = ("import monetlike, monetlike.zoo as z, sys; "
+            "assert monetlike.__file__.startswith(sys.argv[1]), monetlike.__file__; "
+            "from monetlike.cli import main; sys.exit(main(['zoo', 'list']))")
+    r = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
+    assert r.returncode == 0, r.stderr
+    assert all(e.name in r.stdout for e in ENTRIES)
+
+
+def test_every_package_with_code_is_listed_in_pyproject():
+    import tomllib
+
+    listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
+                 ["tool"]["setuptools"]["packages"])
+    found = set()
+    for top in ("monetlike", "solver"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files and "__pycache__" not in dirpath:
+                found.add(os.path.relpath(dirpath, ROOT).replace(os.sep, "."))
+    assert found | {"monetlike.schedules"} == listed
