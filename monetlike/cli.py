@@ -154,7 +154,7 @@ def cmd_backends(args) -> int:
 
     names = backends.available()
     for name in backends.known():
-        print(f"{name:8s} {'installed' if name in names else 'not installed'}")
+        print(f"{name:12s} {'installed' if name in names else 'not installed'}")
     return 0
 
 
