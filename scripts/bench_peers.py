@@ -109,6 +109,9 @@ class Config:
     resident_bytes: int = 0
     peaks: list = field(default_factory=list)
     times: list = field(default_factory=list)
+    """Per measure_step call: the median step time on the bench's clock (--clock)."""
+    wall: list = field(default_factory=list)
+    """Per measure_step call: measure_step's own median wall time."""
     predicted_peak: int | None = None
     predicted_time: float | None = None
     budget: int | None = None
@@ -186,9 +189,18 @@ class Bench:
 
     def measure(self, cfg: Config, *, peak: bool = True) -> None:
         step = self.step_fn(cfg)
+        cpu: list[float] = []
+
+        def timed():
+            # Thread CPU time of the step: with one intra-op thread the whole step (forward and
+            # the CPU autograd engine's backward) runs on this thread, and time spent waiting for
+            # a core that another process holds is not counted (see --clock).
+            c0 = time.thread_time()
+            step()
+            cpu.append(time.thread_time() - c0)
         calls0 = cfg.compile_calls() if cfg.compile_calls else 0
         with compile_visible_measure():
-            m = measure_step(step, warmup=1, repeat=self.args.repeat)
+            m = measure_step(timed, warmup=1, repeat=self.args.repeat)
         if cfg.compile_calls is not None:
             # warm-up + tracked call + timed calls must all have run the compiled graph
             ran = cfg.compile_calls() - calls0
@@ -198,7 +210,10 @@ class Bench:
         if peak:
             cfg.peaks.append(int(m.peak_bytes - m.start_bytes + cfg.resident_bytes
                                  + self.shared_bytes))
-        cfg.times.append(m.seconds)
+        cfg.wall.append(m.seconds)
+        # measure_step runs warm-up, tracked call, then the `repeat` timed calls, in this order.
+        cfg.times.append(m.seconds if self.args.clock == "wall"
+                         else statistics.median(cpu[-self.args.repeat:]))
 
 
 def time_block(bench: Bench, cfgs: list[Config], rounds: int) -> float:
@@ -291,6 +306,18 @@ class Ours:
         cfg.grad_check = "equal"
         return cfg
 
+    def internals(self, top: int = 3) -> tuple[int, str]:
+        """Bytes of internal saved tensors (not graph Values: dropout masks, pooling indices, norm
+        statistics). The execution model holds them from an Op's forward to its backward stage
+        whatever the schedule (recomputation runs without grad and does not regenerate them), so
+        they are memory no schedule of ours can free, while torch.utils.checkpoint frees and
+        regenerates them."""
+        g = self.graph
+        per = {op.id: op.impls[0].internal_bytes for op in g.ops if op.impls[0].internal_bytes}
+        worst = sorted(per, key=per.get, reverse=True)[:top]
+        return sum(per.values()), ", ".join(f"{g.ops[o].name} {per[o] / MiB:.1f} MiB"
+                                             for o in worst)
+
     def recompute_breakdown(self, res, top: int = 3) -> str:
         """The Ops ours recomputes and their measured forward cost (from the profile)."""
         sched, g = res.schedule, self.graph
@@ -368,7 +395,7 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
         pairs.append((cfg, o))
     block = [plain] + [c for pair in pairs for c in pair if c.forward is not None]
     spread = time_block(bench, block, args.rounds)
-    t_plain = statistics.median(plain.times)
+    t_plain = (statistics.median(plain.times), statistics.median(plain.wall))
     for peer_cfg, o in pairs:
         rows.append(_row(spec, peer_cfg, o, t_plain, spread, ours))
 
@@ -404,7 +431,8 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
             o = ours.config(cfg.peak, f"ours@{cfg.name}", ref)
             block = [plain, cfg] + ([o] if o.forward is not None else [])
             spread = time_block(bench, block, args.rounds)
-            t_plain_b = statistics.median(plain.times[pstart:])
+            t_plain_b = (statistics.median(plain.times[pstart:]),
+                         statistics.median(plain.wall[pstart:]))
             rows.append(_row(spec, cfg, o, t_plain_b, spread, ours))
         torch._dynamo.reset()
         del holder
@@ -420,18 +448,25 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
             notes.append(f"budget {bgt / MiB:.1f} MiB: {o.note}")
             continue
         sweep_cfgs.append(o)
+    floor = None
     if sweep_cfgs:
         pstart = len(plain.times)
         time_block(bench, [plain] + sweep_cfgs, max(1, args.rounds - 1))
         t_plain_s = statistics.median(plain.times[pstart:])
         for o in sweep_cfgs:
+            if o.budget == hi:
+                # At plain's own peak nothing needs recomputing: what ours costs there is the
+                # runtime's own overhead (fx interpretation, saved-tensor hooks, stage hooks).
+                n_rec = sum(len(st.recompute) for st in o.solve.schedule.stages)
+                floor = (o.seconds / t_plain_s - 1, n_rec)
             sweep_pts.append({"budget": o.budget, "peak": o.peak, "predicted_peak": o.predicted_peak,
                               "overhead": o.seconds / t_plain_s - 1,
                               "predicted_overhead": _pred_ovh(o, ours)})
     return {"spec": spec, "rows": rows, "sweep": sweep_pts, "notes": notes,
             "plain_peak": plain.peak, "plain_s": statistics.median(plain.times),
             "grads_checked": ours.grads_checked, "profile_s": ours.profile_s,
-            "store_all_peak": _store_all_peak(ours.graph), "n_ops": len(ours.graph.ops)}
+            "store_all_peak": _store_all_peak(ours.graph), "n_ops": len(ours.graph.ops),
+            "min_budget": lo, "internals": ours.internals(), "floor": floor}
 
 
 def _store_all_peak(graph) -> int:
@@ -445,18 +480,25 @@ def _pred_ovh(o: Config, ours: Ours) -> float | None:
     return None if o.predicted_time is None or not base else o.predicted_time / base - 1
 
 
-def _row(spec, peer: Config, o: Config, t_plain: float, spread: float, ours: Ours) -> dict:
+def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Ours) -> dict:
+    """One pair. plain_t: plain's median (bench clock, wall) in the same timing block."""
+    t_plain, w_plain = plain_t
     p_ovh = peer.seconds / t_plain - 1
     row = {"model": spec.name, "peer": peer.name, "peer_peak_MiB": peer.peak / MiB,
            "peer_ovh_%": 100 * p_ovh, "peer_grads": peer.grad_check,
+           "peer_ovh_wall_%": 100 * (statistics.median(peer.wall) / w_plain - 1),
+           "ours_ovh_wall_%": None,
            "ours_peak_MiB": None, "ours_pred_MiB": None, "ours_ovh_%": None,
            "ours_pred_ovh_%": None, "ovh_ratio": None, "ours_grads": o.grad_check or "not run",
            "noise_%": 100 * spread, "verdict": "", "why": "", "peer_note": peer.note}
     if o.forward is None:
         row["verdict"] = "no schedule"
-        row["why"] = o.note
+        held, top = ours.internals()
+        row["why"] = (o.note + f" [internal saved tensors our schedules must hold from forward to "
+                      f"backward: {held / MiB:.1f} MiB; top: {top}]")
         return row
     o_ovh = o.seconds / t_plain - 1
+    row["ours_ovh_wall_%"] = 100 * (statistics.median(o.wall) / w_plain - 1)
     pred = _pred_ovh(o, ours)
     row.update({"ours_peak_MiB": o.peak / MiB,
                 "ours_pred_MiB": None if o.predicted_peak is None else o.predicted_peak / MiB,
@@ -529,11 +571,15 @@ def table(results: list[dict]):
     return df
 
 
-def _fmt(df) -> str:
+def _fmt(df, clock: str) -> str:
     cols = ["model", "peer", "peer_peak_MiB", "ours_peak_MiB", "ours_pred_MiB", "peer_ovh_%",
-            "ours_ovh_%", "ours_pred_ovh_%", "ovh_ratio", "noise_%", "peer_grads", "ours_grads", "verdict"]
+            "ours_ovh_%", "ours_pred_ovh_%", "ovh_ratio", "noise_%"]
+    if clock != "wall":
+        cols += ["peer_ovh_wall_%", "ours_ovh_wall_%"]
+    numeric = cols[2:]
+    cols += ["peer_grads", "ours_grads", "verdict"]
     out = df[cols].copy()
-    for c in cols[2:10]:
+    for c in numeric:
         out[c] = out[c].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v))
                             else f"{v:.2f}" if c == "ovh_ratio" else f"{v:.1f}")
     header = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
@@ -564,8 +610,13 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
              "peak. Peaks are measure_step peaks of one full training step (grads None, forward, "
              "loss, backward) with parameters, gradients, inputs and activations, as if the config "
              "were alone in the process; overheads are step time over plain PyTorch timed in the "
-             f"same interleaved block (median of {args.rounds} rounds x {args.repeat} steps). "
-             "`noise_%` is the spread of plain PyTorch over those rounds. Target: ours at or below "
+             f"same interleaved block (median of {args.rounds} rounds x {args.repeat} steps), on "
+             + ("measure_step's wall clock. " if args.clock == "wall" else
+                "the thread CPU time of measure_step's timed steps, with one intra-op thread "
+                "(`--clock cpu`: the cores were shared with other jobs, whose time slices "
+                "would otherwise count; the `*_wall_%` columns give the same steps on the wall "
+                "clock). ")
+             + "`noise_%` is the spread of plain PyTorch over those rounds. Target: ours at or below "
              "the peer's peak with at most half its overhead. `ours_grads = equal`: "
              "torch.testing.assert_close of outputs and every parameter gradient against plain "
              "PyTorch passed before the row was measured. torch.compile rows are measured with a "
@@ -577,8 +628,19 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
                      f"{res['plain_peak'] / MiB:.1f} MiB (store-all predicted "
                      f"{res['store_all_peak'] / MiB:.1f} MiB), step {1e3 * res['plain_s']:.0f} ms; "
                      f"{res['n_ops']} ops profiled in {res['profile_s']:.0f} s; gradient checks "
-                     f"passed: {res['grads_checked']}.")
-    lines += ["", _fmt(df), "", "Misses (measured):", ""]
+                     f"passed: {res['grads_checked']}. Least feasible budget of ours "
+                     f"{res['min_budget'] / MiB:.1f} MiB, of which {res['internals'][0] / MiB:.1f} "
+                     f"MiB are internal saved tensors held forward to backward "
+                     f"({res['internals'][1] or 'none'}). "
+                     + (f"Runtime floor (ours at plain's peak, {res['floor'][1]} recomputed ops): "
+                        f"{100 * res['floor'][0]:+.1f}%." if res["floor"] else ""))
+    if df["peer_grads"].str.startswith("differs").any():
+        lines += ["", "`peer_grads = differs`: that peer's gradients are not those of plain PyTorch "
+                  "although its outputs are. torch.compile with activation_memory_budget < 1 "
+                  "recomputes dropout in the backward with fresh randomness, so the backward uses "
+                  "another mask than the forward (pytorch/pytorch#190758, open); those rows compare "
+                  "against memory bought with wrong gradients."]
+    lines += ["", _fmt(df, args.clock), "", "Misses (measured):", ""]
     misses = df[df["verdict"] != "met"]
     if misses.empty:
         lines.append("- none")
@@ -633,6 +695,10 @@ def parse_args(argv=None):
                     help="torch.set_num_threads (default: torch's choice; quick: 1, because tiny "
                          "ops on oversubscribed cores spend more time in OpenMP barriers than "
                          "in work)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="step time: measure_step's median wall time, or the median thread CPU "
+                         "time of the same timed steps (needs --threads 1; robust when other "
+                         "processes share the cores)")
     ap.add_argument("--sweep", default="0.1,0.25,0.4,0.6,0.8",
                     help="Pareto budgets as fractions between fixed memory and plain's peak")
     args = ap.parse_args(argv)
@@ -645,6 +711,8 @@ def parse_args(argv=None):
         args.time_limit = 10.0 if args.quick else 120.0
     if args.threads is None and args.quick:
         args.threads = 1
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu needs --threads 1 (other intra-op threads' CPU time is not seen)")
     if args.repeat < 1 or args.rounds < 1:
         ap.error("--repeat and --rounds must be >= 1")
     return args
