@@ -63,7 +63,6 @@ from monetlike.profile.memory import StorageTracker  # noqa: E402
 from peers import COMPILE_BUDGETS, PEERS, SPECS, ModelSpec, adapter_for  # noqa: E402
 
 MiB = 2 ** 20
-START, END = "<!-- peers:start -->", "<!-- peers:end -->"
 DEFAULT_MODELS = ("resnet18", "densenet121", "mobilenet_v2", "transformer")
 
 
@@ -603,7 +602,7 @@ def machine() -> str:
 def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
              out_path: Path) -> str:
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    lines = [START, "## Peers: PyTorch's own checkpointing vs monetlike", "",
+    lines = ["PyTorch's own checkpointing vs monetlike, measured in one run.", "",
              f"Measured {when} on {machine()}.", "",
              f"Command: `{command}`", "",
              "Each row pairs one peer with ours solved at a budget equal to the peer's measured "
@@ -653,22 +652,15 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
     for p in img_paths:
         rel = os.path.relpath(p, out_path.parent)
         lines.append(f"![{p.stem}]({rel})")
-    lines += ["", END]
     return "\n".join(lines)
 
 
-def write_section(out_path: Path, section: str) -> None:
-    """Replace only the text between the peers markers; other scripts own other sections."""
-    text = out_path.read_text() if out_path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        a, b = text.index(START), text.index(END) + len(END)
-        text = text[:a] + section + text[b:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
+def write_section(out_path: Path, body: str) -> None:
+    """Replace only the text between the peers markers (scripts/bench_doc.py, shared by every
+    benchmark script); other scripts own other sections."""
+    from bench_doc import replace_section
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out_path)
+    replace_section("peers", body, str(out_path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -746,8 +738,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     section = markdown(results, df, args, command, img_paths, out)
     if failures:
-        section = section.replace(END, "Failed models:\n\n" + "\n".join(f"- {f}" for f in failures)
-                                  + "\n\n" + END)
+        section += "\n\nFailed models:\n\n" + "\n".join(f"- {f}" for f in failures)
     write_section(out, section)
     log(f"wrote {out} and {', '.join(map(str, img_paths))}")
     return 1 if failures else 0
