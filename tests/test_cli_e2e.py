@@ -1,0 +1,65 @@
+"""The command line end to end on a small model: profile -> solve -> check, zoo, explain, pareto."""
+
+import json
+
+from monetlike.cli import main
+
+MODEL = ["resnet18", "--batch", "16", "--input-shape", "3,64,64"]
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_profile_solve_check(tmp_path, capsys):
+    g = tmp_path / "g.json"
+    code, out, _ = _run(["profile", *MODEL, "-o", str(g)], capsys)
+    assert code == 0 and "store-all (plain PyTorch) peak" in out
+    assert json.loads(g.read_text())["batch"] == 16
+    s = tmp_path / "s.json"
+    code, out, _ = _run(["solve", *MODEL, "--graph", str(g), "--budget", "150MiB",
+                         "--time-limit", "20", "-o", str(s)], capsys)
+    assert code == 0 and "predicted peak" in out and "150.00 MiB" in out
+    code, out, _ = _run(["solve", *MODEL, "--budget", "150MiB", "--time-limit", "20",
+                         "-o", str(s)], capsys)
+    assert code == 0 and json.loads(s.read_text())["meta"]["model_spec"] == "resnet18"
+    code, out, _ = _run(["check", str(s)], capsys)
+    assert code == 0 and "max |grad diff|" in out and "ok" in out
+
+
+def test_infeasible_budget_names_the_minimum(tmp_path, capsys):
+    out_path = tmp_path / "s.json"
+    code, _, err = _run(["solve", *MODEL, "--cost", "analytical:A100-40GB", "--budget", "10MiB",
+                         "-o", str(out_path)], capsys)
+    assert code == 1 and "below the minimum feasible" in err and "raise --budget" in err
+    assert not out_path.exists()
+
+
+def test_zoo_commands(tmp_path, capsys):
+    code, out, _ = _run(["zoo", "list"], capsys)
+    assert code == 0 and "resnet50_184_8GiB" in out and "analytical:A100-40GB" in out
+    code, out, _ = _run(["zoo", "show", "resnet50_184_8GiB"], capsys)
+    assert code == 0 and "fingerprint" in out and "overhead" in out
+    dest = tmp_path / "picked.json"
+    code, out, _ = _run(["zoo", "pick", "--model", "resnet50", "--batch", "184", "--budget",
+                         "8GiB", "-o", str(dest)], capsys)
+    assert code == 0 and "resnet50_184_8GiB" in out and dest.exists()
+
+
+def test_explain_and_pareto_write_pngs(tmp_path, capsys):
+    png = tmp_path / "e.png"
+    code, out, _ = _run(["explain", "resnet18", "--batch", "64", "--input-shape", "3,128,128",
+                         "--plot", str(png)], capsys)
+    assert code == 0 and "verdict: scheduling can help" in out and png.stat().st_size > 10_000
+    png = tmp_path / "p.png"
+    code, out, _ = _run(["pareto", "resnet18", "--batch", "64", "--input-shape", "3,128,128",
+                         "--budgets", "400MiB,600MiB", "--time-limit", "10", "--plot", str(png)],
+                        capsys)
+    assert code == 0 and "chen_sqrt_n" in out and png.stat().st_size > 10_000
+
+
+def test_backends(capsys):
+    code, out, _ = _run(["backends"], capsys)
+    assert code == 0 and "highs" in out and "installed" in out
