@@ -236,6 +236,8 @@ class Formulation:
         self.infeasible_points: list[tuple[str, int]] = []
         """Points whose fixed memory alone exceeds the budget (time objective only)."""
         self._defined: list[tuple[int, int]] = []  # (column, defining equality row), in order
+        self.full_sum_nnz = 0
+        """With running sums: the nonzeros the stage memory rows would have as full sums."""
         self.milp = self._build()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -563,6 +565,7 @@ class Formulation:
                     elif self.running_sums:
                         deltas[lo].append((term[1], byt / ms))
                         deltas[hi + 1].append((term[1], -byt / ms))
+                        self.full_sum_nnz += hi + 1 - lo
                     else:
                         for l in range(lo, hi + 1):
                             rows_terms[l].append((term[1], byt / ms))

@@ -112,22 +112,25 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     be = get_backend(backend)
     form = Formulation(graph, None, mode=mode, objective="peak")
     name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts))
-    shared = _Shared(form.milp)
-    shared.offer(form.encode(s0), f"heuristic:{name}")
+    form_bb = _branch_and_bound_form(form) if be.name == "highs" else form
+    shared = _Shared([form, form_bb])
+    shared.offer_schedule(form, s0, f"heuristic:{name}")
     progress = _Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
                          peak=form.mem_scale)
     try:
-        r, _ = _optimize(form, be, shared, started + time_limit_s, 1e-6, verbose, progress)
+        r, _ = _optimize(form, form_bb, be, shared, started + time_limit_s, 1e-6, verbose,
+                         progress)
     finally:
         progress.close()
-    x, _, _ = shared.get()
+    x, _, _ = shared.get(form)
     best_s = form.decode(x)
     best_peak = simulate(graph, best_s).peak_bytes
     if best_peak > peak0:  # never worse than the rule we started from
         best_s, best_peak = s0, peak0
     lower = form.const_peak
-    if r.bound is not None:
-        lower = max(lower, int(math.ceil(r.bound * form.mem_scale - 1e-6 * form.mem_scale)))
+    for bound in (r.bound, shared.lp_bound):
+        if bound is not None:
+            lower = max(lower, int(math.ceil(bound * form.mem_scale - 1e-6 * form.mem_scale)))
     proven = lower >= best_peak or (r.status == B_OPTIMAL and r.x is not None
                                     and form.claimed_peak(r.x) >= best_peak)
     lower = min(lower, best_peak)
@@ -165,32 +168,66 @@ def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit
 # Solve
 # ----------------------------------------------------------------------------------------------
 class _Shared:
-    """The best solution known to either thread (MILP column vector and objective)."""
+    """The best schedule known to any thread, with its column vector in each formulation.
 
-    def __init__(self, milp):
-        self.milp = milp
+    Branch and bound may run on a different (equivalent) formulation from the LNS (full memory
+    sums against running sums); a schedule found in one is encoded into the others when offered,
+    so each thread reads a vector of its own model. Objectives agree across them (same costs,
+    same scaling)."""
+
+    def __init__(self, forms):
+        self.forms = list({id(f): f for f in forms}.values())
         self.lock = threading.Lock()
-        self.x = None
+        self.xs: dict[int, np.ndarray] = {}
         self.obj = math.inf
         self.source = ""
         self.first_s = None
+        self.last_s = None
         self.start = time.perf_counter()
         self.version = 0
+        self.lp_bound = None
+        """The LP relaxation's value, when a helper solved it: a valid lower bound."""
 
-    def offer(self, x: np.ndarray, source: str) -> bool:
-        obj = self.milp.objective(x)
+    def offer(self, form: Formulation, x: np.ndarray, source: str) -> bool:
+        """Take x (a vector of `form`) if it beats the best; True if it did."""
+        obj = form.milp.objective(x)
+        if not obj < self.obj - 1e-9 * max(1.0, abs(obj)):
+            return False
+        schedule = form.decode(x)
+        xs = {id(f): (np.array(x, dtype=float) if f is form else f.encode(schedule))
+              for f in self.forms}
         with self.lock:
             if obj < self.obj - 1e-9 * max(1.0, abs(obj)):
-                self.x, self.obj, self.source = np.array(x, dtype=float), obj, source
+                self.xs, self.obj, self.source = xs, obj, source
                 self.version += 1
+                self.last_s = time.perf_counter() - self.start
                 if self.first_s is None:
-                    self.first_s = time.perf_counter() - self.start
+                    self.first_s = self.last_s
                 return True
         return False
 
-    def get(self):
+    def offer_schedule(self, form: Formulation, schedule, source: str) -> bool:
+        return self.offer(form, form.encode(schedule), source)
+
+    def get(self, form: Formulation):
+        """(vector of `form` or None, objective, version)."""
         with self.lock:
-            return self.x, self.obj, self.version
+            return self.xs.get(id(form)), self.obj, self.version
+
+    @property
+    def has(self) -> bool:
+        return bool(self.xs)
+
+
+def _branch_and_bound_form(form: Formulation) -> Formulation:
+    """The formulation branch and bound runs on. HiGHS solved the root LP of the full-sum form
+    up to three times faster on the profiled GoogLeNet (the running-sum chains slow its dual
+    simplex), at about three times the nonzeros; past a few million nonzeros the running-sum
+    form is kept."""
+    if form.full_sum_nnz + form.milp.nnz > 2_500_000:
+        return form
+    return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
+                       running_sums=False)
 
 
 def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
@@ -221,33 +258,34 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                                                             time_limit_s),
                           why=f"the {where} alone needs {format_bytes(need)}")
     base_time = simulate(graph, store_all_schedule(graph)).total_time
-    shared = _Shared(form.milp)
+    form_bb = _branch_and_bound_form(form) if be.name == "highs" else form
+    shared = _Shared([form, form_bb])
     shared.start = started
 
     # -- first incumbent -----------------------------------------------------------------------
     if warm_start:
         best = best_fitting(graph, budget, heuristic_schedules(graph, budget, form.facts))
         if best is not None:
-            shared.offer(form.encode(best[1]), f"heuristic:{best[0]}")
+            shared.offer_schedule(form, best[1], f"heuristic:{best[0]}")
         else:
             # No rule fits: the least-memory schedule decides feasibility and is a start.
             peak, lower, proven, s = min_budget_details(
                 graph, mode, backend=backend if be.WARM_START else "highs",
                 time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, 0.3 * time_limit_s)))
             if peak <= budget:
-                shared.offer(form.encode(s), "min_peak")
+                shared.offer_schedule(form, s, "min_peak")
             elif lower > budget:
                 raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
     stats["heuristic"] = shared.source or None
-    stats["heuristic_objective_s"] = (None if shared.x is None
-                                      else shared.obj / form.time_scale)
+    stats["heuristic_objective_s"] = (shared.obj / form.time_scale if shared.has else None)
 
     progress = _Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
                          form.time_scale, f"{graph.model} {format_bytes(budget)}")
-    if shared.x is not None:
+    if shared.has:
         progress.update(incumbent=shared.obj)
     try:
-        r, lns_stats = _optimize(form, be, shared, deadline, mip_gap, verbose, progress)
+        r, lns_stats = _optimize(form, form_bb, be, shared, deadline, mip_gap, verbose,
+                                 progress)
     finally:
         progress.close()
     if lns_stats is not None:
@@ -256,8 +294,10 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 
     if r.status == B_INFEASIBLE:
         raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
-    x, obj, _ = shared.get()
+    x, obj, _ = shared.get(form)
     stats["message"] = r.message
+    if form_bb is not form:
+        stats["branch_and_bound_model"] = form_bb.stats()
     if r.status == "error":  # a solver failure is reported, even with a heuristic in hand
         return SolveResult.failure(status=ERROR, backend=be.name, solve_time_s=solve_s,
                                    stats=stats, message=r.message)
@@ -281,6 +321,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     if bound is None and r.status == B_OPTIMAL and r.objective is not None:
         # the backend proved its answer within mip_gap but reports no number (SCIPY)
         bound = r.objective - mip_gap * abs(r.objective)
+    if shared.lp_bound is not None:
+        bound = shared.lp_bound if bound is None else max(bound, shared.lp_bound)
     if bound is not None:
         lower = min(bound / form.time_scale, tl.total_time)
     gap = None if lower is None else max(0.0, (tl.total_time - lower) / tl.total_time)
@@ -292,6 +334,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                            "meta": {"mip_gap": gap, "lower_bound_s": lower,
                                     "store_all_time_s": base_time}})
     stats.update({"first_incumbent_s": None if shared.first_s is None else round(shared.first_s, 3),
+                  "best_found_s": None if shared.last_s is None else round(shared.last_s, 3),
                   "lower_bound_s": lower, "incumbent_source": shared.source,
                   "store_all_time_s": base_time, "backend_status": r.status})
     return SolveResult(status=status, schedule=schedule, objective=tl.total_time,
@@ -299,38 +342,41 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                        mip_gap=gap, solve_time_s=solve_s, backend=be.name, stats=stats)
 
 
-def _optimize(form: Formulation, be, shared: _Shared, deadline: float, mip_gap: float,
-              verbose: bool, progress: _Progress):
-    """Solve form's MILP until `deadline`, improving `shared`; returns the branch-and-bound
-    BackendResult (its bound is the only valid lower bound) and LNS statistics (or None)."""
+def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, deadline: float,
+              mip_gap: float, verbose: bool, progress: _Progress):
+    """Solve until `deadline`, improving `shared`; returns the branch-and-bound BackendResult
+    (its bound, with the LP relaxation's, is the only valid lower bound) and LNS statistics (or
+    None). `form` is the model for LNS and decoding, `form_bb` the one branch and bound runs on."""
     if be.name != "highs":
         # Other backends: one solve, warm-started where the backend takes it.
-        r = be.solve(form.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
-                     mip_gap=mip_gap, warm_start=shared.x if be.WARM_START else None,
+        x0 = shared.get(form_bb)[0]
+        r = be.solve(form_bb.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
+                     mip_gap=mip_gap, warm_start=x0 if be.WARM_START else None,
                      verbose=verbose, progress=lambda sec, inc, bd: progress.update(inc, bd))
         if r.x is not None:
-            shared.offer(r.x, be.name)
+            shared.offer(form_bb, r.x, be.name)
         return r, None
-    return _solve_concurrently(form, be, shared, deadline, mip_gap, verbose, progress)
+    return _solve_concurrently(form, form_bb, shared, deadline, mip_gap, verbose, progress)
 
 
-def _solve_concurrently(form: Formulation, be, shared: _Shared, deadline: float, mip_gap: float,
-                        verbose: bool, progress: _Progress):
-    """Branch and bound on the whole MILP in a thread; LP rounding and LNS in this one, each
-    handing the other its better solutions (HiGHS's improving-solution and user-solution
-    callbacks). Returns the branch-and-bound BackendResult and the LNS statistics."""
-    milp = form.milp
+def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared,
+                        deadline: float, mip_gap: float, verbose: bool, progress: _Progress):
+    """Branch and bound on the whole MILP in a thread; in this one, the LP relaxation (a bound,
+    and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
+    improving-solution and user-solution callbacks. Returns the branch-and-bound BackendResult
+    and the LNS statistics."""
+    milp_bb = form_bb.milp
     done = threading.Event()
     result: dict = {}
     injected = {"version": 0}
 
     def on_improving(e):
         x = np.array(e.data_out.mip_solution, dtype=float)
-        if len(x) == milp.num_vars and shared.offer(x, "highs"):
+        if len(x) == milp_bb.num_vars and shared.offer(form_bb, x, "highs"):
             progress.update(incumbent=e.data_out.mip_primal_bound)
 
     def on_user_solution(e):
-        x, obj, version = shared.get()
+        x, obj, version = shared.get(form_bb)
         if x is None or version == injected["version"]:
             return
         if obj < e.data_out.mip_primal_bound - 1e-9 * max(1.0, abs(obj)):
@@ -344,11 +390,11 @@ def _solve_concurrently(form: Formulation, be, shared: _Shared, deadline: float,
 
     def run_full():
         try:
-            x0, _, version = shared.get()
+            x0, _, version = shared.get(form_bb)
             injected["version"] = version
             result["r"] = _HighsWithCallbacks(on_improving, on_user_solution, on_logging).solve(
-                milp, time_limit_s=max(0.1, deadline - time.perf_counter()), mip_gap=mip_gap,
-                warm_start=x0, verbose=verbose)
+                milp_bb, time_limit_s=max(0.1, deadline - time.perf_counter()),
+                mip_gap=mip_gap, warm_start=x0, verbose=verbose)
         finally:
             done.set()
 
@@ -357,29 +403,32 @@ def _solve_concurrently(form: Formulation, be, shared: _Shared, deadline: float,
     lns_stats = None
     try:
         remaining = deadline - time.perf_counter()
-        # LP rounding: one LP solve, worth it when there is time for it and the search after.
+        # The LP relaxation: a valid bound at once (branch and bound's root can take minutes)
+        # and LP rounding. Worth it when there is time for it and for the search after.
         if remaining > 20 and not done.is_set():
-            rounded = lp_rounding(form, highspy_backend(), time_limit_s=min(60.0, 0.25 * remaining))
-            if rounded is not None and shared.offer(form.encode(rounded[1]), rounded[0]):
+            rounded = lp_rounding(form_bb, highspy_backend(),
+                                  time_limit_s=min(120.0, 0.3 * remaining),
+                                  on_bound=lambda b: _lp_bound(shared, progress, b))
+            if rounded is not None and shared.offer_schedule(form, rounded[1], rounded[0]):
                 progress.update(incumbent=shared.obj)
         # Wait for a first incumbent (from the heuristics or branch and bound) before LNS.
-        while shared.get()[0] is None and not done.wait(0.2):
+        while not shared.has and not done.wait(0.2):
             if time.perf_counter() > deadline:
                 break
-        x0 = shared.get()[0]
+        x0 = shared.get(form)[0]
         if x0 is not None and not done.is_set():
-            seen = {"version": shared.get()[2]}
+            seen = {"version": shared.get(form)[2]}
 
             def incoming():
-                x, _, version = shared.get()
+                x, _, version = shared.get(form)
                 if version != seen["version"]:
                     seen["version"] = version
                     return x
                 return None
 
             def on_improve(x, obj):
-                if shared.offer(x, "lns"):
-                    seen["version"] = shared.get()[2]
+                if shared.offer(form, x, "lns"):
+                    seen["version"] = shared.get(form)[2]
                     progress.update(incumbent=obj)
 
             _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
@@ -391,6 +440,11 @@ def _solve_concurrently(form: Formulation, be, shared: _Shared, deadline: float,
         done.wait()
         worker.join()
     return result["r"], lns_stats
+
+
+def _lp_bound(shared: _Shared, progress: _Progress, bound: float) -> None:
+    shared.lp_bound = bound
+    progress.update(bound=bound)
 
 
 def highspy_backend():

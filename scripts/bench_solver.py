@@ -1,0 +1,196 @@
+"""Solver benchmark: MONeT's five models at MONeT's batches, budgets 5..10 GiB.
+
+    python scripts/bench_solver.py                                  # everything, 600 s per solve
+    python scripts/bench_solver.py --models resnet50 --budgets 8 --time-limit 300
+    nohup python scripts/bench_solver.py > bench_solver.log 2>&1 &  # it takes hours: background
+
+Each model is profiled on the meta device with analytical A100 costs (`monetlike.profile(model,
+x, cost="analytical:A100-40GB")`, input 3x224x224), then `solver.solve` runs at each budget. A row
+gives the status, seconds to the first schedule, to the final incumbent and to the end of the solve
+(when the final gap was reached), the final gap against the MILP's proven bound, the predicted
+overhead over store-all (the simulator's step time), the peak, and the MILP's size. A budget below
+the model's minimum is reported with the minimum (`solver.min_budget`). The table is printed and
+written to the "Solver" section of docs/BENCHMARKS.md (other sections belong to other scripts);
+rows are also appended to a JSON-lines file as they finish, so `--resume` can continue a run.
+CI does not run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import solver  # noqa: E402
+from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
+
+# MONeT's models and batches (MONeT, ICLR 2021, Table 1)
+MODELS = {
+    "resnet50": 184,
+    "googlenet": 320,
+    "unet": 11,
+    "mobilenet_v2": 272,
+    "vgg16": 176,
+}
+GiB = 2**30
+
+
+def build_model(name: str):
+    import torchvision
+
+    if name == "googlenet":
+        return torchvision.models.googlenet(aux_logits=False, init_weights=False)
+    if name == "unet":
+        from monetlike.models import UNet
+        return UNet()
+    return getattr(torchvision.models, name)()
+
+
+def profile(name: str, batch: int):
+    import torch
+
+    import monetlike
+
+    x = torch.randn(batch, 3, 224, 224, device="meta")
+    return monetlike.profile(build_model(name), x, cost="analytical:A100-40GB")
+
+
+def run_one(graph, budget_gib: float, args, base, floor) -> dict:
+    budget = int(budget_gib * GiB)
+    row = {"model": args.current, "batch": graph.batch, "budget": f"{budget_gib:g} GiB",
+           "mode": args.mode}
+    started = time.perf_counter()
+    try:
+        r = solver.solve(graph, budget, mode=args.mode, backend=args.backend,
+                         time_limit_s=args.time_limit, mip_gap=args.mip_gap)
+    except solver.InfeasibleBudgetError as e:
+        row.update(status="infeasible", solve_s=round(time.perf_counter() - started, 1),
+                   note=f"min {format_bytes(e.min_budget)}" if e.min_budget else str(e))
+        return row
+    st = r.stats
+    row.update(
+        status=r.status,
+        first_s=st.get("first_incumbent_s"),
+        best_s=st.get("best_found_s"),
+        solve_s=round(r.solve_time_s, 1),
+        gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
+        overhead_pct=(None if r.predicted_time is None
+                      else round(100 * (r.predicted_time / base - 1), 2)),
+        peak=None if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
+        variables=st.get("variables"), integer=st.get("integer_variables"),
+        constraints=st.get("constraints"), nonzeros=st.get("nonzeros"),
+        source=st.get("incumbent_source"), note=r.message or "")
+    return row
+
+
+def markdown_table(df) -> str:
+    """A pandas DataFrame as a GitHub markdown table (no extra dependency)."""
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "---|" * len(df.columns)
+    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
+
+
+def render(rows: list[dict], args, models_info: dict) -> str:
+    import pandas as pd
+
+    from bench_doc import header
+
+    df = pd.DataFrame(rows)
+    cols = [c for c in ("model", "batch", "budget", "status", "first_s", "best_s", "solve_s",
+                        "gap_pct", "overhead_pct", "peak", "variables", "integer", "constraints",
+                        "nonzeros", "source", "note") if c in df.columns]
+    df = df[cols].astype(object).where(df[cols].notna(), "")
+    for c in ("variables", "integer", "constraints", "nonzeros"):
+        if c in df.columns:
+            df[c] = [v if v == "" else int(v) for v in df[c]]
+    info = "; ".join(f"{m}: {i['ops']} ops, store-all {i['store_all']}, min budget "
+                     f"{i['min_budget']}" for m, i in models_info.items())
+    command = "python scripts/bench_solver.py " + " ".join(sys.argv[1:])
+    body = [header(command.strip()),
+            f"Mode `{args.mode}`, backend `{args.backend}`, time limit {args.time_limit:g} s per "
+            f"solve, target gap {100 * args.mip_gap:g}%. Costs: analytical A100-40GB roofline "
+            f"(a plan for a GPU this machine does not have). Overhead: predicted step time over "
+            f"store-all (plain PyTorch), both from the simulator. Gap: (incumbent - proven lower "
+            f"bound) / incumbent on the whole step time. first_s / best_s / solve_s: seconds to "
+            f"the first schedule, to the final one, and to the end of the solve (the final gap).",
+            "", f"Models: {info}.", "", markdown_table(df)]
+    return "\n".join(body) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated subset of {','.join(MODELS)}")
+    ap.add_argument("--budgets", default="5,6,7,8,9,10", help="GiB, comma-separated")
+    ap.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve")
+    ap.add_argument("--mip-gap", type=float, default=0.01, help="relative gap to stop at")
+    ap.add_argument("--mode", choices=("full", "checkpoint"), default="full",
+                    help="full: keep/recompute and Impl choice; checkpoint: keep/recompute")
+    ap.add_argument("--backend", default="highs", help="MILP backend")
+    ap.add_argument("--results",
+                    default=os.path.join(tempfile.gettempdir(), "monetlike_bench_solver.jsonl"),
+                    help="JSON-lines file the rows are appended to as they finish")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip (model, budget, mode) rows already in --results")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown models {unknown}; expected some of {list(MODELS)}")
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+
+    done: dict[tuple, dict] = {}
+    if args.resume and os.path.exists(args.results):
+        with open(args.results, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                done[(row["model"], row["budget"], row["mode"])] = row
+    elif os.path.exists(args.results):
+        os.unlink(args.results)
+
+    rows, models_info = [], {}
+    for name in models:
+        batch = MODELS[name]
+        t0 = time.perf_counter()
+        graph = profile(name, batch)
+        base_tl = simulate(graph, store_all_schedule(graph))
+        floor = solver.min_budget(graph, mode=args.mode, time_limit_s=min(120.0, args.time_limit))
+        models_info[name] = {"ops": len(graph.ops), "store_all": format_bytes(base_tl.peak_bytes),
+                             "min_budget": format_bytes(floor)}
+        print(f"{name} batch {batch}: {len(graph.ops)} ops, store-all "
+              f"{format_bytes(base_tl.peak_bytes)}, min budget {format_bytes(floor)} "
+              f"({time.perf_counter() - t0:.0f} s to profile and bound)", flush=True)
+        args.current = name
+        for b in budgets:
+            key = (name, f"{b:g} GiB", args.mode)
+            if key in done:
+                rows.append(done[key])
+                continue
+            row = run_one(graph, b, args, base_tl.total_time, floor)
+            rows.append(row)
+            with open(args.results, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+            if not args.no_write:
+                from bench_doc import replace_section
+                replace_section("solver", render(rows, args, models_info))
+    text = render(rows, args, models_info)
+    print(text)
+    if not args.no_write:
+        from bench_doc import replace_section
+        replace_section("solver", text)
+        print("wrote the Solver section of docs/BENCHMARKS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
