@@ -58,7 +58,9 @@ def profile(name: str, batch: int):
 
     import monetlike
 
-    x = torch.randn(batch, 3, 224, 224, device="meta")
+    # MONeT's UNet input is 3x416x608 (its cvxpy_solver.py); the others are 3x224x224.
+    shape = (3, 416, 608) if name == "unet" else (3, 224, 224)
+    x = torch.randn(batch, *shape, device="meta")
     return monetlike.profile(build_model(name), x, cost="analytical:A100-40GB")
 
 
