@@ -74,14 +74,19 @@ def example_inputs(batch: int, input_shape: Sequence[int], device: str = "cpu"):
 # ----------------------------------------------------------------------------------------------
 # Subcommands
 # ----------------------------------------------------------------------------------------------
-def cmd_profile(args) -> int:
+def _profile_args(args):
+    """Build MODEL and profile it at --batch/--input-shape with --cost and --optimizer."""
     from .profile import profile
 
-    _check_writable(args.output)
     model = build_model(args.model)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost))
+    return profile(model, x, cost=args.cost, optimizer=args.optimizer)
+
+
+def cmd_profile(args) -> int:
+    _check_writable(args.output)
     start = time.perf_counter()
-    graph = profile(model, x, cost=args.cost, optimizer=args.optimizer)
+    graph = _profile_args(args)
     seconds = time.perf_counter() - start
     from solver import simulate, store_all_schedule
 
@@ -100,18 +105,13 @@ def cmd_profile(args) -> int:
 def cmd_solve(args) -> int:
     import solver
 
-    from .profile import profile
-
     _check_writable(args.output)
     if args.graph:
         graph = solver.OpGraph.load(args.graph)
     else:
         if not args.model:
             raise UsageError("solve needs MODEL (with --batch) or --graph FILE")
-        model = build_model(args.model)
-        graph = profile(model, example_inputs(args.batch, args.input_shape,
-                                              _profile_device(args.cost)), cost=args.cost,
-                        optimizer=args.optimizer)
+        graph = _profile_args(args)
     result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
                           time_limit_s=args.time_limit, verbose=args.verbose)
     base = solver.simulate(graph, solver.store_all_schedule(graph))
@@ -209,13 +209,10 @@ def cmd_explain(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from .profile import profile
     from .pareto import pareto, plot_pareto
 
     _check_writable(args.plot)
-    model = build_model(args.model)
-    graph = profile(model, example_inputs(args.batch, args.input_shape, _profile_device(args.cost)),
-                    cost=args.cost, optimizer=args.optimizer)
+    graph = _profile_args(args)
     df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
     print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
     if args.plot:
