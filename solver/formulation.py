@@ -212,7 +212,8 @@ class Formulation:
     """
 
     def __init__(self, graph: OpGraph, budget: int | None = None, *, mode: str = "full",
-                 objective: str = "time", running_sums: bool = True):
+                 objective: str = "time", running_sums: bool = True,
+                 recompute_points: "frozenset[tuple[int, int]] | None" = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if objective == "time" and budget is None:
@@ -220,6 +221,10 @@ class Formulation:
         self.graph, self.budget, self.mode, self.objective = graph, budget, mode, objective
         self.facts = f = GraphFacts(graph, mode)
         self.running_sums = running_sums
+        self.recompute_points = None if recompute_points is None else frozenset(recompute_points)
+        """None: a memory row at every candidate recomputation. A set of (stage, op): rows only
+        there, a relaxation (valid for bounds) whose solutions the simulator must check; the
+        lazy-row loop in solve.py adds the points they violate."""
         g = graph
         self.T = len(g.backward_order)
         # Scale memory to about 4096 units at the budget (or the store-all size) and time to
@@ -554,6 +559,7 @@ class Formulation:
                 deltas = [[] for _ in range(L + 2)]
             else:
                 rows_terms = [[] for _ in range(L + 1)]
+                wanted = [l for l, j in enumerate(cands[t]) if self._has_point(t, j)] + [L]
             for v, us, yexpr, segs in self._alive_plan[t]:
                 byt = values[v].bytes
                 for (lo, hi, term) in segs:
@@ -567,8 +573,9 @@ class Formulation:
                         deltas[hi + 1].append((term[1], -byt / ms))
                         self.full_sum_nnz += hi + 1 - lo
                     else:
-                        for l in range(lo, hi + 1):
-                            rows_terms[l].append((term[1], byt / ms))
+                        for i in range(bisect.bisect_left(wanted, lo),
+                                       bisect.bisect_right(wanted, hi)):
+                            rows_terms[wanted[i]].append((term[1], byt / ms))
             for l in range(1, L + 1):
                 consts[l] += consts[l - 1]
             if self.running_sums:
@@ -588,6 +595,8 @@ class Formulation:
             base = fixed + g.stage_grad_bytes[t] + int_bwd_const[t] + all_held
             ib = [(self.IB[t], 1.0)] if var_int else []
             for l, j in enumerate(cands[t]):
+                if not self._has_point(t, j):
+                    continue
                 out = f.out_bytes[j]
                 if j in self.split_ops:
                     terms = [(self.RI[t, j, i], (out + self._impl(j, i).internal_bytes
@@ -613,6 +622,9 @@ class Formulation:
         end = fixed + g.final_grad_bytes + all_held
         self._const_point(end, "end of the backward pass")
         return b.finish(offset)
+
+    def _has_point(self, t: int, j: int) -> bool:
+        return self.recompute_points is None or (t, j) in self.recompute_points
 
     def _made(self, t: int, v: int, coef: float):
         """[(R[t,p(v)], coef)] when v's producer may be recomputed at stage t, else []."""

@@ -35,6 +35,17 @@ def column_ops(form: Formulation) -> np.ndarray:
     return owner
 
 
+def column_stages(form: Formulation) -> np.ndarray:
+    """The stage each residency or recompute column belongs to (-1: Impl and helper columns,
+    which a stage window leaves fixed)."""
+    owner = np.full(form.milp.num_vars, -1, dtype=np.int64)
+    for (t, v), c in form.S.items():
+        owner[c] = t
+    for (t, j), c in form.R.items():
+        owner[c] = t
+    return owner
+
+
 @dataclasses.dataclass
 class LnsStats:
     windows: int = 0
@@ -43,26 +54,53 @@ class LnsStats:
     seconds: float = 0.0
 
 
+class _Neighbourhood:
+    """Windows of consecutive owners (ops, or backward stages) swept with an adaptive size."""
+
+    def __init__(self, name: str, owner: np.ndarray, count: int, size: int):
+        self.name, self.owner, self.count = name, owner, count
+        self.size = max(2, min(size, count))
+        self.start = 0
+
+    def window(self) -> tuple[int, int]:
+        return self.start, min(self.count, self.start + self.size)
+
+    def advance(self, timed_out: bool, quick: bool) -> bool:
+        """Move on (and adapt the size); True when the sweep wrapped around."""
+        lo, hi = self.window()
+        if timed_out:
+            self.size = max(3, int(self.size * 0.75))
+        elif quick:
+            self.size = min(self.count, int(self.size * 1.25) + 1)
+        self.start = lo + max(1, self.size // 2)
+        if hi >= self.count:
+            self.start = 0
+            return True
+        return False
+
+
 def improve(form: Formulation, x: np.ndarray, backend: Backend, *, deadline: float,
             on_improve: Callable[[np.ndarray, float], None] | None = None,
             incoming: Callable[[], "np.ndarray | None"] | None = None,
-            should_stop: Callable[[], bool] | None = None, window: int = 16,
-            sub_time_s: float = 8.0, max_quiet_sweeps: int = 2) -> tuple[np.ndarray, LnsStats]:
+            should_stop: Callable[[], bool] | None = None, window: int = 10,
+            sub_time_s: float = 5.0, max_quiet_sweeps: int = 2) -> tuple[np.ndarray, LnsStats]:
     """Return the best solution found by sweeping windows until `deadline` (perf_counter time),
-    `should_stop()`, or `max_quiet_sweeps` sweeps in a row at the largest window without an
-    improvement. `incoming()` may hand over a better solution found elsewhere (the full MILP);
+    `should_stop()`, or until every neighbourhood spans the whole graph and `max_quiet_sweeps`
+    sweeps in a row found nothing. Sweeps alternate between op windows (a run of consecutive ops:
+    their Values' residency at every stage, their recomputation, their Impl) and stage windows (a
+    run of consecutive backward stages: what is resident and recomputed there, for every op).
+    `incoming()` may hand over a better solution found elsewhere (the full MILP);
     `on_improve(x, objective)` is told of each improvement."""
     milp = form.milp
-    owner = column_ops(form)
-    integer_cols = np.nonzero(milp.integrality & (owner >= 0))[0]
-    n_ops = len(form.graph.ops)
+    integer = milp.integrality
+    hoods = [_Neighbourhood("ops", column_ops(form), len(form.graph.ops), window),
+             _Neighbourhood("stages", column_stages(form), max(1, form.T), window)]
     best, best_obj = x.copy(), milp.objective(x)
     stats = LnsStats()
     started = time.perf_counter()
-    size = max(2, min(window, n_ops))
     quiet = 0
-    start = 0
     improved_in_sweep = False
+    turn = 0
     while True:
         now = time.perf_counter()
         if now >= deadline - 0.5 or (should_stop and should_stop()):
@@ -71,9 +109,11 @@ def improve(form: Formulation, x: np.ndarray, backend: Backend, *, deadline: flo
             other = incoming()
             if other is not None and milp.objective(other) < best_obj - 1e-9:
                 best, best_obj = other.copy(), milp.objective(other)
-        lo, hi = start, min(n_ops, start + size)
-        free = (owner[integer_cols] >= lo) & (owner[integer_cols] < hi)
-        fixed = integer_cols[~free]
+        hood = hoods[turn]
+        lo, hi = hood.window()
+        cols = np.nonzero(integer)[0]
+        own = hood.owner[cols]
+        fixed = cols[~((own >= lo) & (own < hi))]
         lb, ub = milp.lb.copy(), milp.ub.copy()
         vals = np.round(best[fixed])
         lb[fixed] = vals
@@ -95,17 +135,12 @@ def improve(form: Formulation, x: np.ndarray, backend: Backend, *, deadline: flo
             if on_improve is not None:
                 on_improve(best, best_obj)
         # adapt the window: quick exact solves can afford more freedom, time-outs less
-        if timed_out:
-            size = max(4, int(size * 0.75))
-        elif r.seconds < sub_time_s / 4:
-            size = min(n_ops, int(size * 1.25) + 1)
-        start = lo + max(1, size // 2)
-        if hi >= n_ops:
-            start = 0
-            quiet = 0 if improved_in_sweep else quiet + 1
-            improved_in_sweep = False
-            if quiet >= max_quiet_sweeps and size >= n_ops:
-                break
+        if hood.advance(timed_out, r.seconds < sub_time_s / 4):
+            turn = (turn + 1) % len(hoods)
+            if turn == 0:
+                quiet = 0 if improved_in_sweep else quiet + 1
+                improved_in_sweep = False
+                if quiet >= max_quiet_sweeps and all(h.size >= h.count for h in hoods):
+                    break
     stats.seconds = time.perf_counter() - started
     return best, stats
-

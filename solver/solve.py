@@ -118,8 +118,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     progress = _Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
                          peak=form.mem_scale)
     try:
-        r, _ = _optimize(form, form_bb, be, shared, started + time_limit_s, 1e-6, verbose,
-                         progress)
+        r, _, _ = _optimize(form, form_bb, be, shared, started + time_limit_s, 1e-6, verbose,
+                            progress)
     finally:
         progress.close()
     x, _, _ = shared.get(form)
@@ -187,6 +187,8 @@ class _Shared:
         self.version = 0
         self.lp_bound = None
         """The LP relaxation's value, when a helper solved it: a valid lower bound."""
+        self.restarts = 0
+        """Times branch and bound restarted with more recomputation rows (lazy rows)."""
 
     def offer(self, form: Formulation, x: np.ndarray, source: str) -> bool:
         """Take x (a vector of `form`) if it beats the best; True if it did."""
@@ -209,6 +211,16 @@ class _Shared:
     def offer_schedule(self, form: Formulation, schedule, source: str) -> bool:
         return self.offer(form, form.encode(schedule), source)
 
+    def add_form(self, form: Formulation) -> None:
+        """Start keeping vectors of `form` too (the best is encoded into it now)."""
+        with self.lock:
+            if any(f is form for f in self.forms):
+                return
+            self.forms.append(form)
+            first = next((f for f in self.forms if id(f) in self.xs), None)
+            if first is not None:
+                self.xs[id(form)] = form.encode(first.decode(self.xs[id(first)]))
+
     def get(self, form: Formulation):
         """(vector of `form` or None, objective, version)."""
         with self.lock:
@@ -219,15 +231,27 @@ class _Shared:
         return bool(self.xs)
 
 
-def _branch_and_bound_form(form: Formulation) -> Formulation:
-    """The formulation branch and bound runs on. HiGHS solved the root LP of the full-sum form
-    up to three times faster on the profiled GoogLeNet (the running-sum chains slow its dual
-    simplex), at about three times the nonzeros; past a few million nonzeros the running-sum
-    form is kept."""
-    if form.full_sum_nnz + form.milp.nnz > 2_500_000:
+def _branch_and_bound_form(form: Formulation, points=None) -> Formulation:
+    """The formulation branch and bound runs on: full memory sums (HiGHS solved the root LP of
+    the full-sum form up to three times faster than the running-sum form on the profiled
+    GoogLeNet) and, for the time objective, memory rows only at the recomputation points in
+    `points` (lazy rows: on the profiled GoogLeNet and ResNet-50 at 5 GiB the LP bound is the
+    same without any of them and the LP solves seven times faster; the simulator checks every
+    solution and the loop in `_solve_concurrently` adds the points a solution violates)."""
+    if form.objective != "time":
+        points = None
+    elif points is None:
+        points = frozenset()
+    if points is None and form.full_sum_nnz + form.milp.nnz > 2_500_000:
         return form
     return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
-                       running_sums=False)
+                       running_sums=False, recompute_points=points)
+
+
+def _tight_points(graph: OpGraph, schedule: Schedule, budget: int, share: float = 0.9):
+    """(stage, op) of the recomputation points of `schedule` within `share` of the budget."""
+    return frozenset((p.stage, p.op) for p in simulate(graph, schedule).points
+                     if p.phase == "recompute" and p.bytes >= share * budget)
 
 
 def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
@@ -258,8 +282,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                                                             time_limit_s),
                           why=f"the {where} alone needs {format_bytes(need)}")
     base_time = simulate(graph, store_all_schedule(graph)).total_time
-    form_bb = _branch_and_bound_form(form) if be.name == "highs" else form
-    shared = _Shared([form, form_bb])
+    shared = _Shared([form])
     shared.start = started
 
     # -- first incumbent -----------------------------------------------------------------------
@@ -283,9 +306,14 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                          form.time_scale, f"{graph.model} {format_bytes(budget)}")
     if shared.has:
         progress.update(incumbent=shared.obj)
+    points = None
+    if be.name == "highs" and shared.has:
+        points = _tight_points(graph, form.decode(shared.get(form)[0]), budget)
+    form_bb = _branch_and_bound_form(form, points) if be.name == "highs" else form
+    shared.add_form(form_bb)
     try:
-        r, lns_stats = _optimize(form, form_bb, be, shared, deadline, mip_gap, verbose,
-                                 progress)
+        r, lns_stats, form_bb = _optimize(form, form_bb, be, shared, deadline, mip_gap,
+                                          verbose, progress)
     finally:
         progress.close()
     if lns_stats is not None:
@@ -297,7 +325,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     x, obj, _ = shared.get(form)
     stats["message"] = r.message
     if form_bb is not form:
-        stats["branch_and_bound_model"] = form_bb.stats()
+        stats["branch_and_bound_model"] = {
+            **form_bb.stats(), "recompute_rows": None if form_bb.recompute_points is None
+            else len(form_bb.recompute_points), "restarts": shared.restarts}
     if r.status == "error":  # a solver failure is reported, even with a heuristic in hand
         return SolveResult.failure(status=ERROR, backend=be.name, solve_time_s=solve_s,
                                    stats=stats, message=r.message)
@@ -345,8 +375,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, deadline: float,
               mip_gap: float, verbose: bool, progress: _Progress):
     """Solve until `deadline`, improving `shared`; returns the branch-and-bound BackendResult
-    (its bound, with the LP relaxation's, is the only valid lower bound) and LNS statistics (or
-    None). `form` is the model for LNS and decoding, `form_bb` the one branch and bound runs on."""
+    (its bound, with the LP relaxation's, is the only valid lower bound), LNS statistics (or
+    None) and the model branch and bound ended on. `form` is the model for LNS and decoding,
+    `form_bb` the one branch and bound starts on."""
     if be.name != "highs":
         # Other backends: one solve, warm-started where the backend takes it.
         x0 = shared.get(form_bb)[0]
@@ -355,7 +386,7 @@ def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, dead
                      verbose=verbose, progress=lambda sec, inc, bd: progress.update(inc, bd))
         if r.x is not None:
             shared.offer(form_bb, r.x, be.name)
-        return r, None
+        return r, None, form_bb
     return _solve_concurrently(form, form_bb, shared, deadline, mip_gap, verbose, progress)
 
 
@@ -363,38 +394,70 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                         deadline: float, mip_gap: float, verbose: bool, progress: _Progress):
     """Branch and bound on the whole MILP in a thread; in this one, the LP relaxation (a bound,
     and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
-    improving-solution and user-solution callbacks. Returns the branch-and-bound BackendResult
-    and the LNS statistics."""
-    milp_bb = form_bb.milp
+    improving-solution and user-solution callbacks. When branch and bound runs with lazy
+    recomputation rows (see `_branch_and_bound_form`), each of its solutions is replayed by the
+    simulator first: a valid one is shared, one that breaks the budget at a recomputation point
+    stops the solve, and it restarts with rows at those points (from the best valid schedule).
+    Returns the last branch-and-bound BackendResult and the LNS statistics."""
+    graph, budget = form.graph, form.budget
     done = threading.Event()
     result: dict = {}
-    injected = {"version": 0}
+    state = {"form": form_bb, "injected": 0, "violated": set(), "stop": False}
 
     def on_improving(e):
+        fb = state["form"]
         x = np.array(e.data_out.mip_solution, dtype=float)
-        if len(x) == milp_bb.num_vars and shared.offer(form_bb, x, "highs"):
+        if len(x) != fb.milp.num_vars:
+            return
+        if fb.recompute_points is not None:
+            tl = simulate(graph, fb.decode(x))
+            if tl.peak_bytes > budget:
+                state["violated"] |= {(p.stage, p.op) for p in tl.points
+                                      if p.phase == "recompute" and p.bytes > budget}
+                state["stop"] = True
+                return
+        if shared.offer(fb, x, "highs"):
             progress.update(incumbent=e.data_out.mip_primal_bound)
 
     def on_user_solution(e):
-        x, obj, version = shared.get(form_bb)
-        if x is None or version == injected["version"]:
+        x, obj, version = shared.get(state["form"])
+        if x is None or version == state["injected"]:
             return
         if obj < e.data_out.mip_primal_bound - 1e-9 * max(1.0, abs(obj)):
             e.data_in.setSolution(x)
             e.data_in.user_has_solution = True
-        injected["version"] = version
+        state["injected"] = version
 
     def on_logging(e):
-        d = e.data_out
-        progress.update(incumbent=d.mip_primal_bound, bound=d.mip_dual_bound)
+        # its bound is valid (each model is a relaxation); its incumbent may not be yet
+        progress.update(bound=e.data_out.mip_dual_bound)
+
+    def on_interrupt(e):
+        if state["stop"]:
+            e.interrupt()
 
     def run_full():
         try:
-            x0, _, version = shared.get(form_bb)
-            injected["version"] = version
-            result["r"] = _HighsWithCallbacks(on_improving, on_user_solution, on_logging).solve(
-                milp_bb, time_limit_s=max(0.1, deadline - time.perf_counter()),
-                mip_gap=mip_gap, warm_start=x0, verbose=verbose)
+            while True:
+                fb = state["form"]
+                x0, _, version = shared.get(fb)
+                state["injected"] = version
+                state["stop"] = False
+                r = _HighsWithCallbacks(on_improving, on_user_solution, on_logging,
+                                        on_interrupt).solve(
+                    fb.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
+                    mip_gap=mip_gap, warm_start=x0, verbose=verbose)
+                result["r"] = r
+                if (not state["violated"] or state["violated"] <= fb.recompute_points
+                        or time.perf_counter() > deadline - 1.0):
+                    break  # (a point already present: a tolerance effect, not a missing row)
+                # lazy rows: restart with rows at the points the last solution broke
+                points = fb.recompute_points | state["violated"]
+                state["violated"] = set()
+                nxt = _branch_and_bound_form(form, points)
+                shared.add_form(nxt)
+                state["form"] = nxt
+                shared.restarts += 1
         finally:
             done.set()
 
@@ -439,7 +502,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
     finally:
         done.wait()
         worker.join()
-    return result["r"], lns_stats
+    return result["r"], lns_stats, state["form"]
 
 
 def _lp_bound(shared: _Shared, progress: _Progress, bound: float) -> None:
@@ -453,10 +516,11 @@ def highspy_backend():
 
 
 class _HighsWithCallbacks:
-    """The HiGHS backend with extra callbacks subscribed (improving, user solution, logging)."""
+    """The HiGHS backend with extra callbacks subscribed (improving solution, user solution,
+    logging, interrupt)."""
 
-    def __init__(self, on_improving, on_user_solution, on_logging):
-        self.cbs = (on_improving, on_user_solution, on_logging)
+    def __init__(self, on_improving, on_user_solution, on_logging, on_interrupt=None):
+        self.cbs = (on_improving, on_user_solution, on_logging, on_interrupt)
 
     def solve(self, milp, **kw):
         from .backends.highs import HighsBackend

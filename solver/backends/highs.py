@@ -27,8 +27,9 @@ class HighsBackend(Backend):
     options: dict = {}
     """Extra HiGHS options (name -> value) applied after the defaults; for experiments."""
     extra_callbacks = None
-    """(on_improving, on_user_solution, on_logging) for a caller that shares incumbents with
-    HiGHS while it runs (solve.py); each takes a highspy callback event. None: not used."""
+    """(on_improving, on_user_solution, on_logging, on_interrupt or None) for a caller that
+    shares incumbents with HiGHS while it runs (solve.py); each takes a highspy callback event.
+    None: not used."""
 
     def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
         import highspy
@@ -90,10 +91,12 @@ class HighsBackend(Backend):
         if progress is not None:
             h.cbMipLogging.subscribe(on_logging)
         if self.extra_callbacks is not None:
-            improving, user_solution, logging = self.extra_callbacks
+            improving, user_solution, logging, interrupt = self.extra_callbacks
             h.cbMipImprovingSolution.subscribe(improving)
             h.cbMipUserSolution.subscribe(user_solution)
             h.cbMipLogging.subscribe(logging)
+            if interrupt is not None:
+                h.cbMipInterrupt.subscribe(interrupt)
 
         if warm_start is not None:
             sol = highspy.HighsSolution()
