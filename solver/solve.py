@@ -4,14 +4,17 @@ The pipeline: build the MILP (formulation.py); answer a budget below what some p
 needs whatever the schedule with InfeasibleBudgetError at once; take the fastest heuristic
 schedule that fits as the first incumbent (warmstart.py), or, when none fits, the least-memory
 schedule from an exact min-peak solve (which also proves infeasibility); then solve. With the
-HiGHS backend both cores work: one thread runs branch and bound on the whole MILP (the only source
-of the lower bound), the other improves the incumbent by LP rounding and large-neighbourhood
-search (lns.py), and each hands the other its better solutions through HiGHS's callbacks. Every
-answer is decoded into a Schedule and replayed by the simulator: the peak must fit the budget and
-the time must equal the MILP's objective, or it is a bug and says so.
+HiGHS backend both cores work: one thread runs branch and bound (on an equivalent model with full
+memory sums and lazy recomputation rows, see `_branch_and_bound_form`), the other solves the LP
+relaxation (a bound at once, and LP rounding) and then improves the incumbent by
+large-neighbourhood search (lns.py); each hands the other its better solutions through HiGHS's
+callbacks. Every answer is decoded into a Schedule and replayed by the simulator: the peak must
+fit the budget and the time must equal the MILP's objective, or it is a bug and says so.
 
 Gaps are (incumbent - lower bound) / incumbent on the whole step time (forward + recomputation +
-backward), as MONeT reports them, and only against a bound the full MILP proved.
+backward), as MONeT reports them. Lower bounds come only from relaxations of the exact model
+(its LP, or branch and bound on it with some recomputation rows left out), never from the
+heuristics or LNS, which fix columns.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from . import lns
 from .analysis import MODES, GraphFacts
 from .backends import get_backend
 from .backends.base import INFEASIBLE as B_INFEASIBLE
+from .backends.base import BackendResult
 from .backends.base import OPTIMAL as B_OPTIMAL
 from .errors import InfeasibleBudgetError
 from .formulation import Formulation
@@ -131,8 +135,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     for bound in (r.bound, shared.lp_bound):
         if bound is not None:
             lower = max(lower, int(math.ceil(bound * form.mem_scale - 1e-6 * form.mem_scale)))
-    proven = lower >= best_peak or (r.status == B_OPTIMAL and r.x is not None
-                                    and form.claimed_peak(r.x) >= best_peak)
+    # optimal: branch and bound proved its incumbent within 1e-6, and best_peak is no higher
+    proven = lower >= best_peak or r.status == B_OPTIMAL
     lower = min(lower, best_peak)
     out = (best_peak, lower, proven, best_s)
     _MIN_BUDGET_CACHE[key] = out
@@ -310,6 +314,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     if be.name == "highs" and shared.has:
         points = _tight_points(graph, form.decode(shared.get(form)[0]), budget)
     form_bb = _branch_and_bound_form(form, points) if be.name == "highs" else form
+    if form_bb.infeasible_points:
+        progress.close()
+        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
     shared.add_form(form_bb)
     try:
         r, lns_stats, form_bb = _optimize(form, form_bb, be, shared, deadline, mip_gap,
@@ -404,9 +411,8 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
     result: dict = {}
     state = {"form": form_bb, "injected": 0, "violated": set(), "stop": False}
 
-    def on_improving(e):
-        fb = state["form"]
-        x = np.array(e.data_out.mip_solution, dtype=float)
+    def consider(fb: Formulation, x: np.ndarray) -> None:
+        """Share a solution of branch and bound once the simulator accepts it."""
         if len(x) != fb.milp.num_vars:
             return
         if fb.recompute_points is not None:
@@ -417,7 +423,10 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 state["stop"] = True
                 return
         if shared.offer(fb, x, "highs"):
-            progress.update(incumbent=e.data_out.mip_primal_bound)
+            progress.update(incumbent=fb.milp.objective(x))
+
+    def on_improving(e):
+        consider(state["form"], np.array(e.data_out.mip_solution, dtype=float))
 
     def on_user_solution(e):
         x, obj, version = shared.get(state["form"])
@@ -448,6 +457,8 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                     fb.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
                     mip_gap=mip_gap, warm_start=x0, verbose=verbose)
                 result["r"] = r
+                if r.x is not None:  # also when HiGHS never ran (an empty model)
+                    consider(fb, r.x)
                 if (not state["violated"] or state["violated"] <= fb.recompute_points
                         or time.perf_counter() > deadline - 1.0):
                     break  # (a point already present: a tolerance effect, not a missing row)
@@ -455,6 +466,13 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 points = fb.recompute_points | state["violated"]
                 state["violated"] = set()
                 nxt = _branch_and_bound_form(form, points)
+                if nxt.infeasible_points:
+                    # a point over budget whatever the decisions: so is the next real point
+                    result["r"] = BackendResult(status=B_INFEASIBLE, x=None, objective=None,
+                                                bound=None, seconds=0.0,
+                                                message=f"{nxt.infeasible_points[0][0]} is "
+                                                        f"over budget whatever the schedule")
+                    break
                 shared.add_form(nxt)
                 state["form"] = nxt
                 shared.restarts += 1

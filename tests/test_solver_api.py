@@ -136,3 +136,16 @@ def test_resnet50_sized_graph_to_one_percent():
     assert simulate(g, r.schedule).peak_bytes <= 8 * 2**30
     base = simulate(g, store_all_schedule(g)).total_time
     assert r.predicted_time < 1.12 * base
+
+
+def test_lazy_recomputation_rows_restart_when_a_solution_breaks_the_budget():
+    # Branch and bound starts without any recomputation row (no warm start to pick tight
+    # points from); its first answer recomputes op0 at 31 bytes, over the budget of 30, so the
+    # simulator rejects it and the solve restarts with that one row.
+    from test_solver_catalogue import multi_output
+
+    r = solver.solve(multi_output(), 30, warm_start=False, time_limit_s=20)
+    assert r.status == "optimal" and r.objective == pytest.approx(13.0)
+    bb = r.stats["branch_and_bound_model"]
+    assert bb["restarts"] == 1 and bb["recompute_rows"] == 1
+    assert simulate(multi_output(), r.schedule).peak_bytes == 30

@@ -38,16 +38,18 @@ def _solve_or_none(graph, budget, **kw):
         return None
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(1, 5), mode=st.sampled_from(["full",
-                                                                              "checkpoint"]))
-def test_chain_optimum_equals_exhaustive_search(seed, n, mode):
+                                                                              "checkpoint"]),
+       warm=st.booleans())
+def test_chain_optimum_equals_exhaustive_search(seed, n, mode, warm):
+    """warm=False: branch and bound starts with no recomputation row at all (lazy rows)."""
     g = random_chain(random.Random(seed), n)
     top = simulate(g, store_all_schedule(g)).peak_bytes
     for frac in FRACTIONS:
         budget = int(top * frac)
         ref = exact_optimum(g, budget, mode=mode)
-        r = _solve_or_none(g, budget, mode=mode)
+        r = _solve_or_none(g, budget, mode=mode, warm_start=warm)
         if ref is None:
             assert r is None, f"solver found {r.objective} where no schedule fits {budget}"
             continue
