@@ -327,9 +327,68 @@ class Ours:
         cost = {op: n * g.ops[op].impls[sched.impl[op]].fwd_time for op, n in counts.items()}
         total = sum(cost.values())
         worst = sorted(cost, key=cost.get, reverse=True)[:top]
-        parts = ", ".join(f"{g.ops[o].name} {1e3 * cost[o]:.1f} ms" for o in worst)
-        return (f"recomputes {sum(counts.values())} ops, {1e3 * total:.1f} ms measured"
-                + (f" (top: {parts})" if parts else ""))
+        parts = ", ".join(f"{g.ops[o].name} {1e3 * cost[o]:.1f} ms"
+                          + (f" x{counts[o]}" if counts[o] > 1 else "") for o in worst)
+        return total, (f"recompute of {sum(counts.values())} ops {1e3 * total:.0f} ms at their "
+                       f"measured costs" + (f" (top: {parts})" if parts else ""))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mirrors: a peer's checkpoints written as a schedule of ours
+# ----------------------------------------------------------------------------------------------
+# Op kinds whose outputs the SAC policy saves (convolutions and matmuls).
+SAC_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", "conv2d", "linear",
+                       "scaled_dot_product_attention"})
+
+
+def _fx_name(qualname: str) -> str:
+    # torch.fx names a call_module node after its path, dots to underscores, "_" before a digit.
+    n = qualname.replace(".", "_")
+    return "_" + n if n[:1].isdigit() else n
+
+
+def block_ops(graph, qualnames: list[str]) -> set[int]:
+    """The Ops one block of the model runs: the contiguous range from its first to its last Op
+    named after one of its modules (function calls inside a module's forward, such as attention's
+    matmul, have no module name), plus the unnamed Ops just before it whose outputs only the block
+    reads (DenseNet's concatenation of earlier feature maps happens inside the dense layer)."""
+    prefixes = [_fx_name(q) for q in qualnames]
+
+    def named(op) -> bool:
+        return any(nd == p or nd.startswith(p + "_") for nd in op.nodes for p in prefixes)
+    ids = [op.id for op in graph.ops if named(op)]
+    if not ids:
+        return set()
+    inside = set(range(min(ids), max(ids) + 1))
+    j = min(ids) - 1
+    while j >= 0 and all(u in inside for v in graph.ops[j].outputs for u in graph.users[v]) \
+            and graph.ops[j].outputs:
+        inside.add(j)
+        j -= 1
+    return inside
+
+
+def mirror_schedule(graph, blocks: list[list[str]], *, save_kinds=frozenset()):
+    """The schedule of ours that checkpoints like the peer: keep what crosses a block boundary
+    (and, for SAC, the outputs of `save_kinds` Ops inside blocks), recompute the rest of a block
+    in its backward. Returns (predicted peak bytes, predicted overhead over store-all)."""
+    from solver import simulate, store_all_schedule
+    from solver.baselines import schedule_from_keep
+    owner: dict[int, int] = {}
+    for b, quals in enumerate(blocks):
+        for o in block_ops(graph, quals):
+            owner.setdefault(o, b)
+    keep = set()
+    for op in graph.ops:
+        b = owner.get(op.id)
+        for v in op.outputs:
+            readers = graph.users[v]
+            if b is None or op.kind in save_kinds or any(owner.get(u) != b for u in readers):
+                keep.add(v)
+    s = schedule_from_keep(graph, keep, retain="saved", created_by="mirror")
+    tl = simulate(graph, s)
+    base = simulate(graph, store_all_schedule(graph)).total_time
+    return tl.peak_bytes, tl.total_time / base - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,6 +441,13 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
     # Ours: one profile; the first solve is checked on a tiny budget later by the sweep.
     ours = Ours(bench)
     log(f"[{spec.name}] profiled {len(ours.graph.ops)} ops in {ours.profile_s:.1f} s")
+    blocks = ad.blocks(bench.fresh_copy(), bench.x)
+    mirrors = {"ckpt-block": mirror_schedule(ours.graph, blocks),
+               "ckpt-seq": mirror_schedule(ours.graph, ad.segments(bench.model)),
+               "sac": mirror_schedule(ours.graph, blocks, save_kinds=SAC_KINDS)}
+    for k, (pk, ov) in mirrors.items():
+        log(f"[{spec.name}] mirror of {k} in our execution model: peak {pk / MiB:.1f} MiB, "
+            f"predicted {100 * ov:+.1f}%")
 
     # Block 1: plain, eager peers and ours at each peer's peak, timed side by side.
     bench.measure(plain)
@@ -396,7 +462,7 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
     spread = time_block(bench, block, args.rounds)
     t_plain = (statistics.median(plain.times), statistics.median(plain.wall))
     for peer_cfg, o in pairs:
-        rows.append(_row(spec, peer_cfg, o, t_plain, spread, ours))
+        rows.append(_row(spec, peer_cfg, o, t_plain, spread, ours, mirrors.get(peer_cfg.name)))
 
     # Blocks 2..4: torch.compile at each activation_memory_budget, its own dynamo state.
     import torch._functorch.config as fconfig
@@ -438,7 +504,9 @@ def bench_model(spec: ModelSpec, args, log) -> dict:
 
     # Pareto sweep of ours: budgets between the fixed bytes and plain's peak, plus the peers'.
     lo = min_budget(ours.graph, args.time_limit)
-    hi = plain.peak
+    # The top of the sweep is a budget at which store-all fits (predicted), so its point measures
+    # the runtime with nothing recomputed.
+    hi = max(plain.peak, _store_all_peak(ours.graph))
     budgets = sorted({int(lo + f * (hi - lo)) for f in args.sweep} | {hi})
     sweep_cfgs = []
     for bgt in budgets:
@@ -479,8 +547,10 @@ def _pred_ovh(o: Config, ours: Ours) -> float | None:
     return None if o.predicted_time is None or not base else o.predicted_time / base - 1
 
 
-def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Ours) -> dict:
-    """One pair. plain_t: plain's median (bench clock, wall) in the same timing block."""
+def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Ours,
+         mirror: tuple | None = None) -> dict:
+    """One pair. plain_t: plain's median (bench clock, wall) in the same timing block; mirror:
+    (peak, overhead) predicted for the peer's own checkpoints as a schedule of ours."""
     t_plain, w_plain = plain_t
     p_ovh = peer.seconds / t_plain - 1
     row = {"model": spec.name, "peer": peer.name, "peer_peak_MiB": peer.peak / MiB,
@@ -489,12 +559,17 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
            "ours_ovh_wall_%": None,
            "ours_peak_MiB": None, "ours_pred_MiB": None, "ours_ovh_%": None,
            "ours_pred_ovh_%": None, "ovh_ratio": None, "ours_grads": o.grad_check or "not run",
-           "noise_%": 100 * spread, "verdict": "", "why": "", "peer_note": peer.note}
+           "noise_%": 100 * spread, "solve": _solve_label(o.solve), "verdict": "", "why": "",
+           "peer_note": peer.note}
+    mirror_note = ("" if mirror is None else
+                   f"the peer's own checkpoints written as a schedule of ours: predicted peak "
+                   f"{mirror[0] / MiB:.1f} MiB, overhead {100 * mirror[1]:+.1f}%")
     if o.forward is None:
         row["verdict"] = "no schedule"
         held, top = ours.internals()
-        row["why"] = (o.note + f" [internal saved tensors our schedules must hold from forward to "
-                      f"backward: {held / MiB:.1f} MiB; top: {top}]")
+        row["why"] = "; ".join(x for x in (
+            o.note, f"internal saved tensors our schedules hold from forward to backward: "
+                    f"{held / MiB:.1f} MiB (top: {top})", mirror_note) if x)
         return row
     o_ovh = o.seconds / t_plain - 1
     row["ours_ovh_wall_%"] = 100 * (statistics.median(o.wall) / w_plain - 1)
@@ -514,13 +589,27 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
     if not time_ok:
         extra = (o.seconds - t_plain)
         pred_extra = (o.predicted_time or 0) - (_store_all_time(ours) or 0)
-        reasons.append(f"overhead {1e3 * extra:.0f} ms/step vs target "
-                       f"{1e3 * t_plain * p_ovh / 2:.0f} ms; model predicts "
-                       f"{1e3 * pred_extra:.0f} ms; {ours.recompute_breakdown(o.solve)}")
+        rec_s, rec_text = ours.recompute_breakdown(o.solve)
+        reasons.append(f"overhead {1e3 * extra:.0f} ms/step (target at most "
+                       f"{1e3 * t_plain * p_ovh / 2:.0f} ms) = predicted {1e3 * pred_extra:.0f} ms "
+                       f"[{rec_text}; Impl choices {1e3 * (pred_extra - rec_s):+.0f} ms] + "
+                       f"unpredicted {1e3 * (extra - pred_extra):+.0f} ms (runtime work and "
+                       f"timing noise)")
+        if mirror_note:
+            reasons.append(mirror_note)
     row["verdict"] = ("met" if mem_ok and time_ok else
                       "missed" + (" (within noise)" if mem_ok and noisy else ""))
     row["why"] = "; ".join(reasons)
     return row
+
+
+def _solve_label(res) -> str:
+    if res is None:
+        return ""
+    short = {"optimal": "opt", "feasible-at-time-limit": "tl", "infeasible": "infeasible",
+             "error": "none in time", "heuristic": "heuristic"}.get(res.status, res.status)
+    gap = getattr(res, "mip_gap", None)
+    return short + (f" gap {100 * gap:.0f}%" if gap is not None and res.status != "optimal" else "")
 
 
 def _store_all_time(ours: Ours) -> float:
@@ -573,10 +662,11 @@ def table(results: list[dict]):
 def _fmt(df, clock: str) -> str:
     cols = ["model", "peer", "peer_peak_MiB", "ours_peak_MiB", "ours_pred_MiB", "peer_ovh_%",
             "ours_ovh_%", "ours_pred_ovh_%", "ovh_ratio", "noise_%"]
+    tail = ["solve", "peer_grads", "ours_grads", "verdict"]
     if clock != "wall":
         cols += ["peer_ovh_wall_%", "ours_ovh_wall_%"]
     numeric = cols[2:]
-    cols += ["peer_grads", "ours_grads", "verdict"]
+    cols += tail
     out = df[cols].copy()
     for c in numeric:
         out[c] = out[c].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v))

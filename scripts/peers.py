@@ -121,6 +121,39 @@ class Adapter:
     def n_blocks(self, model: nn.Module) -> int:
         raise NotImplementedError
 
+    def blocks(self, model: nn.Module, x: torch.Tensor) -> list[list[str]]:
+        """The natural blocks `forward` wraps, in call order, each as the qualified names of the
+        model's modules it runs (found by one no-grad forward with a recording wrap)."""
+        seen: list = []
+
+        def record(fn, *args):
+            seen.append(fn)
+            return fn(*args)
+        with torch.no_grad():
+            self.forward(model, x, record)
+        return [module_names(model, fn) for fn in seen]
+
+    def segments(self, model: nn.Module) -> list[list[str]]:
+        """What checkpoint_sequential checkpoints: its first `segments - 1` segments of the chain
+        (the last one runs without checkpointing), as qualified module names."""
+        chain = self.chain(model)
+        n = segments_for(len(chain))
+        size = len(chain) // n
+        return [[name for mod in chain[a:a + size] for name in module_names(model, mod)]
+                for a in range(0, size * (n - 1), size)]
+
+
+def module_names(model: nn.Module, fn) -> list[str]:
+    """Qualified names (in `model`) of the modules `fn` is or contains: adapters wrap model
+    modules in helpers (_ListCall, nn.Sequential, _Residual) that are not part of the model."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def resolve(mod) -> list[str]:
+        if id(mod) in names:
+            return [names[id(mod)]]
+        return [n for c in mod.children() for n in resolve(c)]
+    return resolve(fn)
+
 
 class ResNetAdapter(Adapter):
     """torchvision.models.ResNet: blocks are the BasicBlocks / Bottlenecks of layer1..layer4;
