@@ -215,9 +215,13 @@ class _Shared:
     def offer_schedule(self, form: Formulation, schedule, source: str) -> bool:
         return self.offer(form, form.encode(schedule), source)
 
-    def add_form(self, form: Formulation) -> None:
-        """Start keeping vectors of `form` too (the best is encoded into it now)."""
+    def add_form(self, form: Formulation, replacing: Formulation | None = None) -> None:
+        """Start keeping vectors of `form` too (the best is encoded into it now), and stop
+        keeping those of `replacing` (a branch-and-bound model that was restarted)."""
         with self.lock:
+            if replacing is not None and replacing is not self.forms[0]:
+                self.forms = [f for f in self.forms if f is not replacing]
+                self.xs.pop(id(replacing), None)
             if any(f is form for f in self.forms):
                 return
             self.forms.append(form)
@@ -473,7 +477,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                                                 message=f"{nxt.infeasible_points[0][0]} is "
                                                         f"over budget whatever the schedule")
                     break
-                shared.add_form(nxt)
+                shared.add_form(nxt, replacing=fb)
                 state["form"] = nxt
                 shared.restarts += 1
         finally:

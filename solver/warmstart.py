@@ -22,15 +22,38 @@ from .schedule import Schedule, StageSchedule
 from .simulate import simulate, store_all_schedule
 
 
+def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
+    """Per op, the allowed Impl holding the fewest bytes for its backward (saved scheduled
+    Values plus internals; ties: the faster), or None when that is Impl 0 everywhere. A
+    compact-mask Impl lets the backward drop a whole activation for a few percent of time."""
+    out = []
+    for op in graph.ops:
+        def held(i):
+            im = op.impls[i]
+            saved = sum(graph.values[v].bytes for v in im.saved if facts.scheduled[v])
+            return (saved + im.internal_bytes, im.fwd_time + im.bwd_time)
+        out.append(min(facts.impls[op.id], key=held))
+    return tuple(out) if any(out) else None
+
+
 def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts) -> list[tuple[str, Schedule]]:
-    """Named candidate schedules (all on Impl 0); some may not fit the budget."""
-    out: list[tuple[str, Schedule]] = [("store_all", store_all_schedule(graph))]
-    for retain in ("saved", "none"):
-        out.append((f"greedy/{retain}", greedy_schedule(graph, budget, facts, retain=retain)))
+    """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
+    not fit the budget."""
+    out: list[tuple[str, Schedule]] = []
+    variants = [("", None)]
+    lean = lean_impls(graph, facts) if facts.mode == "full" else None
+    if lean is not None:
+        variants.append(("lean/", lean))
     n = len(graph.ops)
-    for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
-        out.append((f"chen/{length}", chen_schedule(graph, facts, length)))
-    out.append(("keep_nothing", schedule_from_keep(graph, (), retain="none", facts=facts)))
+    for tag, impl in variants:
+        out.append((f"{tag}store_all", store_all_schedule(graph, impl)))
+        for retain in ("saved", "none"):
+            out.append((f"{tag}greedy/{retain}",
+                        greedy_schedule(graph, budget, facts, retain=retain, impl=impl)))
+        for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
+            out.append((f"{tag}chen/{length}", chen_schedule(graph, facts, length, impl=impl)))
+        out.append((f"{tag}keep_nothing", schedule_from_keep(graph, (), retain="none",
+                                                             facts=facts, impl=impl)))
     return out
 
 
