@@ -223,6 +223,43 @@ def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
     return s
 
 
+def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
+                    retain: str = "saved") -> Schedule | None:
+    """Keep the Values whose recomputation costs the most time per byte, as many as fit.
+
+    Candidates are all scheduled Values a later stage could read, including those no backward
+    reads (DenseNet's feature maps feed only concatenations: keeping them and recomputing the
+    concatenation is the memory-efficient DenseNet trick, which a rule that only drops from
+    store-all's keep set cannot find). The longest prefix of the ranking that fits the budget is
+    found by bisection (the peak is close to monotone in it, and the result is checked). None if
+    even the empty prefix does not fit."""
+    ops = graph.ops
+    impl = tuple(impl) if impl is not None else (0,) * len(ops)
+
+    def seconds_per_byte(v: int) -> float:
+        p = graph.values[v].producer
+        return ops[p].impls[impl[p]].fwd_time / max(graph.values[v].bytes, 1)
+
+    order = sorted((v for v in range(len(graph.values))
+                    if facts.scheduled[v] and facts.horizon[v] >= 0
+                    and ops[graph.values[v].producer].recompute_unsafe is None),
+                   key=lambda v: (-seconds_per_byte(v), v))
+
+    def build(k: int) -> Schedule:
+        return schedule_from_keep(graph, order[:k], impl=impl, retain=retain, facts=facts,
+                                  mode="checkpoint", created_by="baseline:ranked")
+
+    lo, hi, best = 0, len(order), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        s = build(mid)
+        if simulate(graph, s).peak_bytes <= budget:
+            best, lo = s, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def greedy(graph: OpGraph, budget=None) -> SolveResult:
     """Drop kept Values by bytes per recompute second until the budget fits (no budget: the
     store-all schedule)."""

@@ -1,8 +1,10 @@
 """First incumbents for the MILP: the best of several cheap schedules, each checked by the simulator.
 
-`heuristic_schedules` builds, in well under a second on a ResNet-50 graph, store-all, the greedy
-baseline with two retention policies, Chen's segments at several lengths and "keep nothing"
-(the least-memory rule); `best_fitting` keeps the fastest that fits the budget. `lp_rounding`
+`heuristic_schedules` builds store-all, the greedy baseline with two retention policies, the
+ranked rule (keep what is dearest to recompute per byte, as much as fits; it also keeps Values no
+backward reads, such as DenseNet's feature maps), Chen's segments at several lengths and "keep
+nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
+keeps the fastest that fits the budget. `lp_rounding`
 solves the MILP's LP relaxation and rounds its residency columns at several thresholds
 (Checkmate's rounding, applied to every stage), recomputing whatever a rounded plan lacks; it
 costs one LP solve and often lands far closer to the optimum at tight budgets than the rules do.
@@ -15,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from .analysis import GraphFacts
-from .baselines import chen_schedule, greedy_schedule, schedule_from_keep
+from .baselines import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
 from .canonical import canonicalize
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -50,6 +52,10 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts) -> list[
         for retain in ("saved", "none"):
             out.append((f"{tag}greedy/{retain}",
                         greedy_schedule(graph, budget, facts, retain=retain, impl=impl)))
+        for retain in ("saved", "all"):
+            ranked = ranked_schedule(graph, budget, facts, retain=retain, impl=impl)
+            if ranked is not None:
+                out.append((f"{tag}ranked/{retain}", ranked))
         for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
             out.append((f"{tag}chen/{length}", chen_schedule(graph, facts, length, impl=impl)))
         out.append((f"{tag}keep_nothing", schedule_from_keep(graph, (), retain="none",
