@@ -11,7 +11,10 @@ gives the status, seconds to the first schedule, to the final incumbent and to t
 overhead over store-all (the simulator's step time), the peak, and the MILP's size. A budget below
 the model's minimum is reported with the minimum (`solver.min_budget`). The table is printed and
 written to the "Solver" section of docs/BENCHMARKS.md (other sections belong to other scripts);
-rows are also appended to a JSON-lines file as they finish, so `--resume` can continue a run.
+rows are also appended to a JSON-lines file as they finish, so `--resume` can continue a run
+(and, once every row of a model is there, renders it without profiling it again: parts of a run
+made by separate processes, each with its own --results file, are joined by concatenating the
+files and running once more with --resume).
 CI does not run this.
 """
 
@@ -151,23 +154,37 @@ def main(argv=None) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
 
     done: dict[tuple, dict] = {}
+    known: dict[tuple, dict] = {}  # model facts of an earlier run (profile, store-all, minimum)
     if args.resume and os.path.exists(args.results):
         with open(args.results, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
-                done[(row["model"], row["budget"], row["mode"])] = row
+                if row.get("kind") == "model":
+                    known[(row["model"], row["mode"])] = row
+                else:
+                    done[(row["model"], row["budget"], row["mode"])] = row
     elif os.path.exists(args.results):
         os.unlink(args.results)
 
     rows, models_info = [], {}
     for name in models:
         batch = MODELS[name]
+        keys = [(name, f"{b:g} GiB", args.mode) for b in budgets]
+        if (name, args.mode) in known and all(k in done for k in keys):
+            # everything of this model is in --results: render it without profiling again
+            models_info[name] = {k: known[(name, args.mode)][k]
+                                 for k in ("ops", "store_all", "min_budget")}
+            rows.extend(done[k] for k in keys)
+            continue
         t0 = time.perf_counter()
         graph = profile(name, batch)
         base_tl = simulate(graph, store_all_schedule(graph))
         floor = solver.min_budget(graph, mode=args.mode, time_limit_s=min(120.0, args.time_limit))
         models_info[name] = {"ops": len(graph.ops), "store_all": format_bytes(base_tl.peak_bytes),
                              "min_budget": format_bytes(floor)}
+        with open(args.results, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": "model", "model": name, "mode": args.mode,
+                                **models_info[name]}) + "\n")
         print(f"{name} batch {batch}: {len(graph.ops)} ops, store-all "
               f"{format_bytes(base_tl.peak_bytes)}, min budget {format_bytes(floor)} "
               f"({time.perf_counter() - t0:.0f} s to profile and bound)", flush=True)

@@ -1,0 +1,56 @@
+"""scripts/bench_solver.py on its smallest model (VGG-16 on the meta device): an infeasible
+budget is reported with the computed minimum, a feasible one with a schedule and a gap, and a
+second run with --resume renders the same rows from the results file without profiling again
+(how the parts of a run made by separate processes are joined)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_solver_under_test",
+                                                  ROOT / "scripts" / "bench_solver.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
+    bench = _load()
+    results = tmp_path / "rows.jsonl"
+    argv = ["--models", "vgg16", "--budgets", "5,9", "--time-limit", "20",
+            "--results", str(results), "--no-write"]
+    assert bench.main(argv) == 0
+    first = capsys.readouterr().out
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    model = [r for r in records if r.get("kind") == "model"]
+    rows = {r["budget"]: r for r in records if r.get("kind") != "model"}
+    assert len(model) == 1 and model[0]["ops"] > 0
+    assert rows["5 GiB"]["status"] == "infeasible"
+    assert rows["5 GiB"]["note"] == f"min {model[0]['min_budget']}"
+    ok = rows["9 GiB"]
+    assert ok["status"] in ("optimal", "feasible-at-time-limit")
+    assert 0 <= ok["gap_pct"] and ok["overhead_pct"] >= 0 and ok["variables"] > 0
+
+    def no_profiling(*a, **k):
+        raise AssertionError("--resume profiled a model whose rows were all there")
+    monkeypatch.setattr(bench, "profile", no_profiling)
+    assert bench.main(argv + ["--resume"]) == 0
+    again = capsys.readouterr().out
+    table = [ln for ln in first.splitlines() if ln.startswith("| vgg16")]
+    assert len(table) == 2 and table == [ln for ln in again.splitlines()
+                                         if ln.startswith("| vgg16")]
+
+
+def test_bench_solver_rejects_unknown_model():
+    with pytest.raises(SystemExit):
+        _load().main(["--models", "alexnet", "--no-write"])
