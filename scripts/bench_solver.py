@@ -118,7 +118,11 @@ def render(rows: list[dict], args, models_info: dict) -> str:
             df[c] = [v if v == "" else int(v) for v in df[c]]
     info = "; ".join(f"{m}: {i['ops']} ops, store-all {i['store_all']}, min budget "
                      f"{i['min_budget']}" for m, i in models_info.items())
-    command = "python scripts/bench_solver.py " + " ".join(sys.argv[1:])
+    shown = list(sys.argv[1:])
+    if "--note" in shown:  # the note is printed under the table, not in the command
+        i = shown.index("--note")
+        del shown[i:i + 2]
+    command = "python scripts/bench_solver.py " + " ".join(shown)
     body = [header(command.strip()),
             f"Mode `{args.mode}`, backend `{args.backend}`, time limit {args.time_limit:g} s per "
             f"solve, target gap {100 * args.mip_gap:g}%. Costs: analytical A100-40GB roofline "
@@ -127,6 +131,8 @@ def render(rows: list[dict], args, models_info: dict) -> str:
             f"bound) / incumbent on the whole step time. first_s / best_s / solve_s: seconds to "
             f"the first schedule, to the final one, and to the end of the solve (the final gap).",
             "", f"Models: {info}.", "", markdown_table(df)]
+    if args.note:
+        body += ["", args.note]
     return "\n".join(body) + "\n"
 
 
@@ -146,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="skip (model, budget, mode) rows already in --results")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    ap.add_argument("--note", default="",
+                    help="a paragraph printed under the table (how the run was made, say)")
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
