@@ -294,6 +294,10 @@ class OpGraph:
     meta: dict = field(default_factory=dict, compare=False)
     """Free-form provenance (torch version, profile time, optimizer name); not fingerprinted."""
     schema_version: int = SCHEMA_VERSION
+    host_bandwidth: float | None = None
+    """Bytes per second of the device<->host link (pinned memory), measured or configured; the
+    cost of offloading a Value to host memory (docs/execution-model.md section 3). None: no link
+    known (a CPU profile), so offload is not available. A cost: not fingerprinted."""
 
     # -- derived views ----------------------------------------------------------------------
     @property
@@ -415,6 +419,7 @@ class OpGraph:
             "backward_order": list(self.backward_order),
             "stage_grad_bytes": list(self.stage_grad_bytes),
             "final_grad_bytes": self.final_grad_bytes,
+            "host_bandwidth": self.host_bandwidth,
             "meta": self.meta,
             "values": [v.to_dict() for v in self.values],
             "ops": [o.to_dict() for o in self.ops],
@@ -436,7 +441,13 @@ class OpGraph:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise FormatError(f"{where}.meta: expected an object, got {type(meta).__name__}")
+        bw = d.get("host_bandwidth")
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float))
+                               or not bw > 0 or bw == float("inf")):
+            raise FormatError(f"{where}.host_bandwidth: expected a positive number of bytes per "
+                              f"second or null, got {bw!r:.60}")
         return cls(
+            host_bandwidth=None if bw is None else float(bw),
             model=_str(d, "model", where),
             batch=_int(d, "batch", where, minimum=1),
             values=tuple(Value.from_dict(x, f"values[{i}]")

@@ -6,7 +6,9 @@ backward stage, in the vocabulary of docs/execution-model.md:
 - `forward_keep`: the Values kept resident at the end of the forward pass (all other Values are
   freed at their last forward use, except the model's outputs, which the caller holds);
 - `stages[t].recompute`: Ops recomputed (no grad, topological order) just before backward stage t;
-- `stages[t].drop`: Values released once stage t no longer needs them.
+- `stages[t].drop`: Values released once stage t no longer needs them;
+- `offload` and `stages[t].fetch`: Values copied to host memory during the forward pass (they leave
+  the device at their last forward use) and copied back at the start of stage t (GPU only).
 
 `SolveResult` is the one result type of every backend and baseline, built with keyword arguments
 through `SolveResult.success(...)` or `SolveResult.failure(...)`.
@@ -44,14 +46,20 @@ class StageSchedule:
     """Ops recomputed just before the stage, in topological order."""
     drop: tuple[int, ...] = ()
     """Values released once this stage no longer needs them."""
+    fetch: tuple[int, ...] = ()
+    """Offloaded Values copied back from host memory at the start of this stage."""
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "recompute": list(self.recompute), "drop": list(self.drop)}
+        d = {"op": self.op, "recompute": list(self.recompute), "drop": list(self.drop)}
+        if self.fetch:
+            d["fetch"] = list(self.fetch)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "StageSchedule":
         return cls(op=_int(d, "op", where), recompute=_ints(d, "recompute", where),
-                   drop=_ints(d, "drop", where))
+                   drop=_ints(d, "drop", where),
+                   fetch=_ints(d, "fetch", where) if isinstance(d, dict) and "fetch" in d else ())
 
 
 @dataclass(frozen=True)
@@ -72,9 +80,11 @@ class Schedule:
     predicted_peak_bytes: int | None = None
     predicted_time: float | None = None
     meta: dict = field(default_factory=dict, compare=False)
+    offload: tuple[int, ...] = ()
+    """Values copied to host memory during the forward pass (never in forward_keep)."""
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": SCHEDULE_FORMAT,
             "schema_version": SCHEDULE_SCHEMA_VERSION,
             "fingerprint": self.fingerprint,
@@ -90,6 +100,9 @@ class Schedule:
             "stages": [s.to_dict() for s in self.stages],
             "meta": self.meta,
         }
+        if self.offload:
+            d["offload"] = list(self.offload)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Schedule":
@@ -128,6 +141,7 @@ class Schedule:
             predicted_peak_bytes=peak,
             predicted_time=None if t is None else float(t),
             meta=meta,
+            offload=_ints(d, "offload", where) if "offload" in d else (),
         )
 
     def save(self, path: "str | os.PathLike") -> None:
