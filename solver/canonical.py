@@ -3,8 +3,9 @@
 The MILP describes a schedule by which Values are resident entering each backward stage and which
 ops are recomputed in it. `residency` replays a Schedule into those sets (no memory accounting:
 that is the simulator's job). `canonicalize` removes what can only cost: recomputations whose
-outputs nothing reads or keeps, duplicates of a resident output, and residency that nothing in the
-stage uses and that is not carried further (it is freed at the stage start anyway; dropping it
+outputs nothing reads or keeps, duplicates of a resident output, fetches from host memory that
+nothing reads or that duplicate a resident Value, offloads never fetched, and residency that nothing
+in the stage uses and that is not carried further (it is freed at the stage start anyway; dropping it
 earlier is never worse). By the simulator's rules the result has a peak and a time no higher than
 the original. Every schedule the MILP can describe is canonical, so a baseline's schedule becomes
 a MILP warm start through this function.
@@ -27,19 +28,22 @@ class Residency:
     impl: tuple[int, ...]
     resident: list[set[int]]
     recompute: list[set[int]]
+    fetch: list[set[int]] = dataclasses.field(default_factory=list)
+    """Per stage, the offloaded Values copied back at its start."""
 
 
 def residency(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Residency:
     sched = facts.scheduled
     ops = graph.ops
     res = [set(v for v in schedule.forward_keep if sched[v])]
-    rec = []
+    rec, fetch = [], []
     for st in schedule.stages:
         r = set(st.recompute)
-        present = res[-1] | {w for j in r for w in ops[j].outputs if sched[w]}
+        present = res[-1] | set(st.fetch) | {w for j in r for w in ops[j].outputs if sched[w]}
         res.append(present - set(st.drop))
         rec.append(r)
-    return Residency(tuple(schedule.impl), res, rec)
+        fetch.append(set(st.fetch))
+    return Residency(tuple(schedule.impl), res, rec, fetch)
 
 
 def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Schedule:
@@ -69,11 +73,21 @@ def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Sched
                 if v not in after and v not in read:
                     r.resident[t].discard(v)
                     changed = True
+            # A fetch nothing reads or carries, or of a Value already there, only costs.
+            made = {w for j in r.recompute[t] for w in ops[j].outputs}
+            for v in list(r.fetch[t]):
+                if (v not in after and v not in read) or v in r.resident[t] or v in made:
+                    r.fetch[t].discard(v)
+                    changed = True
     stages = []
     for t, k in enumerate(graph.backward_order):
-        present = r.resident[t] | {w for j in r.recompute[t] for w in ops[j].outputs if sched[w]}
+        present = (r.resident[t] | r.fetch[t]
+                   | {w for j in r.recompute[t] for w in ops[j].outputs if sched[w]})
         stages.append(StageSchedule(op=k, recompute=tuple(sorted(r.recompute[t])),
-                                    drop=tuple(sorted(present - r.resident[t + 1]))))
+                                    drop=tuple(sorted(present - r.resident[t + 1])),
+                                    fetch=tuple(sorted(r.fetch[t]))))
+    fetched = set().union(*r.fetch) if r.fetch else set()
     return dataclasses.replace(schedule, forward_keep=tuple(sorted(r.resident[0])),
                                stages=tuple(stages), predicted_peak_bytes=None,
-                               predicted_time=None)
+                               predicted_time=None,
+                               offload=tuple(sorted(v for v in schedule.offload if v in fetched)))

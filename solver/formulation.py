@@ -213,9 +213,18 @@ class Formulation:
 
     def __init__(self, graph: OpGraph, budget: int | None = None, *, mode: str = "full",
                  objective: str = "time", running_sums: bool = True,
-                 recompute_points: "frozenset[tuple[int, int]] | None" = None):
+                 recompute_points: "frozenset[tuple[int, int]] | None" = None,
+                 offload: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if offload and graph.host_bandwidth is None:
+            raise ValueError(f"offload=True needs the graph's host_bandwidth (bytes per second of "
+                             f"the device<->host link), but {graph.model} has none (profiled on "
+                             f"{graph.cost_provenance or 'an unknown device'}); profile on a GPU, "
+                             f"pass host_bandwidth= to profile, or solve without offload")
+        if offload and mode != "full":
+            raise ValueError(f"offload is an operator choice of mode 'full', not of {mode!r}")
+        self.offload = offload
         if objective == "time" and budget is None:
             raise ValueError("objective 'time' needs a budget")
         self.graph, self.budget, self.mode, self.objective = graph, budget, mode, objective
@@ -308,6 +317,20 @@ class Formulation:
                     self.RI[t, j, i] = b.var(f"RI[{t},{j},{i}]", integer=False,
                                              cost=self._impl(j, i).fwd_time * ts)
 
+        # Offload to host (offload=True): O[v] copies v to host in the forward pass; Fe[t,v]
+        # copies it back at the start of stage t. Each copy costs bytes / host_bandwidth.
+        self.O: dict[int, int] = {}
+        self.Fe: dict[tuple[int, int], int] = {}
+        if self.offload:
+            b.var_block("offload")
+            for v in values:
+                if sched[v.id] and hz[v.id] >= 0:
+                    self.O[v.id] = b.var(f"O[{v.id}]", cost=self._transfer(v.id) * ts)
+            b.var_block("fetch")
+            for v in self.O:
+                for t in range(hz[v] + 1):
+                    self.Fe[t, v] = b.var(f"Fe[{t},{v}]", cost=self._transfer(v) * ts)
+
         b.var_block("alive_backward")  # Y[t,v] = S[t+1,v] or (the chosen Impl of stage t saves v)
         self.Y: dict[tuple[int, int], int] = {}
         for t, need in enumerate(f.need):
@@ -335,6 +358,8 @@ class Formulation:
                 segs = []  # (first position, last position, term) ; term: ('c',) | ('v', col) | None
                 if lp > 0:
                     segs.append((0, lp - 1, ("v", self.S[t, v.id])))
+                    if (t, v.id) in self.Fe:  # fetched: resident from the stage start too
+                        segs.append((0, lp - 1, ("v", self.Fe[t, v.id])))
                 start = lp
                 us = [u for u in g.users[v.id] if u in cand_sets[t]]
                 for idx, u in enumerate(us):
@@ -482,6 +507,28 @@ class Formulation:
             if len(outs) == 1 and sched[outs[0]] and (t, outs[0]) in self.S:
                 b.row(f"no_duplicate[{t},{j}]", [(r, 1.0), (self.S[t, outs[0]], 1.0)], hi=1.0)
 
+        if self.offload:
+            b.row_block("offload")  # Fe[t,v] <= O[v];  O[v] + S[0,v] <= 1
+            for (t, v), fe in self.Fe.items():
+                b.row(f"fetch_offloaded[{t},{v}]", [(fe, 1.0), (self.O[v], -1.0)], hi=0.0)
+            for v, o in self.O.items():
+                b.row(f"offload_leaves[{v}]", [(o, 1.0), (self.S[0, v], 1.0)], hi=1.0)
+            b.row_block("useful_fetch")  # Fe[t,v] <= S[t+1,v] + need + sum R users; no duplicate
+            for (t, v), fe in self.Fe.items():
+                k = g.backward_order[t]
+                b.row(f"fetch_not_resident[{t},{v}]", [(fe, 1.0), (self.S[t, v], 1.0)], hi=1.0)
+                made = self.R.get((t, values[v].producer))
+                if made is not None:
+                    b.row(f"fetch_not_made[{t},{v}]", [(fe, 1.0), (made, 1.0)], hi=1.0)
+                needers = f.need[t].get(v, ())
+                if needers and len(needers) == len(f.impls[k]):
+                    continue
+                terms = [(fe, 1.0)] + [(self.M[k, i], -1.0) for i in needers]
+                if (t + 1, v) in self.S:
+                    terms.append((self.S[t + 1, v], -1.0))
+                terms += [(self.R[t, u], -1.0) for u in g.users[v] if u in cand_sets[t]]
+                b.row(f"useful_fetch[{t},{v}]", terms, hi=0.0)
+
         # ---- internals running sums ----
         if var_int:
             b.row_block("internals")
@@ -627,10 +674,15 @@ class Formulation:
         return self.recompute_points is None or (t, j) in self.recompute_points
 
     def _made(self, t: int, v: int, coef: float):
-        """[(R[t,p(v)], coef)] when v's producer may be recomputed at stage t, else []."""
+        """The columns that make v present at stage t besides residency: R[t,p(v)] when v's
+        producer may be recomputed there, Fe[t,v] when v may be fetched from host memory."""
         p = self.graph.values[v].producer
-        col = self.R.get((t, p))
-        return [(col, coef)] if col is not None else []
+        cols = [self.R.get((t, p)), self.Fe.get((t, v))]
+        return [(col, coef) for col in cols if col is not None]
+
+    def _transfer(self, v: int) -> float:
+        """Seconds to copy Value v between device and host memory (one way)."""
+        return self.graph.values[v].bytes / self.graph.host_bandwidth
 
     def _y_expr(self, t: int, v: int):
         """Is v alive at stage t's backward point: ('c',) always, ('v', col) a column, None never."""
@@ -675,6 +727,8 @@ class Formulation:
         total = sum(g.ops[j].impls[i].fwd_time for j, i in enumerate(s.impl))
         total += sum(g.ops[k].impls[s.impl[k]].bwd_time for k in g.backward_order)
         total += sum(g.ops[j].impls[s.impl[j]].fwd_time for st in s.stages for j in st.recompute)
+        total += sum(self._transfer(v) for v in s.offload)
+        total += sum(self._transfer(v) for st in s.stages for v in st.fetch)
         return total
 
     def claimed_peak(self, x: np.ndarray) -> int:
@@ -706,15 +760,21 @@ class Formulation:
         for (t, j), col in self.R.items():
             if on(col):
                 rec[t].append(j)
+        fetch = [set() for _ in range(self.T)]
+        for (t, v), col in self.Fe.items():
+            if on(col):
+                fetch[t].add(v)
         for t, k in enumerate(g.backward_order):
             made = {w for j in rec[t] for w in g.ops[j].outputs if f.scheduled[w]}
-            present = resident[t] | made
+            present = resident[t] | made | fetch[t]
             stages.append(StageSchedule(op=k, recompute=tuple(sorted(rec[t])),
-                                        drop=tuple(sorted(present - resident[t + 1]))))
+                                        drop=tuple(sorted(present - resident[t + 1])),
+                                        fetch=tuple(sorted(fetch[t]))))
         return Schedule(fingerprint=g.fingerprint, graph_summary=g.summary(), impl=tuple(impl),
                         forward_keep=tuple(sorted(resident[0])), stages=tuple(stages),
                         budget_bytes=self.budget, mode=self.mode,
-                        cost_provenance=g.cost_provenance)
+                        cost_provenance=g.cost_provenance,
+                        offload=tuple(sorted(v for v, col in self.O.items() if on(col))))
 
     def encode(self, schedule: Schedule) -> np.ndarray:
         """A full solution vector for `schedule` (made canonical first), with every helper column
@@ -730,6 +790,9 @@ class Formulation:
                                      f"choices {f.impls[j]}")
                 impl[j] = better[0]
         import dataclasses
+        if schedule.offload and not self.offload:
+            raise ValueError("the schedule offloads Values to host memory; this formulation was "
+                             "built without offload (offload=False)")
         schedule = canonicalize(g, dataclasses.replace(schedule, impl=tuple(impl)), f)
         r = residency(g, schedule, f)
         x = np.zeros(self.milp.num_vars)
@@ -747,6 +810,13 @@ class Formulation:
             for j in r.recompute[t]:
                 if (t, j) not in self.R:
                     raise ValueError(f"op {j} recomputed at stage {t} is not a candidate")
+        for v, col in self.O.items():
+            x[col] = 1.0 if v in schedule.offload else 0.0
+        for t in range(self.T):
+            for v in r.fetch[t]:
+                if (t, v) not in self.Fe:
+                    raise ValueError(f"value {v} fetched at stage {t} is past its horizon")
+                x[self.Fe[t, v]] = 1.0
         for (t, j, i), col in self.RI.items():
             x[col] = x[self.R[t, j]] * x[self.M[j, i]]
         for (t, v), col in self.Y.items():

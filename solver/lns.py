@@ -32,6 +32,10 @@ def column_ops(form: Formulation) -> np.ndarray:
         owner[c] = j
     for (j, i), c in form.M.items():
         owner[c] = j
+    for v, c in form.O.items():
+        owner[c] = values[v].producer
+    for (t, v), c in form.Fe.items():
+        owner[c] = values[v].producer
     return owner
 
 
@@ -42,6 +46,8 @@ def column_stages(form: Formulation) -> np.ndarray:
     for (t, v), c in form.S.items():
         owner[c] = t
     for (t, j), c in form.R.items():
+        owner[c] = t
+    for (t, v), c in form.Fe.items():
         owner[c] = t
     return owner
 

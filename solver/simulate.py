@@ -38,6 +38,8 @@ class Timeline:
     forward_time: float
     recompute_time: float
     backward_time: float
+    transfer_time: float = 0.0
+    """Copies to and from host memory (offload and fetch), charged in full."""
 
     @property
     def peak_point(self) -> Point:
@@ -74,6 +76,26 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
         if v >= len(values) or is_input[v]:
             raise ScheduleError(f"schedule.forward_keep: {v} is not a Value produced by an op")
 
+    offload = set(schedule.offload)
+    if offload:
+        if graph.host_bandwidth is None:
+            raise ScheduleError("schedule.offload: the schedule offloads values to host memory, "
+                                "but the graph has no host_bandwidth (a CPU profile, or none "
+                                "configured); re-solve without offload or profile with a host "
+                                "link bandwidth")
+        if len(offload) != len(schedule.offload):
+            raise ScheduleError(f"schedule.offload: repeated values in {list(schedule.offload)}")
+    for v in offload:
+        if v >= len(values) or is_input[v] or v in held_by_caller:
+            raise ScheduleError(f"schedule.offload: {v} is not a Value produced by an op (or it "
+                                f"is a model output, which the caller holds)")
+        if v in keep:
+            raise ScheduleError(f"schedule.offload: value {v} ({values[v].name}) is also in "
+                                f"forward_keep; an offloaded Value leaves the device")
+
+    def transfer(v: int) -> float:
+        return values[v].bytes / graph.host_bandwidth
+
     fixed = graph.fixed_bytes
     points: list[Point] = []
     resident: set[int] = set()
@@ -100,6 +122,9 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
                 resident.discard(v)
         forward_time += impl.fwd_time
         points.append(Point("forward", None, op.id, peak, tuple(sorted(resident))))
+    # An offloaded Value leaves the device at its last forward use, like any Value not kept;
+    # its copy to host costs time (no overlap with compute is credited).
+    transfer_time = sum(transfer(v) for v in offload)
 
     # -- backward stages (execution-model section 3) ----------------------------------------
     recompute_time = backward_time = 0.0
@@ -136,6 +161,15 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
                 if last == pos:
                     resident.discard(v)
 
+        # Fetched Values come back from host memory at the stage start.
+        for v in stage.fetch:
+            if v not in offload:
+                raise ScheduleError(f"{where}: fetches value {v}, which was not offloaded")
+            if v in resident or any(v in ops[j].outputs for j in stage.recompute):
+                raise ScheduleError(f"{where}: fetches value {v} ({values[v].name}), which is "
+                                    f"already resident or recomputed in this stage")
+            resident.add(v)
+            transfer_time += transfer(v)
         for v in drop:
             if v not in resident and not any(v in ops[j].outputs for j in stage.recompute):
                 raise ScheduleError(f"{where}: drops value {v} ({values[v].name}) which is not "
@@ -181,9 +215,9 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
     end = fixed + graph.final_grad_bytes + live_bytes() + internals
     points.append(Point("end", None, None, end, tuple(sorted(resident))))
     return Timeline(points=tuple(points), peak_bytes=max(p.bytes for p in points),
-                    total_time=forward_time + recompute_time + backward_time,
+                    total_time=forward_time + recompute_time + backward_time + transfer_time,
                     forward_time=forward_time, recompute_time=recompute_time,
-                    backward_time=backward_time)
+                    backward_time=backward_time, transfer_time=transfer_time)
 
 
 def store_all_schedule(graph: OpGraph, impl: tuple[int, ...] | None = None) -> Schedule:

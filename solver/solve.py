@@ -95,12 +95,12 @@ class _Progress:
 # ----------------------------------------------------------------------------------------------
 # Min budget
 # ----------------------------------------------------------------------------------------------
-_MIN_BUDGET_CACHE: dict[tuple[str, str], tuple[int, int, bool, Schedule]] = {}
+_MIN_BUDGET_CACHE: dict[tuple, tuple[int, int, bool, Schedule]] = {}
 
 
 def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
-                       time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, verbose: bool = False
-                       ) -> tuple[int, int, bool, Schedule]:
+                       time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, verbose: bool = False,
+                       offload: bool = False) -> tuple[int, int, bool, Schedule]:
     """(least feasible peak found, proven lower bound, proven optimal?, a schedule at that peak).
 
     An exact min-peak MILP (the same model with the peak as objective), started from the
@@ -109,12 +109,13 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
                                     graph.param_bytes, graph.optimizer_bytes,
                                     tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace)
-                                          for op in graph.ops for i in op.impls))), mode)
+                                          for op in graph.ops for i in op.impls))), mode,
+           graph.host_bandwidth if offload else None)
     if key in _MIN_BUDGET_CACHE:
         return _MIN_BUDGET_CACHE[key]
     started = time.perf_counter()
     be = get_backend(backend)
-    form = Formulation(graph, None, mode=mode, objective="peak")
+    form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
     name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts))
     form_bb = _branch_and_bound_form(form) if be.name == "highs" else form
     shared = _Shared([form, form_bb])
@@ -144,17 +145,18 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
 
 
 def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
-               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S) -> int:
+               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, offload: bool = False) -> int:
     """The least budget (bytes) at which a schedule exists: an exact min-peak solve, warm-started
     from the least-memory rules. Exact when the solve proves it within `time_limit_s` (seconds on
     the models measured); otherwise the least feasible peak found, an upper bound."""
-    return min_budget_details(graph, mode, backend=backend, time_limit_s=time_limit_s)[0]
+    return min_budget_details(graph, mode, backend=backend, time_limit_s=time_limit_s,
+                              offload=offload)[0]
 
 
 def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
-                why: str = "") -> InfeasibleBudgetError:
+                why: str = "", offload: bool = False) -> InfeasibleBudgetError:
     peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
-                                                time_limit_s=time_limit_s)
+                                                time_limit_s=time_limit_s, offload=offload)
     what = f"{graph.model} batch {graph.batch}"
     if proven:
         msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
@@ -253,7 +255,7 @@ def _branch_and_bound_form(form: Formulation, points=None) -> Formulation:
     if points is None and form.full_sum_nnz + form.milp.nnz > 2_500_000:
         return form
     return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
-                       running_sums=False, recompute_points=points)
+                       running_sums=False, recompute_points=points, offload=form.offload)
 
 
 def _tight_points(graph: OpGraph, schedule: Schedule, budget: int, share: float = 0.9):
@@ -264,10 +266,12 @@ def _tight_points(graph: OpGraph, schedule: Schedule, budget: int, share: float 
 
 def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
           time_limit_s: float = 600, mip_gap: float = 0.01, warm_start: bool = True,
-          verbose: bool = False) -> SolveResult:
+          verbose: bool = False, offload: bool = False) -> SolveResult:
     """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
 
     mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
+    offload: also let the MILP copy Values to host memory and back (full mode; needs the graph's
+    host_bandwidth, a GPU feature at run time).
     Returns a SolveResult whose schedule has been replayed by the simulator; raises
     InfeasibleBudgetError (with the minimum feasible budget) when no schedule fits, and
     BackendUnavailableError for an unknown or missing backend. A time-out with no schedule, or a
@@ -281,14 +285,14 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
     be = get_backend(backend)
     deadline = started + time_limit_s
-    form = Formulation(graph, budget, mode=mode)
+    form = Formulation(graph, budget, mode=mode, offload=offload)
     build_s = time.perf_counter() - started
     stats = {**form.stats(), "build_s": round(build_s, 3), "mode": mode}
     if form.infeasible_points:
         where, need = max(form.infeasible_points, key=lambda p: p[1])
         raise _infeasible(graph, budget, mode, backend, min(MIN_BUDGET_TIME_LIMIT_S,
                                                             time_limit_s),
-                          why=f"the {where} alone needs {format_bytes(need)}")
+                          why=f"the {where} alone needs {format_bytes(need)}", offload=offload)
     base_time = simulate(graph, store_all_schedule(graph)).total_time
     shared = _Shared([form])
     shared.start = started
@@ -302,11 +306,13 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             # No rule fits: the least-memory schedule decides feasibility and is a start.
             peak, lower, proven, s = min_budget_details(
                 graph, mode, backend=backend if be.WARM_START else "highs",
-                time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, 0.3 * time_limit_s)))
+                time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, 0.3 * time_limit_s)),
+                offload=offload)
             if peak <= budget:
                 shared.offer_schedule(form, s, "min_peak")
             elif lower > budget:
-                raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
+                raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S,
+                                  offload=offload)
     stats["heuristic"] = shared.source or None
     stats["heuristic_objective_s"] = (shared.obj / form.time_scale if shared.has else None)
 
@@ -320,7 +326,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     form_bb = _branch_and_bound_form(form, points) if be.name == "highs" else form
     if form_bb.infeasible_points:
         progress.close()
-        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
+        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
     shared.add_form(form_bb)
     try:
         r, lns_stats, form_bb = _optimize(form, form_bb, be, shared, deadline, mip_gap,
@@ -332,7 +338,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     solve_s = time.perf_counter() - started
 
     if r.status == B_INFEASIBLE:
-        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S)
+        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
     x, obj, _ = shared.get(form)
     stats["message"] = r.message
     if form_bb is not form:

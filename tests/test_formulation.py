@@ -4,6 +4,8 @@ its size stays O(n^2) on a ResNet-50-sized graph."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pathlib
 import random
 import re
@@ -48,8 +50,10 @@ def test_blocks_match_the_documentation():
     g = _graph_with_every_block()
     milp = Formulation(g, 60).milp
     peak = Formulation(g, None, objective="peak").milp
-    rows = {b.name for b in milp.row_blocks}
-    cols = {b.name for b in milp.var_blocks} | {b.name for b in peak.var_blocks}
+    off = Formulation(dataclasses.replace(g, host_bandwidth=1.0), 60, offload=True).milp
+    rows = {b.name for b in milp.row_blocks} | {b.name for b in off.row_blocks}
+    cols = ({b.name for b in milp.var_blocks} | {b.name for b in peak.var_blocks}
+            | {b.name for b in off.var_blocks})
     assert rows == _doc_blocks("4. Rows")
     assert cols == _doc_blocks("3. Columns")
 
