@@ -70,3 +70,36 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     bar = api._progress(10)
     assert bar is not None and bar.total == 10
     bar.close()
+
+
+# -- the device<->host link (OpGraph.host_bandwidth, the cost of offload to host) ------------
+def _tiny():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), torch.randn(4, 8)
+
+
+def test_host_bandwidth_of_presets_measured_cpu_and_override():
+    m, x = _tiny()
+    for name, preset in PRESETS.items():
+        # Nominal figures (80% of the PCIe link's rate per direction): plausible pinned copies.
+        assert 5e9 < preset.host_bandwidth < 100e9, name
+    g = monetlike.profile(m, x, cost="analytical:A100-40GB")
+    assert g.host_bandwidth == PRESETS["A100-40GB"].host_bandwidth == 25.2e9  # PCIe 4.0 x16
+    assert monetlike.profile(m, x, cost="analytical:H100-80GB").host_bandwidth == 50.4e9
+    cpu = monetlike.profile(m, x, repeat=1)
+    assert cpu.cost_provenance == "measured:cpu" and cpu.host_bandwidth is None  # no link
+    # An explicit figure overrides both, and the fingerprint ignores it (a cost).
+    over = monetlike.profile(m, x, repeat=1, host_bandwidth=16e9)
+    assert over.host_bandwidth == 16e9 and over.fingerprint == cpu.fingerprint == g.fingerprint
+    assert monetlike.profile(m, x, cost="analytical:A100-40GB",
+                             host_bandwidth=int(8e9)).host_bandwidth == 8e9
+    from solver.graph import OpGraph
+
+    assert OpGraph.from_dict(over.to_dict()).host_bandwidth == 16e9
+
+
+@pytest.mark.parametrize("bad", [0, -1e9, float("nan"), float("inf"), "25GB/s", True])
+def test_bad_host_bandwidth_is_refused(bad):
+    m, x = _tiny()
+    with pytest.raises(ValueError, match="host_bandwidth: expected a positive, finite number of "
+                                         "bytes per second"):
+        monetlike.profile(m, x, cost="analytical:A100-40GB", host_bandwidth=bad)

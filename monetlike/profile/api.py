@@ -26,7 +26,8 @@ from torch.overrides import TorchFunctionMode
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..trace import trace
-from .costs import Roofline, Timer, median, parse_cost
+from .costs import (Roofline, Timer, check_host_bandwidth, measure_host_bandwidth, median,
+                    parse_cost)
 from .interpreter import ProfileError, ProfileRun, TimingRun
 from .memory import storage_of
 
@@ -146,7 +147,8 @@ def _progress(total: int):
 
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
-            leaf_modules: Iterable = (), impls: bool = True) -> OpGraph:
+            leaf_modules: Iterable = (), impls: bool = True,
+            host_bandwidth: float | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -157,8 +159,15 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     impls: also measure the registered operator implementations (monetlike.impls) as extra
         Impls of the Ops they apply to. The runtime's structure check profiles with the default
         (True): a graph made with impls=False must be passed to ScheduleWrapper as `graph=`.
+    host_bandwidth: bytes/s of the device<->host link, the cost of offloading a Value to host
+        memory (OpGraph.host_bandwidth). A number overrides everything; None: measured on a CUDA
+        device (pinned copies of 64 MiB each way, the slower direction), the preset's nominal
+        figure for analytical costs (costs.PRESETS), and None for a measured CPU profile (no
+        link, so no offload).
     """
     kind, preset = parse_cost(cost)
+    if host_bandwidth is not None:
+        host_bandwidth = check_host_bandwidth(host_bandwidth)
     opt_mult = _optimizer_multiplier(optimizer)
     inputs = _as_inputs(example_inputs)
     if not isinstance(model, torch.nn.Module):
@@ -226,11 +235,14 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         input_bytes = _unique_storage_bytes(xs)
         provenance = (f"measured:{_device_name(device)}" if kind == "measured"
                       else f"analytical:{preset.name}")
+        if host_bandwidth is None:
+            host_bandwidth = _host_bandwidth(kind, preset, device)
         graph = _build_graph(run, model_name=type(model).__name__, batch=batch,
                              measured=kind == "measured", fwd_times=fwd_times,
                              bwd_times=bwd_times, param_bytes=param_bytes,
                              optimizer_bytes=opt_mult * trainable, input_bytes=input_bytes,
-                             provenance=provenance, alternatives=alternatives, meta={
+                             provenance=provenance, alternatives=alternatives,
+                             host_bandwidth=host_bandwidth, meta={
                                  "torch_version": torch.__version__,
                                  "profile_seconds": round(time.perf_counter() - t_start, 3),
                                  "optimizer": optimizer,
@@ -246,6 +258,16 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     finally:
         _restore_rng(rng)
     return graph
+
+
+def _host_bandwidth(kind: str, preset, device: torch.device) -> float | None:
+    """The device<->host link when the caller gave none: the preset's figure, the link measured
+    on a CUDA device, or None (a CPU has no such link: offload is unavailable)."""
+    if kind == "analytical":
+        return preset.host_bandwidth
+    if device.type == "cuda" and torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        return measure_host_bandwidth(device)
+    return None
 
 
 def _get_attr_tensors(gm, work) -> list[torch.Tensor]:
@@ -266,7 +288,8 @@ def _get_attr_tensors(gm, work) -> list[torch.Tensor]:
 def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool,
                  fwd_times: dict, bwd_times: dict, param_bytes: int, optimizer_bytes: int,
                  input_bytes: int, provenance: str, meta: dict,
-                 alternatives: dict | None = None) -> OpGraph:
+                 alternatives: dict | None = None,
+                 host_bandwidth: float | None = None) -> OpGraph:
     order = run.topological_order()
     new_gid = {gid: i for i, gid in enumerate(order)}
     # Value ids: graph inputs first (placeholder order), then each Op's outputs in Op order.
@@ -309,4 +332,5 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                    final_grad_bytes=int(run.final_grad_bytes),
                    outputs=tuple(new_tid[t] for t in run.output_tids),
                    param_bytes=int(param_bytes), optimizer_bytes=int(optimizer_bytes),
-                   input_bytes=int(input_bytes), cost_provenance=provenance, meta=meta)
+                   input_bytes=int(input_bytes), cost_provenance=provenance, meta=meta,
+                   host_bandwidth=host_bandwidth)

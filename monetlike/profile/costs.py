@@ -11,10 +11,19 @@ what the scheduler needs, and it is always labelled `analytical:<device>` so nob
 for a measurement.
 
 Peak rates are datasheet numbers (dense, no sparsity), each cited beside the preset.
+
+The host link (for offload to host memory) is a preset figure too. NOTE [Host link figures]:
+a PCIe x16 link's nominal rate per direction is 15.75 GB/s for PCIe 3.0, 31.5 GB/s for 4.0 and
+63 GB/s for 5.0 (after 128b/130b encoding); pinned-memory copies reach about 80% of that once
+packet headers and flow control are paid (commonly reported results of CUDA's bandwidthTest with
+pinned memory: 12-13 GB/s on PCIe 3.0 hosts, 24-26 GB/s on PCIe 4.0 hosts). Each preset takes 80%
+of its link's nominal rate: an estimate from the specification, not measured on that part.
+`measure_host_bandwidth` measures a real GPU's link (used by measured CUDA profiles).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from solver.errors import MonetlikeError
 
 __all__ = ["DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost", "get_preset",
-           "Roofline", "Timer"]
+           "Roofline", "Timer", "measure_host_bandwidth", "check_host_bandwidth"]
 
 TFLOPS = 1e12
 GBPS = 1e9
@@ -46,6 +55,11 @@ class DevicePreset:
     """Peak memory bandwidth in bytes/s."""
     memory_bytes: int
     source: str
+    host_bandwidth: float
+    """Bytes/s of one direction of the device<->host link with pinned host memory: the cost of
+    offloading a Value to host memory and fetching it back (OpGraph.host_bandwidth). A nominal
+    figure derived from the link's specification (see each preset's comment), not a measurement:
+    `profile(..., cost="measured")` on the GPU itself measures the real link."""
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -53,30 +67,44 @@ PRESETS: dict[str, DevicePreset] = {
     # 732 GB/s. No tensor cores, no TF32/BF16 (BF16 runs at FP32 rate via upcast).
     "P100-16GB": DevicePreset("P100-16GB", {"fp64": 5.3 * TFLOPS, "fp32": 10.6 * TFLOPS,
                                             "fp16": 21.2 * TFLOPS}, 732 * GBPS, 16 * 2**30,
-                              "NVIDIA Tesla P100 datasheet (SXM2)"),
+                              "NVIDIA Tesla P100 datasheet (SXM2)",
+                              # Host link: PCIe 3.0 x16 on x86 hosts, 15.75 GB/s nominal per
+                              # direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
+                              host_bandwidth=12.6 * GBPS),
     # NVIDIA Tesla V100 (SXM2, 16 GB HBM2) datasheet: 7.8 TFLOPS FP64, 15.7 FP32,
     # 125 tensor (FP16); 900 GB/s. No TF32/BF16.
     "V100-16GB": DevicePreset("V100-16GB", {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS,
                                             "fp16": 125 * TFLOPS}, 900 * GBPS, 16 * 2**30,
-                              "NVIDIA Tesla V100 datasheet (SXM2)"),
+                              "NVIDIA Tesla V100 datasheet (SXM2)",
+                              # Host link: PCIe 3.0 x16 on x86 hosts (DGX-1), 15.75 GB/s nominal
+                              # per direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
+                              host_bandwidth=12.6 * GBPS),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4, 40 GB HBM2): 9.7 TFLOPS FP64, 19.5 FP32,
     # 156 TF32, 312 BF16/FP16 (dense); 1,555 GB/s.
     "A100-40GB": DevicePreset("A100-40GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
                                             "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
                                             "bf16": 312 * TFLOPS}, 1555 * GBPS, 40 * 2**30,
-                              "NVIDIA A100 datasheet (SXM4 40GB)"),
+                              "NVIDIA A100 datasheet (SXM4 40GB)",
+                              # Host link: PCIe 4.0 x16 (the datasheet's "64 GB/s" is both
+                              # directions), 31.5 GB/s nominal per direction; 80% of it, 25.2 GB/s.
+                              host_bandwidth=25.2 * GBPS),
     # Same datasheet, SXM4 80 GB HBM2e: same compute, 2,039 GB/s.
     "A100-80GB": DevicePreset("A100-80GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
                                             "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
                                             "bf16": 312 * TFLOPS}, 2039 * GBPS, 80 * 2**30,
-                              "NVIDIA A100 datasheet (SXM4 80GB)"),
+                              "NVIDIA A100 datasheet (SXM4 80GB)",
+                              # Host link: PCIe 4.0 x16, as the 40 GB part.
+                              host_bandwidth=25.2 * GBPS),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5, 80 GB HBM3): 34 TFLOPS FP64, 67 FP32,
     # 494.7 TF32, 989.4 BF16/FP16 (dense; the datasheet's headline figures are with sparsity,
     # twice these); 3.35 TB/s.
     "H100-80GB": DevicePreset("H100-80GB", {"fp64": 34 * TFLOPS, "fp32": 67 * TFLOPS,
                                             "tf32": 494.7 * TFLOPS, "fp16": 989.4 * TFLOPS,
                                             "bf16": 989.4 * TFLOPS}, 3350 * GBPS, 80 * 2**30,
-                              "NVIDIA H100 datasheet (SXM5)"),
+                              "NVIDIA H100 datasheet (SXM5)",
+                              # Host link: PCIe 5.0 x16 (the datasheet's "128 GB/s" is both
+                              # directions), 63 GB/s nominal per direction; 80% of it, 50.4 GB/s.
+                              host_bandwidth=50.4 * GBPS),
 }
 
 
@@ -186,6 +214,53 @@ class Timer:
         if self.cuda:  # pragma: no cover
             return a.elapsed_time(b) / 1000.0
         return b - a
+
+
+def check_host_bandwidth(value) -> float:
+    """A host link bandwidth given by the caller, as a float of bytes per second; ValueError
+    otherwise (a bool, a string, zero, negative, NaN or infinite)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = math.isfinite(value) and value > 0
+    if not ok:
+        raise ValueError(f"host_bandwidth: expected a positive, finite number of bytes per second "
+                         f"of the device<->host link (e.g. 25e9), got {value!r}")
+    return value
+
+
+# 64 MiB: large enough that the copy runs at the link's streaming rate (per-copy latency of
+# microseconds is under 0.1% of it), small enough to allocate next to any model.
+HOST_PROBE_BYTES = 64 * 2**20
+
+
+def measure_host_bandwidth(device: torch.device, nbytes: int = HOST_PROBE_BYTES,
+                           repeat: int = 3) -> float:  # pragma: no cover - needs a GPU
+    """Bytes/s of the slower direction of pinned-host <-> `device` copies, timed with CUDA
+    events after a warm-up copy each way (the median of `repeat` copies per direction).
+
+    The slower direction: an offloaded Value crosses the link once each way, and the solver
+    charges both copies at one rate (OpGraph.host_bandwidth)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"measure_host_bandwidth: needs a CUDA device, got {device}")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    with torch.cuda.device(device):
+        for dst, src in ((dev, host), (host, dev)):  # host->device, then device->host
+            dst.copy_(src, non_blocking=True)  # warm-up
+            times = []
+            for _ in range(repeat):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000.0)
+            rates.append(nbytes / median(times))
+    del host, dev
+    return min(rates)
 
 
 def median(xs: list[float]) -> float:
