@@ -5,6 +5,7 @@
 - executor.py   the scheduled forward (an fx.Interpreter) and the per-step state and stage hooks.
 - recompute.py  RNG, autocast and BatchNorm faithful recomputation; side-effect checks.
 - hooks.py      saved-tensor handles and the autograd nodes each Op created.
+- offload.py    offload to host memory: CUDA side-stream copies, and the refusal elsewhere.
 """
 
 from .wrapper import ScheduleWrapper

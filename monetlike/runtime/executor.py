@@ -62,6 +62,7 @@ from solver.errors import ScheduleError
 
 from . import recompute as rc
 from .hooks import CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message
+from .offload import HostCopies
 from .plan import Plan, module_of
 
 NOT_STARTED, RUNNING, DONE = 0, 1, 2
@@ -98,6 +99,10 @@ class StepState:
         self.roots_pending = [0] * n_stages  # hooked result nodes of the stage not yet run
         self.running: list[int] = []  # stages started and not ended, usually one
         self.task_id: int | None = None
+        # Offload to host (offload.py): the step's pinned host copies, and the forward tensor of
+        # each offloaded Value from its creation until its Op's last node ran (copied then).
+        self.host = HostCopies(runner.side_streams) if plan.offload else None
+        self.to_offload: dict[int, torch.Tensor] = {}
 
     # -- saved tensors ----------------------------------------------------------------------
     def _match(self, op: int, key: int) -> int | None:
@@ -173,6 +178,10 @@ class StepState:
         plan = self.plan
         rel = plan.releases[t]
         resident = self.resident
+        # Fetched Values come back first: the stage's drops and recomputations may read them
+        # (the simulator's order).
+        for v in plan.schedule.stages[t].fetch:
+            resident[v] = self.host.fetch(v)
         for v in rel.at_start:
             resident.pop(v, None)
         for pos, j in enumerate(plan.schedule.stages[t].recompute):
@@ -201,6 +210,25 @@ class StepState:
             self.node_meta.clear()
             self.op_ctx.clear()
             self.inputs = ()
+            self.release_host()
+
+    def release_host(self) -> None:
+        """Let go of the step's host copies (end of the backward, or a failed forward)."""
+        self.to_offload.clear()
+        if self.host is not None:
+            self.host.release()
+
+    # -- offload to host (offload.py) -------------------------------------------------------
+    def offload_outputs(self, op: int) -> None:
+        """Op `op` has run all its nodes: copy its offloaded outputs to host memory."""
+        for v in self.plan.offload_after[op]:
+            x = self.to_offload.pop(v, None)
+            if x is None:
+                value = self.plan.graph.values[v]
+                raise RuntimeError(f"ScheduleWrapper: op {op} did not produce value {v} "
+                                   f"({value.name}), which the schedule offloads; the graph does "
+                                   f"not match the model")
+            self.host.offload(v, x)
 
     # -- recomputation ----------------------------------------------------------------------
     def recompute_op(self, j: int, t: int) -> None:
@@ -304,6 +332,8 @@ class StepState:
                 self.vref[v] = weakref.ref(storage, functools.partial(_forget, self.vkey, v, key))
                 if v in self.plan.keep_from_forward:
                     self.resident[v] = x.detach()
+                elif self.host is not None and v in self.plan.offload:
+                    self.to_offload[v] = x.detach()  # detached: NOTE [No reference cycles]
 
     def record_meta(self, node: fx.Node, op: int | None, result) -> None:
         """Remember how to rebuild this node's result from Values (geometry, no tensors)."""
@@ -352,6 +382,9 @@ class StepState:
         self.roots_pending[t] += len(nodes)
 
     def finish_forward(self) -> None:
+        if self.to_offload:
+            raise RuntimeError(f"ScheduleWrapper: offloaded values {sorted(self.to_offload)} were "
+                               f"made but their ops never finished; this is a bug")
         self.vkey.clear()
         self.vref.clear()
         self.pending.clear()
@@ -381,6 +414,7 @@ class ScheduledForward(fx.Interpreter):
         self._buffer_versions: dict[int, list] = {}
         self._capturer: rc.ContextCapturer | None = None
         self._hooks = None
+        self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
         # Non-default Impls replace some nodes (plan.impl_calls): only the interpreter runs them.
         self._fast = _live_forward(plan.gm, root) if plan.store_all and not plan.impl_calls \
             else None
@@ -521,6 +555,9 @@ class ScheduledForward(fx.Interpreter):
                 state.hook_stage(op, roots)
         if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
             self._after_recomputed_op(op)
+        if op is not None and op in plan.offload_after and plan.op_last_node.get(n.name) == op:
+            # After the Op's in-place nodes too: the host copy must hold the final contents.
+            state.offload_outputs(op)
         if not n.users:
             return None  # nobody reads it: free it now, as eager PyTorch (and the profiler) would
         return result

@@ -39,6 +39,9 @@ from solver.simulate import simulate
 # `forward_keep`, or from its recomputation) if a handle or a recomputation reads it: scheduled
 # Values and inputs of recomputed Ops. Nothing else is held by the runtime, so the runtime never
 # keeps more than the simulator's resident set.
+# An offloaded Value (schedule.offload, CUDA only: offload.py) is scheduled and held too: its
+# forward copy leaves the device at its last forward use, and the copy fetched back from host
+# memory at a stage start is put in `resident` exactly like a recomputed one.
 
 # Functions whose recomputation would not reproduce the original result or would repeat a side
 # effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
@@ -112,17 +115,26 @@ class Plan:
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
     releases: list[StageRelease]
+    offload: frozenset[int] = frozenset()
+    """Values copied to host memory in the forward pass (offload.py)."""
+    offload_after: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Op id -> its offloaded outputs, copied once the Op's last node ran (after its in-place
+    writes)."""
     impl_saved: list[frozenset[int]] = field(default_factory=list)
     impl_calls: dict = field(default_factory=dict)
     """fx node name -> replacement callable, for the nodes of Ops whose Impl is not 'default'."""
 
     @property
     def store_all(self) -> bool:
-        return not self.recomputed_ops
+        """Nothing recomputed or offloaded: the step is plain autograd."""
+        return not self.recomputed_ops and not self.offload
 
 
 def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
-    """Join graph, schedule and traced module; raise ScheduleError if they do not fit together."""
+    """Join graph, schedule and traced module; raise ScheduleError if they do not fit together.
+
+    Whether offload can run on the model's device is the caller's check (it knows the tensors:
+    offload.check_offload_devices), made before this."""
     # The simulator validates the schedule against the graph (fingerprint, residency of every
     # Value a recomputation or a backward reads, unsafe Ops); a schedule it rejects never runs.
     simulate(graph, schedule)
@@ -175,10 +187,16 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
 
     recomputed_ops = frozenset(j for st in schedule.stages for j in st.recompute)
     is_input = {v.id for v in graph.values if v.producer is None}
-    scheduled = frozenset(v for j in recomputed_ops for v in graph.ops[j].outputs)
+    offload = frozenset(schedule.offload)
+    # Offloaded Values are read through handles like recomputed ones (NOTE [Value handling]): a
+    # tensor saved the ordinary way would keep the device copy alive.
+    scheduled = frozenset(v for j in recomputed_ops for v in graph.ops[j].outputs) | offload
     recompute_inputs = frozenset(v for j in recomputed_ops for v in graph.ops[j].inputs
                                  if v not in is_input)
     held = scheduled | recompute_inputs
+    offload_after: dict[int, list[int]] = {}
+    for v in sorted(offload):
+        offload_after.setdefault(graph.values[v].producer, []).append(v)
     hooked_ops = frozenset(op.id for op in graph.ops if not scheduled.isdisjoint(op_values[op.id]))
     from .recompute import rng_free
 
@@ -243,7 +261,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
                 hooked_ops=hooked_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
-                impl_saved=impl_saved, impl_calls=impl_calls)
+                impl_saved=impl_saved, impl_calls=impl_calls, offload=offload,
+                offload_after={j: tuple(vs) for j, vs in offload_after.items()})
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

@@ -17,6 +17,11 @@ train/eval flags, autocast state) the wrapper profiles the structure of (model, 
 cannot run, e.g. under autocast) and compares fingerprints. A difference raises
 ScheduleMismatchError naming what differs; a wrong schedule never runs. The verdict is cached per
 signature, so later steps pay a dictionary lookup.
+
+A schedule that offloads Values to host memory (`schedule.offload`) runs on CUDA only
+(offload.py). It is refused when the wrapper is built if CUDA is not available, and when the plan
+for an input signature is made if the model's tensors or the inputs are not on a CUDA device:
+before a step runs, never half-way through one.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from solver.graph import OpGraph
 from solver.schedule import Schedule
 
 from .executor import ScheduledForward, StepState
+from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
 
 __all__ = ["ScheduleWrapper"]
@@ -84,6 +90,7 @@ class ScheduleWrapper(torch.nn.Module):
                 f"ScheduleWrapper: the schedule was not solved for the given graph: "
                 f"{graph.describe_difference(schedule.graph_summary)} (fingerprints "
                 f"{schedule.fingerprint} and {graph.fingerprint})")
+        check_cuda_available(schedule, graph)  # offload runs on CUDA only (offload.py)
         if leaf_modules is None:
             leaf_modules = (graph.meta.get("leaf_modules") if graph is not None else None) \
                 or schedule.meta.get("leaf_modules") or ()
@@ -188,10 +195,12 @@ class ScheduleWrapper(torch.nn.Module):
         try:
             out = entry.runner.run_step(state, inputs)
             state.finish_forward()
-        except ScheduleError as e:
-            # A schedule found unsafe while running (side effects it would replay) is refused
-            # for good for this signature.
-            self._entries[self._signature(inputs)] = e
+        except BaseException as e:
+            state.release_host()  # a failed step's pinned host copies go now, not with the graph
+            if isinstance(e, ScheduleError):
+                # A schedule found unsafe while running (side effects it would replay) is
+                # refused for good for this signature.
+                self._entries[self._signature(inputs)] = e
             raise
         return out
 
@@ -239,6 +248,11 @@ class ScheduleWrapper(torch.nn.Module):
 
     def _build_entry(self, inputs: tuple) -> _Entry:
         schedule = self._schedule
+        # Before profiling or planning: offload runs only with everything on CUDA.
+        model = self._model
+        check_offload_devices(schedule, self._given_graph,
+                              [*model.parameters(), *model.buffers(),
+                               *(x for x in inputs if isinstance(x, torch.Tensor))])
         graph = self._given_graph
         if graph is None or not _graph_fits(graph, inputs):
             graph = self._profile_structure(inputs)
