@@ -11,7 +11,9 @@ solve or the run failed). Errors are one line on stderr; `--debug` shows the tra
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
 from typing import Sequence
@@ -50,6 +52,27 @@ def _budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# Bandwidth units: powers of 1000 (GB/s, as link specifications quote them) or of 1024 (GiB/s).
+_RATE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(?:/\s*s)?\s*$")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from '25e9', '25000000000', '25GB/s' or '16GiB/s' (the '/s' optional)."""
+    m = _RATE.match(text)
+    unit = m.group(2).upper() if m else None
+    if unit is not None and unit not in _RATE_UNITS and unit.endswith("PS"):
+        unit = unit[:-2]  # 'GBps'
+    if m is None or unit not in _RATE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes per second like 25e9, 25GB/s or 16GiB/s, got {text!r}")
+    value = float(m.group(1)) * _RATE_UNITS[unit]
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite bandwidth, got {text!r}")
+    return value
+
+
 def _check_writable(path: str | None) -> None:
     """Fail before any work if the output cannot be written, so nothing is half-done."""
     if path is None:
@@ -75,12 +98,14 @@ def example_inputs(batch: int, input_shape: Sequence[int], device: str = "cpu"):
 # Subcommands
 # ----------------------------------------------------------------------------------------------
 def _profile_args(args):
-    """Build MODEL and profile it at --batch/--input-shape with --cost and --optimizer."""
+    """Build MODEL and profile it at --batch/--input-shape with --cost, --optimizer and
+    --host-bandwidth (commands without that flag: the profiler's own figure)."""
     from .profile import profile
 
     model = build_model(args.model)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost))
-    return profile(model, x, cost=args.cost, optimizer=args.optimizer)
+    return profile(model, x, cost=args.cost, optimizer=args.optimizer,
+                   host_bandwidth=getattr(args, "host_bandwidth", None))
 
 
 def cmd_profile(args) -> int:
@@ -95,25 +120,56 @@ def cmd_profile(args) -> int:
           f"{len(graph.backward_order)} backward stages, costs {graph.cost_provenance}, "
           f"{seconds:.1f} s")
     print(f"store-all (plain PyTorch) peak: {format_bytes(peak)} ({peak / 1e9:.2f} GB); "
-          f"fixed {format_bytes(graph.fixed_bytes)}")
+          f"fixed {format_bytes(graph.fixed_bytes)}; host link "
+          f"{_format_rate(graph.host_bandwidth)}")
     if args.output:
         graph.save(args.output)
         print(f"wrote {args.output}")
     return 0
 
 
+def _format_rate(rate: float | None) -> str:
+    return "none (offload unavailable)" if rate is None else f"{rate / 1e9:.1f} GB/s"
+
+
+# Said when --offload meets a graph without a host link (a CPU profile has none).
+_NO_LINK = ("--offload needs the bandwidth of the device<->host link, and this graph has none "
+            "(measured profiles here run on the CPU, which has no such link): pass "
+            "--host-bandwidth (bytes per second, e.g. 25GB/s), use --cost analytical:DEVICE "
+            "(each preset has a nominal figure), or solve without --offload")
+
+
 def cmd_solve(args) -> int:
+    import dataclasses
+
     import solver
 
     _check_writable(args.output)
+    if args.offload and args.mode != "full":
+        raise UsageError(f"--offload is a choice of --mode full, not of --mode {args.mode}")
     if args.graph:
         graph = solver.OpGraph.load(args.graph)
+        if args.host_bandwidth is not None:  # a cost, not part of the fingerprint
+            graph = dataclasses.replace(graph, host_bandwidth=args.host_bandwidth)
     else:
         if not args.model:
             raise UsageError("solve needs MODEL (with --batch) or --graph FILE")
+        if args.offload and args.host_bandwidth is None and \
+                not args.cost.strip().lower().startswith("analytical:"):
+            raise UsageError(_NO_LINK)  # before profiling: the profile would have no link
         graph = _profile_args(args)
-    result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
-                          time_limit_s=args.time_limit, verbose=args.verbose)
+    if args.offload and graph.host_bandwidth is None:
+        raise UsageError(_NO_LINK)
+    try:
+        result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
+                              time_limit_s=args.time_limit, verbose=args.verbose,
+                              offload=args.offload)
+    except ValueError as e:
+        if isinstance(e, MonetlikeError):  # infeasible budget and the like keep their exit code
+            raise
+        # solve() checks its arguments with plain ValueErrors (offload without a host link,
+        # a bad mode) before any work: a usage error here.
+        raise UsageError(str(e)) from e
     base = solver.simulate(graph, solver.store_all_schedule(graph))
     print(summary_table(graph, result, args.budget, base))
     if not result.ok:
@@ -278,6 +334,13 @@ def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
                    help="optimizer whose state counts towards the budget")
 
 
+def _add_host_bandwidth(p) -> None:
+    p.add_argument("--host-bandwidth", type=parse_bandwidth, default=None,
+                   help="bytes per second of the device<->host link, e.g. 25e9, 25GB/s or "
+                        "16GiB/s: the cost of offload to host (default: the analytical preset's "
+                        "nominal figure; none for a CPU profile)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="monetlike",
                                      description="Fit PyTorch training into a memory budget at the "
@@ -287,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="trace and profile a model into an operator graph")
     _add_model_args(p)
+    _add_host_bandwidth(p)
     p.add_argument("-o", "--output", help="write the graph JSON here")
     p.set_defaults(run=cmd_profile)
 
@@ -302,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="seconds; the best schedule found by then is returned with its gap")
     p.add_argument("--verbose", action="store_true", help="show the solver's progress")
+    _add_host_bandwidth(p)
+    p.add_argument("--offload", action="store_true",
+                   help="also let the solver copy activations to host memory and back (runs on "
+                        "CUDA only; needs the graph's host link bandwidth)")
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.set_defaults(run=cmd_solve)
 

@@ -11,9 +11,11 @@ from monetlike.cli import build_parser, main
 
 # The whole surface: subcommand -> its options. Change this only on purpose.
 SURFACE = {
-    "profile": ["--batch", "--cost", "--input-shape", "--optimizer", "-o/--output"],
-    "solve": ["--backend", "--batch", "--budget", "--cost", "--graph", "--input-shape", "--mode",
-              "--optimizer", "--time-limit", "--verbose", "-o/--output"],
+    "profile": ["--batch", "--cost", "--host-bandwidth", "--input-shape", "--optimizer",
+                "-o/--output"],
+    "solve": ["--backend", "--batch", "--budget", "--cost", "--graph", "--host-bandwidth",
+              "--input-shape", "--mode", "--offload", "--optimizer", "--time-limit", "--verbose",
+              "-o/--output"],
     "backends": [],
     "check": ["--batch", "--input-shape", "--model"],
     "zoo": [],
@@ -101,3 +103,107 @@ def test_no_traceback_without_debug_and_traceback_with_it():
     r = subprocess.run([sys.executable, "-m", "monetlike.cli", "--debug", "profile", "nosuch.x",
                         "--batch", "1"], capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+# -- offload to host: --host-bandwidth and --offload -------------------------------------------
+TINY = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 2))
+"""
+
+
+def _tiny(tmp_path):
+    f = tmp_path / "tiny.py"
+    f.write_text(TINY)
+    return [f"{f}:build", "--batch", "4", "--input-shape", "8"]
+
+
+def test_host_bandwidth_parsing():
+    from monetlike.cli import parse_bandwidth
+
+    assert parse_bandwidth("25e9") == 25e9
+    assert parse_bandwidth("25000000000") == 25e9
+    assert parse_bandwidth("25GB/s") == parse_bandwidth("25 GB/s") == 25e9
+    assert parse_bandwidth("16GiB/s") == 16 * 2**30
+    for bad in ("fast", "0", "-3GB/s", "25Gbit/s", "inf", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="bandwidth|bytes per second"):
+            parse_bandwidth(bad)
+
+
+def test_bad_host_bandwidth_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "resnet18", "--batch", "2", "--host-bandwidth", "fast"])
+    assert e.value.code == 2
+    assert "expected bytes per second like 25e9, 25GB/s or 16GiB/s, got 'fast'" in \
+        capsys.readouterr().err
+
+
+def test_profile_records_the_host_link(tmp_path, capsys):
+    import json
+
+    g = tmp_path / "g.json"
+    code, out, _ = _run(["profile", *_tiny(tmp_path), "--host-bandwidth", "16GiB/s", "-o",
+                         str(g)], capsys)
+    assert code == 0 and "host link 17.2 GB/s" in out
+    assert json.loads(g.read_text())["host_bandwidth"] == 16 * 2**30
+    code, out, _ = _run(["profile", *_tiny(tmp_path), "-o", str(g)], capsys)  # measured, CPU
+    assert code == 0 and "host link none (offload unavailable)" in out
+    assert json.loads(g.read_text())["host_bandwidth"] is None
+
+
+def test_offload_without_a_host_link_is_a_usage_error(tmp_path, capsys):
+    # A measured profile here has no link: refused before profiling.
+    code, _, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "--offload needs the bandwidth of the device<->host link" in err
+    assert "--host-bandwidth" in err
+    # A graph file without one.
+    g = tmp_path / "g.json"
+    assert main(["profile", *_tiny(tmp_path), "-o", str(g)]) == 0
+    capsys.readouterr()
+    code, _, err = _run(["solve", "--graph", str(g), "--budget", "1GiB", "--offload"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--host-bandwidth" in err
+    code, _, err = _run(["solve", "--graph", str(g), "--budget", "1GiB", "--offload",
+                         "--host-bandwidth", "25GB/s", "--mode", "checkpoint"], capsys)
+    assert code == 2 and "--offload is a choice of --mode full" in err
+
+
+def test_solver_argument_errors_are_usage_errors(tmp_path, capsys, monkeypatch):
+    """solve() refuses offload without a host link with a plain ValueError: one line, code 2."""
+    import solver
+
+    def refuse(*a, **k):
+        raise ValueError("offload=True needs the graph's host_bandwidth")
+
+    monkeypatch.setattr(solver, "solve", refuse)
+    code, _, err = _run(["solve", *_tiny(tmp_path), "--cost", "analytical:A100-40GB",
+                         "--budget", "1GiB", "--offload"], capsys)
+    assert code == 2 and err == ("monetlike solve: error: offload=True needs the graph's "
+                                 "host_bandwidth\n")
+
+
+def test_offload_and_host_bandwidth_reach_the_solver(tmp_path, capsys, monkeypatch):
+    import solver
+
+    seen = {}
+    real = solver.solve
+
+    def spy(graph, budget, **kw):
+        seen.update(kw, host_bandwidth=graph.host_bandwidth)
+        return real(graph, budget, **kw)
+
+    monkeypatch.setattr(solver, "solve", spy)
+    s = tmp_path / "s.json"
+    code, out, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload",
+                           "--host-bandwidth", "25e9", "--time-limit", "20", "-o", str(s)],
+                          capsys)
+    assert code == 0, err
+    assert seen["offload"] is True and seen["host_bandwidth"] == 25e9 and s.exists()
+    # Without --offload the solver is asked for none (the default).
+    code, _, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--time-limit", "20"],
+                        capsys)
+    assert code == 0, err
+    assert seen["offload"] is False and seen["host_bandwidth"] is None
