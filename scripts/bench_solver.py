@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +44,22 @@ MODELS = {
     "vgg16": 176,
 }
 GiB = 2**30
+
+
+def code_version(root: str = ROOT) -> str:
+    """The commit the solver and profiler code came from: the short hash of HEAD, plus "+dirty"
+    when solver/ or monetlike/ has uncommitted (or untracked) changes, so a table says which code
+    produced each row. "unknown" outside a git checkout."""
+    def git(*a):
+        return subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=normal", "--", "solver",
+                    "monetlike")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def build_model(name: str):
@@ -70,7 +87,7 @@ def profile(name: str, batch: int):
 def run_one(graph, budget_gib: float, args, base, floor) -> dict:
     budget = int(budget_gib * GiB)
     row = {"model": args.current, "batch": graph.batch, "budget": f"{budget_gib:g} GiB",
-           "mode": args.mode}
+           "mode": args.mode, "commit": args.commit}
     started = time.perf_counter()
     try:
         r = solver.solve(graph, budget, mode=args.mode, backend=args.backend,
@@ -111,7 +128,7 @@ def render(rows: list[dict], args, models_info: dict) -> str:
     df = pd.DataFrame(rows)
     cols = [c for c in ("model", "batch", "budget", "status", "first_s", "best_s", "solve_s",
                         "gap_pct", "overhead_pct", "peak", "variables", "integer", "constraints",
-                        "nonzeros", "source", "note") if c in df.columns]
+                        "nonzeros", "source", "commit", "note") if c in df.columns]
     df = df[cols].astype(object).where(df[cols].notna(), "")
     for c in ("variables", "integer", "constraints", "nonzeros"):
         if c in df.columns:
@@ -129,7 +146,9 @@ def render(rows: list[dict], args, models_info: dict) -> str:
             f"(a plan for a GPU this machine does not have). Overhead: predicted step time over "
             f"store-all (plain PyTorch), both from the simulator. Gap: (incumbent - proven lower "
             f"bound) / incumbent on the whole step time. first_s / best_s / solve_s: seconds to "
-            f"the first schedule, to the final one, and to the end of the solve (the final gap).",
+            f"the first schedule, to the final one, and to the end of the solve (the final gap). "
+            f"commit: the code that produced the row (short hash of HEAD when its run started; "
+            f"+dirty: uncommitted changes under solver/ or monetlike/; empty: not recorded).",
             "", f"Models: {info}.", "", markdown_table(df)]
     if args.note:
         body += ["", args.note]
@@ -160,6 +179,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown models {unknown}; expected some of {list(MODELS)}")
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    # taken once, before anything is solved: the code this process loaded (a commit made while it
+    # runs does not change what it runs)
+    args.commit = code_version()
 
     done: dict[tuple, dict] = {}
     known: dict[tuple, dict] = {}  # model facts of an earlier run (profile, store-all, minimum)

@@ -40,6 +40,10 @@ def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
     ok = rows["9 GiB"]
     assert ok["status"] in ("optimal", "feasible-at-time-limit")
     assert 0 <= ok["gap_pct"] and ok["overhead_pct"] >= 0 and ok["variables"] > 0
+    # every row says which code produced it, and the table shows it
+    version = bench.code_version()
+    assert all(r["commit"] == version for r in rows.values())
+    assert all(f"| {version} |" in ln for ln in first.splitlines() if ln.startswith("| vgg16"))
 
     def no_profiling(*a, **k):
         raise AssertionError("--resume profiled a model whose rows were all there")
@@ -54,3 +58,30 @@ def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
 def test_bench_solver_rejects_unknown_model():
     with pytest.raises(SystemExit):
         _load().main(["--models", "alexnet", "--no-write"])
+
+
+def test_code_version_marks_uncommitted_solver_changes(tmp_path):
+    import subprocess
+
+    bench = _load()
+    assert bench.code_version(str(tmp_path)) == "unknown"  # not a checkout
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "solver").mkdir()
+    (tmp_path / "solver" / "a.py").write_text("x = 1\n")
+    (tmp_path / "other.txt").write_text("a\n")
+    git("add", "solver/a.py", "other.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert bench.code_version(str(tmp_path)) == head
+    (tmp_path / "other.txt").write_text("b\n")  # outside solver/ and monetlike/: still clean
+    assert bench.code_version(str(tmp_path)) == head
+    (tmp_path / "solver" / "a.py").write_text("x = 2\n")
+    assert bench.code_version(str(tmp_path)) == head + "+dirty"
+    git("checkout", "solver/a.py")
+    (tmp_path / "monetlike").mkdir()
+    (tmp_path / "monetlike" / "new.py").write_text("y = 1\n")  # untracked code counts too
+    assert bench.code_version(str(tmp_path)) == head + "+dirty"
