@@ -82,6 +82,50 @@ class ConvBnRelu(nn.Module):
         return self.relu(self.bn(self.conv(x)))
 
 
+class ConvBnAct(nn.Module):
+    """Conv-BN-activation, MobileNetV2's block (torchvision: ReLU6(inplace=True))."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = act
+        with torch.no_grad():
+            # Wide enough that the BN output crosses both bounds of ReLU6 and of hardtanh(-1, 1).
+            self.bn.weight.uniform_(2.0, 4.0)
+            self.bn.bias.uniform_(1.0, 2.0)
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class FnBnAct(ConvBnAct):
+    """The same with the activation as a function call."""
+
+    def __init__(self, fn):
+        super().__init__(None)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.bn(self.conv(x)))
+
+
+def relu6_inplace_kw(x):
+    return F.relu6(x, inplace=True)
+
+
+def hardtanh_inplace_pos(x):
+    return F.hardtanh(x, -0.5, 0.75, True)
+
+
+def hardtanh_underscore(x):
+    return F.hardtanh_(x, -1.0, 2.0)
+
+
+def hardtanh_out(x):
+    return F.hardtanh(x, min_val=-0.25, max_val=0.5)
+
+
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()
@@ -138,6 +182,22 @@ CASES = {
     "bn_relu_mask": (lambda: ConvBnRelu(), X_IMG, "relu_mask"),
     "bn_relu_lean": (lambda: ConvBnRelu(), X_IMG, "bn_relu_lean"),
     "add_relu_mask": (lambda: Residual(), (2, 4, 8, 8), "relu_mask"),
+    "relu6_module": (lambda: ConvAct(nn.ReLU6()), X_IMG, "hardtanh_mask"),
+    "relu6_module_inplace": (lambda: ConvAct(nn.ReLU6(inplace=True)), X_IMG, "hardtanh_mask"),
+    "hardtanh_module_inplace": (lambda: ConvAct(nn.Hardtanh(-0.5, 0.25, inplace=True)), X_IMG,
+                                "hardtanh_mask"),
+    "relu6_function": (lambda: Fn(F.relu6), X_IMG, "hardtanh_mask"),
+    "relu6_function_inplace": (lambda: Fn(relu6_inplace_kw), X_IMG, "hardtanh_mask"),
+    "hardtanh_function_inplace": (lambda: Fn(hardtanh_inplace_pos), X_IMG, "hardtanh_mask"),
+    "hardtanh_underscore": (lambda: Fn(hardtanh_underscore), X_IMG, "hardtanh_mask"),
+    "hardtanh_function": (lambda: Fn(hardtanh_out), X_IMG, "hardtanh_mask"),
+    "bn_relu6_mask": (lambda: ConvBnAct(nn.ReLU6(inplace=True)), X_IMG, "hardtanh_mask"),
+    "bn_relu6_lean": (lambda: ConvBnAct(nn.ReLU6(inplace=True)), X_IMG, "bn_hardtanh_lean"),
+    "bn_hardtanh_lean": (lambda: ConvBnAct(nn.Hardtanh(-1.0, 1.0, inplace=True)), X_IMG,
+                         "bn_hardtanh_lean"),
+    "bn_relu6_function_lean": (lambda: FnBnAct(relu6_inplace_kw), X_IMG, "bn_hardtanh_lean"),
+    "bn_hardtanh_function_lean": (lambda: FnBnAct(hardtanh_inplace_pos), X_IMG,
+                                  "bn_hardtanh_lean"),
     "maxpool_module": (lambda: Pool(nn.MaxPool2d(2)), X_IMG, "maxpool_compact"),
     "maxpool_padded_dilated": (lambda: Pool(nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True)),
                                (2, 3, 11, 9), "maxpool_compact"),
@@ -234,39 +294,137 @@ def test_declared_bytes_relu_mask():
     n = 2 * 4 * 8 * 8
     assert default.saved == relu.outputs and default.internal_bytes == 0
     assert mask.saved == () and mask.internal_bytes == n  # 1 byte per element
-    from monetlike.impls.relu import ReluMask
+    from monetlike.impls.relu import RELU, ActMask
 
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
     assert _bytes_held(lambda t: torch.relu(t * 1), z) == 4 * n  # the output; t*1 is not saved
-    assert _bytes_held(lambda t: ReluMask.apply(t * 1, False), z) == n
+    assert _bytes_held(lambda t: ActMask.apply(t * 1, RELU, False), z) == n
     assert _held_by_op(g, relu, 0) == 4 * n and _held_by_op(g, relu, 1) == n
 
 
-def test_declared_bytes_bn_relu():
+@pytest.mark.parametrize("family", ["relu", "relu6"])
+def test_declared_bytes_bn_act(family):
+    from monetlike.impls.hardtanh import Hardtanh
+    from monetlike.impls.relu import RELU, BnActLean
+
+    act, plain, lean_act = {
+        "relu": (nn.ReLU(inplace=True), torch.relu_, RELU),
+        "relu6": (nn.ReLU6(inplace=True), lambda t: F.relu6(t, inplace=True), Hardtanh(0.0, 6.0)),
+    }[family]
     torch.manual_seed(0)
-    model = ConvBnRelu().train()
-    x = torch.randn(*X_IMG)
-    g = monetlike.profile(model, x, cost=A100)
+    model = ConvBnAct(act).train()
+    g = monetlike.profile(model, torch.randn(*X_IMG), cost=A100)
     conv, bn = g.ops[0], g.ops[1]
-    assert [i.name for i in bn.impls] == ["default", "relu_mask", "bn_relu_lean"]
+    names_ = {"relu": ["default", "relu_mask", "bn_relu_lean"],
+              "relu6": ["default", "hardtanh_mask", "bn_hardtanh_lean"]}[family]
+    assert [i.name for i in bn.impls] == names_
     n, c = 2 * 4 * 8 * 8, 4
     default, mask, lean = bn.impls
-    assert set(default.saved) == set(conv.outputs) | set(bn.outputs)
-    assert default.internal_bytes == 2 * c * 4  # save_mean, save_invstd
+    if family == "relu":  # in-place ReLU saves its output: the BN output Value
+        assert set(default.saved) == set(conv.outputs) | set(bn.outputs)
+        assert default.internal_bytes == 2 * c * 4  # save_mean, save_invstd
+    else:  # in-place ReLU6 saves a clone of its input (4 bytes per element): internal, held
+        # to the backward whatever the schedule says; the BN output Value is not saved
+        assert default.saved == conv.outputs
+        assert default.internal_bytes == 2 * c * 4 + 4 * n
     assert mask.saved == conv.outputs and mask.internal_bytes == 2 * c * 4 + n
     assert lean.saved == conv.outputs and lean.internal_bytes == 0
     assert lean.bwd_time > default.bwd_time  # it recomputes the pre-activation
-    from monetlike.impls.relu import BnReluLean
 
     bn_mod = nn.BatchNorm2d(4)
     fixed = [*bn_mod.parameters(), *bn_mod.buffers()]
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
-    # Plain: BN input (t*1), output (ReLU), statistics. Lean: the BN input only.
-    assert _bytes_held(lambda t: torch.relu_(bn_mod(t * 1)), z, fixed) == 4 * n + 4 * n + 2 * c * 4
-    assert _bytes_held(lambda t: BnReluLean.apply(t * 1, bn_mod.weight, bn_mod.bias, bn_mod),
-                       z, fixed) == 4 * n
+    # Plain: BN input (t*1), the activation's output or clone, statistics. Lean: the BN input.
+    assert _bytes_held(lambda t: plain(bn_mod(t * 1)), z, fixed) == 4 * n + 4 * n + 2 * c * 4
+    assert _bytes_held(lambda t: BnActLean.apply(t * 1, bn_mod.weight, bn_mod.bias, bn_mod,
+                                                 lean_act), z, fixed) == 4 * n
     assert _held_by_op(g, bn, 0) == 4 * n + 4 * n + 2 * c * 4
+    assert _held_by_op(g, bn, 1) == 4 * n + 2 * c * 4 + n
     assert _held_by_op(g, bn, 2) == 4 * n
+
+
+def test_declared_bytes_hardtanh_mask():
+    from monetlike.impls.hardtanh import Hardtanh
+    from monetlike.impls.relu import ActMask
+
+    n = 2 * 4 * 8 * 8
+    z = torch.randn(2, 4, 8, 8, requires_grad=True)
+    relu6 = Hardtanh(0.0, 6.0)
+    # Out of place the default holds its input Value; in place, autograd's clone of the input
+    # (it is about to be overwritten), a storage of no Value: internal. The mask: 1 byte each.
+    assert _bytes_held(lambda t: F.relu6(t * 1), z) == 4 * n
+    assert _bytes_held(lambda t: F.relu6(t * 1, inplace=True), z) == 4 * n
+    assert _bytes_held(lambda t: ActMask.apply(t * 1, relu6, False), z) == n
+    assert _bytes_held(lambda t: ActMask.apply(t * 1, relu6, True), z) == n
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        model = ConvAct(nn.ReLU6(inplace=inplace)).train()
+        g = monetlike.profile(model, torch.randn(*X_IMG), cost=A100)
+        op = g.ops[-1]
+        assert [i.name for i in op.impls] == ["default", "hardtanh_mask"]
+        default, mask = op.impls
+        if inplace:  # one Op [conv, relu6_]: the clone is internal, nothing is a saved Value
+            assert len(g.ops) == 1 and default.saved == () and default.internal_bytes == 4 * n
+        else:  # its own Op: the conv output Value is saved
+            assert default.saved == g.ops[0].outputs and default.internal_bytes == 0
+        assert mask.saved == () and mask.internal_bytes == n
+        assert _held_by_op(g, op, 0) == 4 * n and _held_by_op(g, op, 1) == n
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_hardtanh_mask_at_the_bounds_and_nan(inplace):
+    """The mask is hardtanh_backward's condition exactly: zero gradient at and beyond both bounds,
+    the gradient through for a NaN input (as the default gives; `lo < out < hi` would zero it)."""
+    from monetlike.impls.hardtanh import Hardtanh
+    from monetlike.impls.relu import ActMask
+
+    lo, hi = -1.0, 2.0
+    x = torch.tensor([float("nan"), -float("inf"), -3.0, lo, -0.5, 0.0, 1.5, hi, 5.0,
+                      float("inf")])
+    grad = torch.linspace(1.0, 2.0, x.numel())
+    results = []
+    for fn in (lambda t: F.hardtanh(t, lo, hi, inplace),
+               lambda t: ActMask.apply(t, Hardtanh(lo, hi), inplace)):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf * 1)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0.nan_to_num(), y1.nan_to_num()) and y1.isnan().tolist()[0]
+    assert torch.equal(g0, g1)
+    assert g1.tolist() == [grad[0].item(), 0, 0, 0, grad[4].item(), grad[5].item(),
+                           grad[6].item(), 0, 0, 0]
+
+
+def test_hardtanh_matching_refuses_what_it_cannot_do():
+    from monetlike.impls.hardtanh import hardtanh_call
+    from monetlike.trace import trace
+
+    class PreActivationRead(ConvBnAct):
+        def forward(self, x):  # the BN output is also read after the in-place ReLU6
+            y = self.bn(self.conv(x))
+            return F.relu6(y, inplace=True) + y
+
+    class GraphBound(nn.Module):
+        def forward(self, x):  # a bound computed in the graph is not known when matching
+            return F.hardtanh(x, -1.0, x.size(0))
+
+    torch.manual_seed(0)
+    x = torch.randn(*X_IMG)
+    # Out of place (the activation is its own Op) and a BN output with a second reader: no
+    # bn_hardtanh_lean (nothing would keep the pre-activation), but hardtanh_mask on the ReLU6.
+    for model in (ConvBnAct(nn.ReLU6()), PreActivationRead(nn.ReLU6())):
+        g = monetlike.profile(model.train(), x, cost=A100)
+        per_op = [[i.name for i in o.impls] for o in g.ops]
+        assert not any("bn_hardtanh_lean" in p for p in per_op), per_op
+        assert sum("hardtanh_mask" in p for p in per_op) == 1, per_op
+    gm = trace(GraphBound())
+    node = next(n for n in gm.graph.nodes if n.target is F.hardtanh)
+    assert hardtanh_call(gm, node) is None
+    gm = trace(Fn(hardtanh_inplace_pos))
+    node = next(n for n in gm.graph.nodes if n.target is F.hardtanh)
+    inplace, act = hardtanh_call(gm, node)
+    assert inplace is True and (act.min_val, act.max_val) == (-0.5, 0.75)
 
 
 def test_declared_bytes_maxpool_compact():
@@ -309,7 +467,8 @@ def test_declared_bytes_dropout_regen():
 
 
 def test_impls_are_registered_and_checkpoint_mode_ignores_them():
-    assert {"relu_mask", "bn_relu_lean", "maxpool_compact", "dropout_regen"} <= names()
+    assert {"relu_mask", "bn_relu_lean", "maxpool_compact", "dropout_regen", "hardtanh_mask",
+            "bn_hardtanh_lean"} <= names()
     torch.manual_seed(0)
     g = monetlike.profile(ConvBnRelu().train(), torch.randn(*X_IMG), cost=A100)
     plain = monetlike.profile(ConvBnRelu().train(), torch.randn(*X_IMG), cost=A100, impls=False)

@@ -62,6 +62,38 @@ def bn_relu_graph():
     ])
 
 
+def hardtanh_graph():
+    # op1 = ReLU6 (out-of-place) h (40). Unlike ReLU, hardtanh's default backward reads its
+    # *input*: default saves a; hardtanh_mask saves nothing, holds a mask of 10, forward 1.2.
+    # default: forward op2 a+h+y = 81; after the forward a (saved) + y = 41; stages 41 + 50 = 91
+    #   -> peak 91, time 6.
+    # hardtanh_mask: forward op1 a+h+mask = 90 (a freed after op1); after the forward y + mask =
+    #   11 -> stages 61; peak 90, time 6.2.
+    # checkpoint below 91: a must be resident at stage op1; recomputing it there from x: 50 + y +
+    #   a 40 = 91. So checkpoint's minimum is 91, full's 90.
+    return _graph("hardtanh", 40, [
+        dict(name="default", saved=("in0",)),
+        dict(name="hardtanh_mask", saved=(), internal_bytes=10, fwd_time=1.2),
+    ])
+
+
+def bn_hardtanh_graph():
+    # op1 = BatchNorm + in-place ReLU6, r (40); stats 2 bytes. The in-place hardtanh's default
+    # backward holds autograd's clone of the pre-activation (40), a storage of no Value: internal,
+    # so no schedule can drop it. default: saves a; internal 2 + 40. hardtanh_mask: saves a;
+    # internal 2 + 10; forward 1.2. bn_hardtanh_lean: saves a; internal 0; backward 2.
+    # Forward op1: a+r+internal = 122 / 92 / 80; op2 (+y): 123 / 93 / 81. After the forward
+    # (r freed: nothing saves it) a+y+internal = 83 / 53 / 41 -> stages (+50) 133 / 103 / 91.
+    # Dropping a and recomputing it at stage op1 gives 50 + y + internal + a: no lower.
+    # Peaks: default 133, mask 103, lean 91; times 6, 6.2, 7. Checkpoint: 133 at least (the
+    # forward's 123 and the internal at the stages do not depend on the schedule).
+    return _graph("bn_hardtanh", 40, [
+        dict(name="default", saved=("in0",), internal_bytes=42),
+        dict(name="hardtanh_mask", saved=("in0",), internal_bytes=12, fwd_time=1.2),
+        dict(name="bn_hardtanh_lean", saved=("in0",), internal_bytes=0, bwd_time=2.0),
+    ])
+
+
 def maxpool_graph():
     # op1 = MaxPool, p (8); default saves a and int64 indices (16); maxpool_compact saves nothing
     # and an int8 argmax (2); forward 1.5, backward 1.2.
@@ -93,14 +125,22 @@ CASES = [
     ("bn_relu/mask_wins", bn_relu_graph, 110, {"full": 6.2, "checkpoint": None}, "relu_mask"),
     ("bn_relu/lean_wins", bn_relu_graph, 95, {"full": 7.0, "checkpoint": None}, "bn_relu_lean"),
     ("bn_relu/default_wins", bn_relu_graph, 133, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("hardtanh_mask/wins", hardtanh_graph, 90, {"full": 6.2, "checkpoint": None},
+     "hardtanh_mask"),
+    ("hardtanh_mask/default_wins", hardtanh_graph, 91, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("bn_hardtanh/mask_wins", bn_hardtanh_graph, 110, {"full": 6.2, "checkpoint": None},
+     "hardtanh_mask"),
+    ("bn_hardtanh/lean_wins", bn_hardtanh_graph, 95, {"full": 7.0, "checkpoint": None},
+     "bn_hardtanh_lean"),
+    ("bn_hardtanh/default_wins", bn_hardtanh_graph, 133, {"full": 6.0, "checkpoint": 6.0}, None),
     ("maxpool/compact_wins", maxpool_graph, 80, {"full": 6.7, "checkpoint": None},
      "maxpool_compact"),
     ("maxpool/default_wins", maxpool_graph, 107, {"full": 6.0, "checkpoint": 6.0}, None),
     ("dropout/regen_wins", dropout_graph, 85, {"full": 6.6, "checkpoint": None}, "dropout_regen"),
     ("dropout/default_wins", dropout_graph, 90, {"full": 6.0, "checkpoint": 6.0}, None),
 ]
-MIN_BUDGETS = {relu_graph: (90, 91), bn_relu_graph: (91, 133), maxpool_graph: (53, 107),
-               dropout_graph: (81, 90)}
+MIN_BUDGETS = {relu_graph: (90, 91), bn_relu_graph: (91, 133), hardtanh_graph: (90, 91),
+               bn_hardtanh_graph: (91, 133), maxpool_graph: (53, 107), dropout_graph: (81, 90)}
 IDS = [c[0] for c in CASES]
 
 

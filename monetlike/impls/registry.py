@@ -67,8 +67,9 @@ def matches(gm: fx.GraphModule, nodes: list) -> list[tuple[ImplSpec, dict]]:
 
 def _load() -> None:
     # The families register themselves on import; imported lazily so that importing the
-    # registry (from the runtime's plan) stays cheap and free of cycles.
-    from . import dropout, pool, relu  # noqa: F401
+    # registry (from the runtime's plan) stays cheap and free of cycles. The import order is the
+    # registration order, i.e. the order of an Op's extra Impls (part of its fingerprint).
+    from . import dropout, pool, relu, hardtanh  # noqa: F401
 
 
 class SubstitutingMixin:

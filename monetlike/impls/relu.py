@@ -1,16 +1,21 @@
-"""ReLU families: relu_mask (MONeT's intermediate-activated ReLU) and bn_relu_lean.
+"""ReLU families, and the machinery they share with the other mask-gradient activations.
 
-relu_mask: the default ReLU backward holds its output (threshold_backward(grad, out, 0)); this one
-holds `out > 0` as a bool tensor, 1 byte per element (a quarter of float32; MONeT packs it to one
-bit, 1/32, which needs a packing kernel: future work). Its output Value is then free to go after
-its last forward use unless another Op saves it.
+An activation whose gradient is `grad where mask else 0` (ReLU, hardtanh / ReLU6) gets two Impls,
+both built here from one `Activation` description, so every such family runs the same code:
 
-bn_relu_lean: BatchNorm (training) followed by an in-place ReLU in one Op. The default holds the
-BN input, the statistics and the output (for the ReLU); relu_mask holds the input, the statistics
-and a mask; this one holds only the BN input and recomputes the pre-activation in its backward
-with the same kernel (batch statistics, no running-statistics update), so the mask is bitwise the
-same, and the statistics come out of that recomputation. Running statistics are updated once, by
-the module's own forward.
+*_mask (relu_mask, hardtanh_mask; MONeT's intermediate-activated ReLU): the default backward
+holds the output (ReLU in place: threshold_backward(grad, out, 0)) or the input (hardtanh:
+hardtanh_backward(grad, in, lo, hi); in place, autograd clones the input first, see hardtanh.py);
+this one holds the mask as a bool tensor, 1 byte per element (a quarter of float32; MONeT packs
+it to one bit, 1/32, which needs a packing kernel: future work). The activation's output and
+input Values are then free to go after their last forward use unless another Op saves them.
+
+bn_*_lean (bn_relu_lean, bn_hardtanh_lean): BatchNorm (training) followed by the in-place
+activation in one Op. The default holds the BN input, the statistics and what the activation
+saves; *_mask holds the input, the statistics and a mask; this one holds only the BN input and
+recomputes the pre-activation in its backward with the same kernel (batch statistics, no
+running-statistics update), so the mask is bitwise the same, and the statistics come out of that
+recomputation. Running statistics are updated once, by the module's own forward.
 """
 
 from __future__ import annotations
@@ -23,31 +28,64 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .registry import ImplSpec, module_of, register
 
 
-class ReluMask(torch.autograd.Function):
+class Activation:
+    """An activation whose gradient is `grad` where a mask holds and 0 elsewhere.
+
+    `run(x, inplace)` is the forward (the default's kernel: same bits); `mask(y)` the bool mask
+    computed from the output, as the *_mask Impls hold it; `grad_from_pre(grad, z)` the default's
+    backward given the pre-activation, as the bn_*_lean Impls recompute it."""
+
+    def run(self, x, inplace: bool):
+        raise NotImplementedError
+
+    def mask(self, y):
+        raise NotImplementedError
+
+    def grad_from_pre(self, grad, z):
+        raise NotImplementedError
+
+
+class Relu(Activation):
+    def run(self, x, inplace):
+        return torch.relu_(x) if inplace else torch.relu(x)
+
+    def mask(self, y):
+        return y > 0
+
+    def grad_from_pre(self, grad, z):
+        # threshold_backward(grad, out, 0) is `out > 0 ? grad : 0`, and out > 0 iff z > 0.
+        return torch.where(z > 0, grad, 0)
+
+
+RELU = Relu()
+
+
+class ActMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, inplace: bool):
+    def forward(ctx, x, act: Activation, inplace: bool):
+        y = act.run(x, inplace)
         if inplace:
-            y = torch.relu_(x)
             ctx.mark_dirty(x)
-        else:
-            y = torch.relu(x)
-        ctx.save_for_backward(y > 0)
+        ctx.save_for_backward(act.mask(y))
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        # threshold_backward(grad, out, 0) is `out > 0 ? grad : 0`; the same values bit for bit.
-        return torch.where(mask, grad, 0), None
+        # The default backwards put `grad` where the mask holds and +0 elsewhere; where() gives
+        # the same values bit for bit.
+        return torch.where(mask, grad, 0), None, None
 
 
-class BnReluLean(torch.autograd.Function):
+class BnActLean(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, mod):
+    def forward(ctx, x, weight, bias, mod, act: Activation):
         # The module's own forward: batch statistics, running statistics (and
-        # num_batches_tracked) updated exactly once; the ReLU in place as the model wrote it.
-        y = torch.relu_(mod(x))
+        # num_batches_tracked) updated exactly once; the activation in place as the model wrote
+        # it (no grad here, so an in-place hardtanh does not clone its input).
+        y = act.run(mod(x), True)
         ctx.eps = mod.eps
+        ctx.act = act
         ctx.save_for_backward(x, weight, bias)
         return y
 
@@ -60,52 +98,63 @@ class BnReluLean(torch.autograd.Function):
         # BatchNorm's backward reads are the forward's.
         z, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, None, None, True, 0.0,
                                                            ctx.eps)
-        gz = torch.where(z > 0, grad, 0)
+        gz = ctx.act.grad_from_pre(grad, z)
         del z
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             gz, x, w, None, None, mean, invstd, True, ctx.eps,
             [need_x, need_w and w is not None, need_b and b is not None])
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 # ----------------------------------------------------------------------------------------------
 # Matching
 # ----------------------------------------------------------------------------------------------
-def relu_call(gm, n) -> "tuple[bool, int] | None":
-    """(inplace, index of the input in args) when node `n` is a ReLU, else None."""
+def relu_call(gm, n) -> "tuple[bool, Activation] | None":
+    """(inplace, RELU) when node `n` is a ReLU, else None."""
     if n.op == "call_module":
         mod = gm.get_submodule(n.target)
         if type(mod) is nn.ReLU:
-            return bool(mod.inplace), 0
+            return bool(mod.inplace), RELU
         return None
     if n.op == "call_function":
         if n.target in (torch.relu_, F.relu_):
-            return True, 0
+            return True, RELU
         if n.target is torch.relu:
-            return False, 0
+            return False, RELU
         if n.target is F.relu:
             inplace = n.kwargs.get("inplace", n.args[1] if len(n.args) > 1 else False)
-            return (inplace, 0) if isinstance(inplace, bool) else None
+            return (inplace, RELU) if isinstance(inplace, bool) else None
         return None
     if n.op == "call_method" and n.target in ("relu", "relu_"):
-        return n.target == "relu_", 0
+        return n.target == "relu_", RELU
     return None
 
 
-def _input(args, kwargs):
-    return args[0] if args else kwargs["input"]
+def node_input(args, kwargs):
+    """The tensor an activation node acts on (positional, or the `input`/`self` keyword)."""
+    if args:
+        return args[0]
+    for key in ("input", "self"):
+        if key in kwargs:
+            return kwargs[key]
+    raise TypeError(f"activation call without its input tensor (keywords: {sorted(kwargs)})")
 
 
-def _match_relu_mask(gm, nodes):
-    subs = {}
-    for n in nodes:
-        r = relu_call(gm, n)
-        if r is None:
-            continue
-        inplace = r[0]
-        subs[n.name] = (lambda interp, node, args, kwargs, inplace=inplace:
-                        ReluMask.apply(_input(args, kwargs), inplace))
-    return subs or None
+def mask_matcher(act_call):
+    """match() for an *_mask family: every node of the group `act_call` recognises.
+
+    `act_call(gm, node)` returns (inplace, Activation) or None."""
+    def match(gm, nodes):
+        subs = {}
+        for n in nodes:
+            r = act_call(gm, n)
+            if r is None:
+                continue
+            inplace, act = r
+            subs[n.name] = (lambda interp, node, args, kwargs, inplace=inplace, act=act:
+                            ActMask.apply(node_input(args, kwargs), act, inplace))
+        return subs or None
+    return match
 
 
 def _plain_bn(mod) -> bool:
@@ -113,34 +162,38 @@ def _plain_bn(mod) -> bool:
             and type(mod).__name__ != "SyncBatchNorm")
 
 
-def _match_bn_relu_lean(gm, nodes):
-    if len(nodes) != 2:
-        return None
-    bn, relu = nodes
-    if bn.op != "call_module" or len(bn.args) != 1 or bn.kwargs:
-        return None
-    mod = gm.get_submodule(bn.target)
-    if not _plain_bn(mod) or not mod.training:
-        return None
-    r = relu_call(gm, relu)
-    # The ReLU must be in place on the BN output and its only reader, so nothing ever sees the
-    # pre-activation that this Impl does not keep.
-    if r is None or not r[0] or len(relu.all_input_nodes) != 1 or relu.all_input_nodes[0] is not bn \
-            or len(bn.users) != 1:
-        return None
+def bn_lean_matcher(act_call):
+    """match() for a bn_*_lean family: exactly [BatchNorm (train), in-place activation on it]."""
+    def match(gm, nodes):
+        if len(nodes) != 2:
+            return None
+        bn, a = nodes
+        if bn.op != "call_module" or len(bn.args) != 1 or bn.kwargs:
+            return None
+        mod = gm.get_submodule(bn.target)
+        if not _plain_bn(mod) or not mod.training:
+            return None
+        r = act_call(gm, a)
+        # The activation must be in place on the BN output and its only reader, so nothing ever
+        # sees the pre-activation that this Impl does not keep.
+        if r is None or not r[0] or len(a.all_input_nodes) != 1 \
+                or a.all_input_nodes[0] is not bn or len(bn.users) != 1:
+            return None
+        act = r[1]
 
-    def run_bn(interp, node, args, kwargs):
-        m = module_of(interp, node.target)
-        return BnReluLean.apply(args[0], m.weight, m.bias, m)
+        def run_bn(interp, node, args, kwargs):
+            m = module_of(interp, node.target)
+            return BnActLean.apply(args[0], m.weight, m.bias, m, act)
 
-    def run_relu(interp, node, args, kwargs):
-        return _input(args, kwargs)  # already activated, in place, by the BN node
+        def run_act(interp, node, args, kwargs):
+            return node_input(args, kwargs)  # already activated, in place, by the BN node
 
-    return {bn.name: run_bn, relu.name: run_relu}
+        return {bn.name: run_bn, a.name: run_act}
+    return match
 
 
-register(ImplSpec("relu_mask", _match_relu_mask,
+register(ImplSpec("relu_mask", mask_matcher(relu_call),
                   "ReLU holding a bool mask (1 byte per element) instead of its output"))
-register(ImplSpec("bn_relu_lean", _match_bn_relu_lean,
+register(ImplSpec("bn_relu_lean", bn_lean_matcher(relu_call),
                   "BatchNorm(train) + in-place ReLU holding only the BN input; the backward "
                   "recomputes the pre-activation"))
