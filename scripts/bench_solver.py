@@ -108,7 +108,12 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
         peak=None if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
         variables=st.get("variables"), integer=st.get("integer_variables"),
         constraints=st.get("constraints"), nonzeros=st.get("nonzeros"),
-        source=st.get("incumbent_source"), note=r.message or "")
+        source=st.get("incumbent_source"), note=r.message or "",
+        # for diagnosing a miss (results file only): where the incumbent and the bound came
+        # from and how far each moved (seconds of step time; store-all for scale)
+        detail={k: st.get(k) for k in ("store_all_time_s", "heuristic", "heuristic_objective_s",
+                                       "lower_bound_s", "lp_bound_s", "bb_bound_s",
+                                       "phase1_s", "lns", "branch_and_bound_model")})
     return row
 
 

@@ -3,7 +3,9 @@
 The pipeline: build the MILP (formulation.py); answer a budget below what some point of the step
 needs whatever the schedule with InfeasibleBudgetError at once; take the fastest heuristic
 schedule that fits as the first incumbent (warmstart.py), or, when none fits, the least-memory
-schedule from an exact min-peak solve (which also proves infeasibility); then solve. With the
+schedule from an exact min-peak solve (which also proves infeasibility), pushed below the budget
+by a first min-peak phase when that solve left the budget undecided (`_min_peak_below`); then
+solve. With the
 HiGHS backend both cores work: one thread runs branch and bound (on an equivalent model with full
 memory sums and lazy recomputation rows, see `_branch_and_bound_form`), the other solves the LP
 relaxation (a bound at once, and LP rounding) and then improves the incumbent by
@@ -264,6 +266,40 @@ def _tight_points(graph: OpGraph, schedule: Schedule, budget: int, share: float 
                      if p.phase == "recompute" and p.bytes >= share * budget)
 
 
+def _min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, deadline: float,
+                    verbose: bool, offload: bool) -> tuple[Schedule | None, int]:
+    """Phase 1 of a solve whose budget no rule meets: minimise the peak (the min-peak MILP, LNS
+    beside branch and bound, from `start`) until a schedule fits `budget`, the peak is proven
+    to stay above it, or `deadline`. Returns (a schedule that fits, or None; a proven lower
+    bound on the least peak, in bytes). Branch and bound runs with the budget as its objective
+    cutoff, so it only explores what could fit: its 'infeasible' then means that no schedule
+    peaks at or below the budget (the cutoff sits half a memory unit above it, so a schedule
+    exactly at the budget is never cut off)."""
+    form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
+    form_bb = _branch_and_bound_form(form)
+    shared = _Shared([form, form_bb])
+    shared.offer_schedule(form, start, "min_peak")
+    target = budget / form.mem_scale
+    progress = _Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
+                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
+    try:
+        r, _, _ = _solve_concurrently(form, form_bb, shared, deadline, 1e-6, verbose, progress,
+                                      target=target)
+    finally:
+        progress.close()
+    x, _, _ = shared.get(form)
+    s = form.decode(x)
+    if simulate(graph, s).peak_bytes <= budget:
+        return s, 0
+    lower = form.const_peak
+    if r.status == B_INFEASIBLE:
+        lower = budget + 1  # nothing below the cutoff, which lies above the budget
+    for bound in (r.bound, shared.lp_bound):
+        if bound is not None and np.isfinite(bound):
+            lower = max(lower, int(math.ceil(bound * form.mem_scale - 1e-6 * form.mem_scale)))
+    return None, lower
+
+
 def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
           time_limit_s: float = 600, mip_gap: float = 0.01, warm_start: bool = True,
           verbose: bool = False, offload: bool = False) -> SolveResult:
@@ -313,6 +349,25 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             elif lower > budget:
                 raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S,
                                   offload=offload)
+            elif be.name == "highs":
+                # Undecided: the budget lies between the proven least peak and the least found.
+                # Phase 1 (as MOCCASIN's): push the peak below the budget, or prove it cannot
+                # go there, before optimising time. Branch and bound on the time model with no
+                # incumbent found nothing in 600 s on MobileNetV2 (batch 272) at 7 GiB, while
+                # the min-peak search (LNS on the peak) went below 7 GiB in about 100 s.
+                remaining = deadline - time.perf_counter()
+                s1, lower1 = _min_peak_below(graph, budget, mode, s,
+                                             time.perf_counter() + 0.7 * remaining, verbose,
+                                             offload)
+                stats["phase1_s"] = round(time.perf_counter() - started, 3)
+                if s1 is not None:
+                    shared.offer_schedule(form, s1, "min_peak/phase1")
+                elif lower1 > budget:
+                    raise InfeasibleBudgetError(
+                        f"budget {format_bytes(budget)} is infeasible for {graph.model} batch "
+                        f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
+                        f"(the least peak found is {format_bytes(peak)}); raise --budget",
+                        budget=budget, min_budget=peak)
     stats["heuristic"] = shared.source or None
     stats["heuristic_objective_s"] = (shared.obj / form.time_scale if shared.has else None)
 
@@ -383,6 +438,10 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     stats.update({"first_incumbent_s": None if shared.first_s is None else round(shared.first_s, 3),
                   "best_found_s": None if shared.last_s is None else round(shared.last_s, 3),
                   "lower_bound_s": lower, "incumbent_source": shared.source,
+                  # which relaxation gave the bound: the LP's, or branch and bound's dual bound
+                  "lp_bound_s": (None if shared.lp_bound is None
+                                 else shared.lp_bound / form.time_scale),
+                  "bb_bound_s": None if r.bound is None else r.bound / form.time_scale,
                   "store_all_time_s": base_time, "backend_status": r.status})
     return SolveResult(status=status, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
@@ -408,13 +467,17 @@ def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, dead
 
 
 def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared,
-                        deadline: float, mip_gap: float, verbose: bool, progress: _Progress):
+                        deadline: float, mip_gap: float, verbose: bool, progress: _Progress,
+                        target: float | None = None):
     """Branch and bound on the whole MILP in a thread; in this one, the LP relaxation (a bound,
     and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
     improving-solution and user-solution callbacks. When branch and bound runs with lazy
     recomputation rows (see `_branch_and_bound_form`), each of its solutions is replayed by the
     simulator first: a valid one is shared, one that breaks the budget at a recomputation point
     stops the solve, and it restarts with rows at those points (from the best valid schedule).
+    With `target` (objective units): stop once an incumbent reaches it or the bound exceeds it,
+    and give branch and bound the cutoff target + 0.5 (a status 'infeasible' then means that no
+    solution is at or below the target).
     Returns the last branch-and-bound BackendResult and the LNS statistics."""
     graph, budget = form.graph, form.budget
     done = threading.Event()
@@ -451,8 +514,12 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
         # its bound is valid (each model is a relaxation); its incumbent may not be yet
         progress.update(bound=e.data_out.mip_dual_bound)
 
+    def reached() -> bool:
+        return target is not None and shared.obj <= target + 1e-9 * max(1.0, abs(target))
+
     def on_interrupt(e):
-        if state["stop"]:
+        if state["stop"] or reached() or (target is not None
+                                          and e.data_out.mip_dual_bound > target + 1e-6):
             e.interrupt()
 
     def run_full():
@@ -462,8 +529,9 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 x0, _, version = shared.get(fb)
                 state["injected"] = version
                 state["stop"] = False
+                options = {} if target is None else {"objective_bound": target + 0.5}
                 r = _HighsWithCallbacks(on_improving, on_user_solution, on_logging,
-                                        on_interrupt).solve(
+                                        on_interrupt, options).solve(
                     fb.milp, time_limit_s=max(0.1, deadline - time.perf_counter()),
                     mip_gap=mip_gap, warm_start=x0, verbose=verbose)
                 result["r"] = r
@@ -496,7 +564,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
         remaining = deadline - time.perf_counter()
         # The LP relaxation: a valid bound at once (branch and bound's root can take minutes)
         # and LP rounding. Worth it when there is time for it and for the search after.
-        if remaining > 20 and not done.is_set():
+        if remaining > 20 and not done.is_set() and not reached():
             rounded = lp_rounding(form_bb, highspy_backend(),
                                   time_limit_s=min(120.0, 0.3 * remaining),
                                   on_bound=lambda b: _lp_bound(shared, progress, b))
@@ -507,7 +575,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
             if time.perf_counter() > deadline:
                 break
         x0 = shared.get(form)[0]
-        if x0 is not None and not done.is_set():
+        if x0 is not None and not done.is_set() and not reached():
             seen = {"version": shared.get(form)[2]}
 
             def incoming():
@@ -524,7 +592,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
 
             _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
                                 on_improve=on_improve, incoming=incoming,
-                                should_stop=done.is_set)
+                                should_stop=lambda: done.is_set() or reached())
             lns_stats = {"windows": st.windows, "improved": st.improved,
                          "timed_out": st.timed_out, "seconds": round(st.seconds, 1)}
     finally:
@@ -547,12 +615,15 @@ class _HighsWithCallbacks:
     """The HiGHS backend with extra callbacks subscribed (improving solution, user solution,
     logging, interrupt)."""
 
-    def __init__(self, on_improving, on_user_solution, on_logging, on_interrupt=None):
+    def __init__(self, on_improving, on_user_solution, on_logging, on_interrupt=None,
+                 options=None):
         self.cbs = (on_improving, on_user_solution, on_logging, on_interrupt)
+        self.options = dict(options or {})
 
     def solve(self, milp, **kw):
         from .backends.highs import HighsBackend
 
         be = HighsBackend()
         be.extra_callbacks = self.cbs
+        be.options = {**HighsBackend.options, **self.options}
         return be.solve(milp, **kw)

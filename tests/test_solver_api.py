@@ -149,3 +149,32 @@ def test_lazy_recomputation_rows_restart_when_a_solution_breaks_the_budget():
     bb = r.stats["branch_and_bound_model"]
     assert bb["restarts"] == 1 and bb["recompute_rows"] == 1
     assert simulate(multi_output(), r.schedule).peak_bytes == 30
+
+
+def test_phase1_pushes_the_peak_below_the_budget_or_proves_it_cannot(monkeypatch):
+    """When no rule fits and min_budget's answer leaves the budget undecided (its least peak
+    found above it, its proven bound below), solve first minimises the peak until a schedule
+    fits (then optimises time from it) or proves none does. The rules and min_budget are
+    stubbed to leave every budget undecided; the exact minimum comes from brute force."""
+    import importlib
+    import random
+
+    from solver_cases import random_dag
+    from solver_reference import exact_min_peak
+
+    solve_mod = importlib.import_module("solver.solve")
+    for seed in (3, 5):  # graphs whose store-all peak is above the least
+        g = random_dag(random.Random(seed), 5, two_impl=True)
+        least = exact_min_peak(g)
+        top = simulate(g, store_all_schedule(g)).peak_bytes
+        assert top > least + 1
+        monkeypatch.setattr(solve_mod, "best_fitting", lambda *a, **k: None)
+        monkeypatch.setattr(solve_mod, "min_budget_details",
+                            lambda graph, mode="full", **k: (top, 0, False,
+                                                             store_all_schedule(graph)))
+        r = solver.solve(g, least, time_limit_s=30)
+        assert r.stats["heuristic"] == "min_peak/phase1" and "phase1_s" in r.stats
+        assert simulate(g, r.schedule).peak_bytes <= least
+        with pytest.raises(InfeasibleBudgetError):
+            solver.solve(g, least - 1, time_limit_s=30)
+        monkeypatch.undo()
