@@ -2,6 +2,8 @@
 
     relu_mask        ReLU whose backward holds a 1-byte mask instead of its output
     bn_relu_lean     BatchNorm(train) + in-place ReLU holding only the BN input
+    hardtanh_mask    hardtanh / ReLU6 whose backward holds a 1-byte mask instead of its input
+    bn_hardtanh_lean BatchNorm(train) + in-place hardtanh / ReLU6 holding only the BN input
     maxpool_compact  MaxPool2d holding an int8 in-window argmax instead of its input and indices
     dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
 """
