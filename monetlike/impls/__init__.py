@@ -6,6 +6,8 @@
     bn_hardtanh_lean BatchNorm(train) + in-place hardtanh / ReLU6 holding only the BN input
     maxpool_compact  MaxPool2d holding an int8 in-window argmax instead of its input and indices
     dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
+    recompute_internals  MultiheadAttention, scaled_dot_product_attention, RNNs and Transformer
+                     layers holding only their inputs, their forward run again in the backward
 """
 
 from .registry import ImplSpec, SubstitutingMixin, get, matches, names, register, specs

@@ -1,0 +1,218 @@
+"""recompute_internals: an Op that holds only its inputs, and rebuilds its internals in its backward.
+
+Some Ops' backwards hold large tensors that are neither Values nor parameters (`Impl.internal_bytes`):
+`nn.MultiheadAttention` with `need_weights=True` (the default) keeps the attention probabilities,
+batch x heads x L x L; an LSTM keeps its gate activations; an `nn.TransformerEncoderLayer`, which
+torch.fx keeps whole (a module of torch.nn is a leaf), keeps everything its sub-layers save. No
+keep/recompute decision can drop them: they live inside the Op from its forward to its backward.
+
+This Impl runs the Op's forward as the default does, then lets go of the autograd graph it built
+and keeps only the Op's tensor inputs (Values, so the schedule decides where they come from). At
+the Op's backward stage it runs the same forward again with grad enabled, under the RNG and
+autocast state of the original (monetlike.runtime.recompute.replay: dropout draws the same
+mask), and backpropagates through it: the internals exist only during that stage, as backward
+workspace. It is a one-Op checkpoint, with the forward hooks not called again (the module's
+`forward` is called, not the module) and nothing else repeated: the modules it applies to have no
+buffers, so there are no running statistics to update twice.
+
+Why the forward runs with grad enabled and not under no_grad: some modules choose another kernel
+without grad (nn.MultiheadAttention's and the Transformer layers' "fast path" in eval mode), and
+the forward result must be bitwise the default's. The internals that forward saves are hidden
+from outer saved-tensor hooks (the profiler's, the runtime's) by an innermost identity pair, and
+die with its graph at the end of the Op, so they count as forward workspace.
+
+Parameters are passed to the autograd Function as inputs and their gradients returned through it,
+so they reach `.grad` through ordinary AccumulateGrad nodes (DistributedDataParallel's hooks fire
+as usual), not through a nested backward call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..runtime import recompute as rc
+from .registry import ImplSpec, module_of, register
+
+# Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).
+MODULES = (nn.MultiheadAttention, nn.LSTM, nn.GRU, nn.RNN,
+           nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+FUNCTIONS = (F.scaled_dot_product_attention,)
+
+
+def _identity(t):
+    return t
+
+
+def _hidden_hooks():
+    """Saved-tensor hooks that keep every save as it is, and keep outer hooks from seeing it."""
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+class RecomputeInternals(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, spec, layout, random, *tensors):
+        # tensors: the tensor leaves of the call's (args, kwargs), then the call's parameters.
+        # layout: filled here with where the output's tensors sit in its structure (the Function
+        # returns the tensors only; `run` rebuilds the structure).
+        n_in = len(tensors) - len(call.params)
+        inputs = tensors[:n_in]
+        rng_ctx = rc.ContextCapturer(rc.cuda_devices_of(inputs)).capture(rng=random)
+        with torch.enable_grad(), _hidden_hooks():
+            detached = _detach(inputs, [t.requires_grad for t in inputs])
+            out = call(_rebuild(spec, detached))
+        leaves, layout["spec"] = tree_flatten(out)
+        layout["tensor_pos"] = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        layout["other"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        ctx.call, ctx.spec, ctx.n_in, ctx.rng_ctx = call, spec, n_in, rng_ctx
+        ctx.tensor_pos = layout["tensor_pos"]
+        # The RNG state is saved as a tensor (not a ctx attribute) so that what this backward
+        # holds is visible to the profiler's accounting, as dropout_regen's is.
+        states = [s for s in (rng_ctx.cpu_rng, *rng_ctx.cuda_rng) if s is not None]
+        # Each distinct input once; `ctx.same` maps every position to its first occurrence, so
+        # the recomputation sees the same tensor passed twice where the forward did (a saved
+        # tensor comes back from unpacking as a new object each time).
+        ctx.same = _first_positions(inputs)
+        ctx.save_for_backward(*[t for i, t in enumerate(inputs) if ctx.same[i] == i], *states)
+        outs = tuple(leaves[i].detach() for i in ctx.tensor_pos)
+        del out, leaves  # the forward's graph, and with it every internal, goes here
+        ctx.mark_non_differentiable(*[o for o in outs
+                                      if not (o.is_floating_point() or o.is_complex())])
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need = ctx.needs_input_grad[4:]
+        distinct = iter(ctx.saved_tensors)
+        firsts = {i: next(distinct) for i in sorted(set(ctx.same))}
+        inputs = [firsts[ctx.same[i]] for i in range(ctx.n_in)]
+        with torch.enable_grad(), rc.replay(ctx.rng_ctx), _hidden_hooks():
+            detached = _detach(inputs, need)
+            out = ctx.call(_rebuild(ctx.spec, detached))
+        leaves, _ = tree_flatten(out)
+        outs, gouts = [], []
+        for i, g in zip(ctx.tensor_pos, grads):
+            if g is not None and leaves[i].requires_grad:
+                outs.append(leaves[i])
+                gouts.append(g)
+        # One gradient per distinct tensor: the same tensor passed twice (query, key and value
+        # of self-attention) gets its gradient once, at its first position.
+        wrt_pos = [i for i in range(ctx.n_in) if ctx.same[i] == i
+                   and any(need[k] for k in range(ctx.n_in) if ctx.same[k] == i)]
+        wrt = [detached[i] for i in wrt_pos]
+        wrt += [p for p, n in zip(ctx.call.params, need[ctx.n_in:]) if n]
+        got = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True) if outs
+                   else [None] * len(wrt))
+        result = [None] * len(need)
+        for i, g in zip(wrt_pos, got):
+            result[i] = g
+        rest = iter(got[len(wrt_pos):])
+        for i in range(ctx.n_in, len(need)):
+            if need[i]:
+                result[i] = next(rest)
+        return (None, None, None, None, *result)
+
+
+def _first_positions(tensors) -> list[int]:
+    """For each position, the first position holding the same tensor object."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
+
+
+def _detach(tensors, requires_grad):
+    """Detached aliases of `tensors` with the given requires_grad, the same tensor passed twice
+    giving the same alias twice: modules test identity (nn.MultiheadAttention projects query, key
+    and value in one matmul when they are one tensor), and the recomputation must take the
+    original's path."""
+    seen: dict[int, torch.Tensor] = {}
+    out = []
+    for t, rg in zip(tensors, requires_grad):
+        d = seen.get(id(t))
+        if d is None:
+            d = seen[id(t)] = t.detach().requires_grad_(bool(rg))
+        elif rg and not d.requires_grad:
+            d.requires_grad_(True)
+        out.append(d)
+    return out
+
+
+class _Tensor:
+    def __repr__(self):
+        return "<tensor>"
+
+
+_TENSOR = _Tensor()  # marks where a tensor sits among a call's arguments
+
+
+def _rebuild(spec, tensors):
+    """(args, kwargs) with the tensor leaves of the template replaced by `tensors`, in order."""
+    template, treedef = spec
+    it = iter(tensors)
+    return tree_unflatten([next(it) if x is _TENSOR else x for x in template], treedef)
+
+
+class _Call:
+    """A module's forward (its hooks are not called again) or a function, taking (args, kwargs),
+    with the parameters whose gradients the Function returns."""
+
+    def __init__(self, fn, params):
+        self.fn, self.params = fn, params
+
+    def __call__(self, args_kwargs):
+        args, kwargs = args_kwargs
+        return self.fn(*args, **kwargs)
+
+
+def _draws_random(mod: nn.Module) -> bool:
+    """Whether a module's training forward draws random numbers (dropout somewhere inside)."""
+    if not mod.training:
+        return False
+    for m in mod.modules():
+        p = m.p if isinstance(m, nn.Dropout) else getattr(m, "dropout", 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            return True
+    return False
+
+
+def _match(gm, nodes):
+    if len(nodes) != 1:
+        return None
+    n = nodes[0]
+    if n.op == "call_module":
+        mod = gm.get_submodule(n.target)
+        if type(mod) not in MODULES or any(True for _ in mod.buffers()) \
+                or rc.module_has_hooks(mod):
+            return None
+    elif not (n.op == "call_function" and n.target in FUNCTIONS):
+        return None
+
+    def run(interp, node, args, kwargs):
+        if node.op == "call_module":
+            mod = module_of(interp, node.target)
+            call = _Call(mod.forward, [p for p in mod.parameters()])
+            random = _draws_random(mod)
+        else:
+            call = _Call(node.target, [])
+            # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            random = not isinstance(p, (int, float)) or p > 0
+        leaves, treedef = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        template = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        layout: dict = {}
+        outs = RecomputeInternals.apply(call, (template, treedef), layout, random, *tensors,
+                                        *call.params)
+        out_leaves = list(layout["other"])
+        for i, o in zip(layout["tensor_pos"], outs):
+            out_leaves[i] = o
+        return tree_unflatten(out_leaves, layout["spec"])
+
+    return {n.name: run}
+
+
+register(ImplSpec("recompute_internals", _match,
+                  "An Op with large internal saved tensors (attention probabilities, RNN gates) "
+                  "holds only its inputs; its forward runs again at its backward stage"))
