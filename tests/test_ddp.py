@@ -21,7 +21,24 @@ CONFIGS = [
     ("plain", {}, False),
     ("find_unused_parameters", {"find_unused_parameters": True}, True),
     ("static_graph", {"static_graph": True}, False),
+    # recompute_internals returns parameter gradients from inside its own autograd Function: DDP
+    # must see them arrive as from any other node.
+    ("recompute_internals", {}, False),
 ]
+
+
+class AttnNet(nn.Module):
+    """Linear -> nn.MultiheadAttention (dropout) -> Linear, for the recompute_internals Impl."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(32, 32)
+        self.mha = nn.MultiheadAttention(32, 4, dropout=0.5, batch_first=True)
+        self.dec = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.enc(x).unflatten(0, (2, 4))
+        return self.dec(self.mha(h, h, h)[0]).flatten(0, 1)
 
 
 class TiedNet(nn.Module):
@@ -57,12 +74,18 @@ def _worker(rank: int, port: int) -> None:
     try:
         for name, kwargs, unused in CONFIGS:
             torch.manual_seed(0)
-            model = TiedNet(unused)
+            model = AttnNet() if name == "recompute_internals" else TiedNet(unused)
             torch.manual_seed(100 + rank)  # each rank its own data
             x = torch.randn(8, 32)
             graph = monetlike.profile(model, x, cost="analytical:A100-40GB")
-            schedule = keep_schedule(graph, every(0), "tight", hold="stage")
-            assert sum(len(s.recompute) for s in schedule.stages) > 0
+            if name == "recompute_internals":
+                from test_impls_internals import _with_impl
+
+                schedule, picked = _with_impl(graph, name)
+                assert picked
+            else:
+                schedule = keep_schedule(graph, every(0), "tight", hold="stage")
+                assert sum(len(s.recompute) for s in schedule.stages) > 0
             ref_model = copy.deepcopy(model)
             ref = nn.parallel.DistributedDataParallel(ref_model, **kwargs)
             wrapped = nn.parallel.DistributedDataParallel(

@@ -305,3 +305,36 @@ def test_every_backend_picks_it(case, backend):
     if times["checkpoint"] is None:
         with pytest.raises(InfeasibleBudgetError):
             solver.solve(g, budget, mode="checkpoint", backend=backend, time_limit_s=30)
+
+
+def test_autocast_bf16():
+    # Under autocast the rerun in the backward must cast as the forward did (pytorch#141896):
+    # the Impl replays the forward's autocast state, so outputs and gradients equal a plain
+    # autocast step.
+    torch.manual_seed(0)
+    model = Encoder().train()
+    x = torch.randn(*X_SEQ, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
+    schedule, picked = _with_impl(graph, NAME)
+    assert picked
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule)
+
+    def step(module, seed):
+        for p in module.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        xx = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(xx)
+            loss = out.float().pow(2).mean()
+        loss.backward()
+        return out.detach(), xx.grad, [p.grad for p in module.parameters()]
+
+    for seed in (1, 2):
+        (oa, ga, pa), (ob, gb, pb) = step(ref_model, seed), step(wrapped, seed)
+        assert ob.dtype == torch.bfloat16 and torch.equal(oa, ob)
+        torch.testing.assert_close(gb, ga, rtol=0, atol=0)
+        for p, q in zip(pa, pb):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
