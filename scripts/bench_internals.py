@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     print(table)
     if not args.no_write:
         body = "\n".join([
-            header("python scripts/bench_internals.py " + " ".join(sys.argv[1:] if argv is None
-                                                                    else argv)),
+            header(("python scripts/bench_internals.py " + " ".join(sys.argv[1:] if argv is None
+                                                                     else argv)).strip()),
             f"Costs: analytical A100-40GB roofline on the meta device (a plan for a GPU this "
             f"machine does not have), {args.time_limit:g} s per solve. Overheads: the "
             f"simulator's predicted step time over store-all. `recompute_internals` exists "

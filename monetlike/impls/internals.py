@@ -42,13 +42,20 @@ MODULES = (nn.MultiheadAttention, nn.LSTM, nn.GRU, nn.RNN,
 FUNCTIONS = (F.scaled_dot_product_attention,)
 
 
-def _identity(t):
+def _pack(t):
+    # Detached: a saved output packed as itself would hold its own grad_fn, a reference cycle
+    # through C++ that keeps the forward's whole graph (every internal) alive after the Op.
+    # Autograd gives the unpacked tensor its grad_fn back, so the backward's rerun is unchanged.
+    return t.detach()
+
+
+def _unpack(t):
     return t
 
 
 def _hidden_hooks():
-    """Saved-tensor hooks that keep every save as it is, and keep outer hooks from seeing it."""
-    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    """Saved-tensor hooks that keep every save in memory, and keep outer hooks from seeing it."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 class RecomputeInternals(torch.autograd.Function):
