@@ -23,7 +23,7 @@ from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
 from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
-from test_impls import _assert_same, _bytes_held, _run
+from test_impls import _assert_same, _bytes_held, _run, one_thread  # noqa: F401 (autouse)
 
 A100 = "analytical:A100-40GB"
 NAME = "recompute_internals"
@@ -40,14 +40,6 @@ def _with_impl(graph, name: str):
                  for op in graph.ops)
     s = replace(store_all_schedule(graph, impl), mode="full", created_by="tests:impl")
     return with_predictions(graph, s), [j for j, i in enumerate(impl) if i]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Attn(nn.Module):
