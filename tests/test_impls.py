@@ -85,15 +85,16 @@ class ConvBnRelu(nn.Module):
 class ConvBnAct(nn.Module):
     """Conv-BN-activation, MobileNetV2's block (torchvision: ReLU6(inplace=True))."""
 
-    def __init__(self, act):
+    def __init__(self, act, affine=True):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
+        self.bn = nn.BatchNorm2d(4, affine=affine)
         self.act = act
-        with torch.no_grad():
-            # Wide enough that the BN output crosses both bounds of ReLU6 and of hardtanh(-1, 1).
-            self.bn.weight.uniform_(2.0, 4.0)
-            self.bn.bias.uniform_(1.0, 2.0)
+        if affine:
+            with torch.no_grad():
+                # Wide enough that the BN output crosses both bounds of ReLU6 and hardtanh(-1, 1).
+                self.bn.weight.uniform_(2.0, 4.0)
+                self.bn.bias.uniform_(1.0, 2.0)
 
     def forward(self, x):
         return self.act(self.bn(self.conv(x)))
@@ -195,6 +196,8 @@ CASES = {
     "bn_relu6_lean": (lambda: ConvBnAct(nn.ReLU6(inplace=True)), X_IMG, "bn_hardtanh_lean"),
     "bn_hardtanh_lean": (lambda: ConvBnAct(nn.Hardtanh(-1.0, 1.0, inplace=True)), X_IMG,
                          "bn_hardtanh_lean"),
+    "bn_hardtanh_lean_no_affine": (lambda: ConvBnAct(nn.Hardtanh(-0.5, 0.5, inplace=True),
+                                                     affine=False), X_IMG, "bn_hardtanh_lean"),
     "bn_relu6_function_lean": (lambda: FnBnAct(relu6_inplace_kw), X_IMG, "bn_hardtanh_lean"),
     "bn_hardtanh_function_lean": (lambda: FnBnAct(hardtanh_inplace_pos), X_IMG,
                                   "bn_hardtanh_lean"),
