@@ -262,8 +262,12 @@ class Ours:
     def __init__(self, bench: Bench):
         self.bench = bench
         t0 = time.perf_counter()
+        # The profile times Ops on the clock the bench times steps on: with --clock cpu, thread
+        # CPU time, else predicted and measured overheads would be on different scales (a
+        # wall-clock profile on busy cores makes every Op, and so the store-all step, look slower).
         self.graph = monetlike.profile(bench.fresh_copy(), bench.x, cost="measured",
-                                       repeat=bench.args.profile_repeat)
+                                       repeat=bench.args.profile_repeat,
+                                       clock="thread" if bench.args.clock == "cpu" else "wall")
         self.profile_s = time.perf_counter() - t0
         self.results: dict[int, object] = {}
         self.grads_checked = 0
@@ -704,7 +708,7 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
                 "the thread CPU time of measure_step's timed steps, with one intra-op thread "
                 "(`--clock cpu`: the cores were shared with other jobs, whose time slices "
                 "would otherwise count; the `*_wall_%` columns give the same steps on the wall "
-                "clock). ")
+                "clock; our profile times its Ops on the same thread clock). ")
              + "`noise_%` is the spread of plain PyTorch over those rounds. Target: ours at or below "
              "the peer's peak with at most half its overhead. `ours_grads = equal`: "
              "torch.testing.assert_close of outputs and every parameter gradient against plain "

@@ -103,3 +103,42 @@ def test_bad_host_bandwidth_is_refused(bad):
     with pytest.raises(ValueError, match="host_bandwidth: expected a positive, finite number of "
                                          "bytes per second"):
         monetlike.profile(m, x, cost="analytical:A100-40GB", host_bandwidth=bad)
+
+
+def test_thread_clock_counts_work_not_waiting():
+    import time
+
+    from monetlike.profile.costs import Timer
+
+    wall, thread = Timer(torch.device("cpu")), Timer(torch.device("cpu"), "thread")
+    marks = (wall.mark(), thread.mark())
+    time.sleep(0.2)  # another process's time slice, as far as this thread is concerned
+    waited = (wall.seconds(marks[0], wall.mark()), thread.seconds(marks[1], thread.mark()))
+    assert waited[0] >= 0.2 and waited[1] < 0.05
+    marks = (wall.mark(), thread.mark())
+    x = torch.randn(256, 256)
+    for _ in range(50):
+        x = (x @ x).tanh_()
+    worked = (wall.seconds(marks[0], wall.mark()), thread.seconds(marks[1], thread.mark()))
+    assert worked[1] > 0 and worked[1] <= worked[0] * 1.5 + 0.01
+
+
+def test_profile_with_thread_clock():
+    n = torch.get_num_threads()
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(ValueError, match=r"torch\.set_num_threads\(1\)"):
+            monetlike.profile(m, x, cost="measured", clock="thread", repeat=1)
+        torch.set_num_threads(1)
+        with pytest.raises(ValueError, match="clock: expected one of 'wall', 'thread', got 'cpu'"):
+            monetlike.profile(m, x, cost="measured", clock="cpu", repeat=1)
+        g = monetlike.profile(m, x, cost="measured", clock="thread", repeat=2)
+        assert g.meta["clock"] == "thread"
+        assert all(op.impls[0].fwd_time > 0 for op in g.ops)
+        with pytest.warns(UserWarning, match="ignored for analytical costs"):
+            ga = monetlike.profile(m, x, cost="analytical:A100-40GB", clock="thread")
+        assert ga.meta["clock"] is None
+    finally:
+        torch.set_num_threads(n)

@@ -45,7 +45,8 @@ def candidates(gm, run: ProfileRun) -> dict[int, list]:
 
 
 def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, preset, device,
-                         repeat: int, note: str, context) -> dict[int, list[dict]]:
+                         repeat: int, note: str, context,
+                         clock: str = "wall") -> dict[int, list[dict]]:
     """Main-run group id -> list of measured Impls (dicts with main-run value tids)."""
     cands = candidates(gm, run)
     if not cands:
@@ -66,7 +67,7 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                 fwd_t: dict[int, list[float]] = {}
                 bwd_t: dict[int, list[float]] = {}
                 if measured:
-                    timing = SubstitutingTimingRun(gm, sub.node_gid, Timer(device))
+                    timing = SubstitutingTimingRun(gm, sub.node_gid, Timer(device, clock))
                     timing.impl_subs = subs
                     timing.step(xs)
                     for _ in range(repeat):

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import sys
 import time
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -26,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..trace import trace
-from .costs import (Roofline, Timer, check_host_bandwidth, measure_host_bandwidth, median,
-                    parse_cost)
+from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
+                    measure_host_bandwidth, median, parse_cost)
 from .interpreter import ProfileError, ProfileRun, TimingRun
 from .memory import storage_of
 
@@ -148,7 +149,7 @@ def _progress(total: int):
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
             leaf_modules: Iterable = (), impls: bool = True,
-            host_bandwidth: float | None = None) -> OpGraph:
+            host_bandwidth: float | None = None, clock: str = "wall") -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -164,6 +165,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         device (pinned copies of 64 MiB each way, the slower direction), the preset's nominal
         figure for analytical costs (costs.PRESETS), and None for a measured CPU profile (no
         link, so no offload).
+    clock: for measured CPU costs, "wall" (the default) or "thread": the calling thread's CPU
+        time, which other processes on a shared machine do not inflate; it needs
+        torch.set_num_threads(1). Ignored for analytical costs.
     """
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
@@ -186,6 +190,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             device = torch.device("meta")
             note = (" on the meta device (analytical costs); data-dependent ops cannot run there, "
                     "use cost='measured'")
+            if clock not in CLOCKS:
+                check_clock(clock, device)  # raises: not a clock name
+            if clock == "thread":
+                warnings.warn("profile: clock='thread' is ignored for analytical costs (nothing "
+                              "is timed)", UserWarning, stacklevel=2)
         else:
             try:
                 work = copy.deepcopy(model)
@@ -196,6 +205,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                     f"deep-copyable, or use cost='analytical:<DEVICE>'") from e
             xs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
             device = _model_device(model, inputs)
+            clock = check_clock(clock, device)
             note = ""
         for p in work.parameters():
             p.grad = None  # a step starts from zero_grad(set_to_none=True)
@@ -211,7 +221,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 fwd_times: dict[int, list[float]] = {}
                 bwd_times: dict[int, list[float]] = {}
                 if kind == "measured":
-                    timing = TimingRun(gm, run.node_gid, Timer(device), progress=bar)
+                    timing = TimingRun(gm, run.node_gid, Timer(device, clock), progress=bar)
                     timing.step(xs)  # warm-up without the instrumentation's overhead
                     for _ in range(repeat):
                         f, b = timing.step(xs)
@@ -224,7 +234,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
 
                 alternatives = measure_alternatives(
                     gm, work, xs, run, measured=kind == "measured", preset=preset,
-                    device=device, repeat=repeat, note=note,
+                    device=device, repeat=repeat, note=note, clock=clock,
                     context=_GpuLikeDropout if kind == "analytical" else contextlib.nullcontext)
         finally:
             if bar is not None:
@@ -250,6 +260,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                  else preset.name,
                                  "cost": cost,
                                  "repeat": repeat if kind == "measured" else 0,
+                                 "clock": clock if kind == "measured" else None,
                                  "leaf_modules": [m if isinstance(m, str) else
                                                   f"{m.__module__}.{m.__qualname__}"
                                                   for m in leaf_modules],

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from solver.errors import MonetlikeError
 
 __all__ = ["DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost", "get_preset",
-           "Roofline", "Timer", "measure_host_bandwidth", "check_host_bandwidth"]
+           "Roofline", "Timer", "CLOCKS", "check_clock", "measure_host_bandwidth", "check_host_bandwidth"]
 
 TFLOPS = 1e12
 GBPS = 1e9
@@ -192,19 +192,46 @@ class Roofline:
         return max(flops / self._peak(name, dtype), t_mem)
 
 
-class Timer:
-    """Wall-clock marks on the CPU; CUDA events on a GPU (elapsed time read after a sync)."""
+CLOCKS = ("wall", "thread")
 
-    def __init__(self, device: torch.device):
+
+def check_clock(clock, device: torch.device) -> str:
+    """`clock` for a measured profile on `device`, or ValueError saying why it cannot be used."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock: expected one of {', '.join(map(repr, CLOCKS))}, got {clock!r}")
+    if clock == "thread":
+        if device.type != "cpu":
+            raise ValueError(f"clock='thread' times CPU work on the calling thread; the model is "
+                             f"on {device}: use clock='wall' (CUDA events time GPU work)")
+        if torch.get_num_threads() != 1:
+            raise ValueError(f"clock='thread' sees only the calling thread's CPU time, but torch "
+                             f"uses {torch.get_num_threads()} intra-op threads: call "
+                             f"torch.set_num_threads(1) first, or use clock='wall'")
+    return clock
+
+
+class Timer:
+    """Wall-clock marks on the CPU (or, with clock='thread', the calling thread's CPU time);
+    CUDA events on a GPU (elapsed time read after a sync).
+
+    Why a thread clock: on a machine shared with other processes the wall clock counts their time
+    slices too, so every Op looks slower by however busy the machine was while it ran (measured:
+    a ResNet-18 step timed by wall clock at 1.4-2x its thread CPU time with both cores busy). With
+    one intra-op thread, the thread's CPU time is the work itself; a benchmark that times steps
+    by thread CPU time must profile by it too, or its predicted and measured overheads are on
+    different scales."""
+
+    def __init__(self, device: torch.device, clock: str = "wall"):
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.device = device
+        self.thread = clock == "thread" and not self.cuda
 
     def mark(self):
         if self.cuda:  # pragma: no cover - no GPU in CI
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return time.thread_time() if self.thread else time.perf_counter()
 
     def sync(self) -> None:
         if self.cuda:  # pragma: no cover
