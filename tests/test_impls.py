@@ -262,6 +262,23 @@ def test_impl_exact_through_runtime(case):
         _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
 
 
+@pytest.mark.parametrize("name", ["hardtanh_mask", "bn_hardtanh_lean"])
+def test_torchvision_mobilenet_v2_exact(name):
+    """The real model: every one of its 35 [BatchNorm, ReLU6_] Ops runs the Impl, bitwise."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10).train()
+    x = torch.randn(2, 3, 64, 64).requires_grad_()
+    graph = monetlike.profile(model, x, cost=A100)
+    schedule, picked = _with_impl(graph, name)
+    assert len(picked) == 35 and all(graph.ops[j].kind == "BatchNorm2d" for j in picked)
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule)
+    for seed in (1, 2):
+        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+
+
 def _bytes_held(fn, x, fixed=()) -> int:
     """Bytes the backward holds after the forward, by the saved-tensor accounting: unique
     storages of the tensors autograd saved, except the leaf input and the module's parameters
