@@ -89,6 +89,7 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
     row = {"model": args.current, "batch": graph.batch, "budget": f"{budget_gib:g} GiB",
            "mode": args.mode, "commit": args.commit}
     started = time.perf_counter()
+    cpu0 = time.process_time()
     try:
         r = solver.solve(graph, budget, mode=args.mode, backend=args.backend,
                          time_limit_s=args.time_limit, mip_gap=args.mip_gap)
@@ -109,6 +110,10 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
         variables=st.get("variables"), integer=st.get("integer_variables"),
         constraints=st.get("constraints"), nonzeros=st.get("nonzeros"),
         source=st.get("incumbent_source"), note=r.message or "",
+        # CPU seconds this process got over the solve's wall seconds on the cores: a solve uses
+        # both cores (branch and bound, LNS), so well under 100% means something else ran
+        cpu_pct=round(100 * (time.process_time() - cpu0)
+                      / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
         # for diagnosing a miss (results file only): where the incumbent and the bound came
         # from and how far each moved (seconds of step time; store-all for scale)
         detail={k: st.get(k) for k in ("store_all_time_s", "heuristic", "heuristic_objective_s",
@@ -133,7 +138,7 @@ def render(rows: list[dict], args, models_info: dict) -> str:
     df = pd.DataFrame(rows)
     cols = [c for c in ("model", "batch", "budget", "status", "first_s", "best_s", "solve_s",
                         "gap_pct", "overhead_pct", "peak", "variables", "integer", "constraints",
-                        "nonzeros", "source", "commit", "note") if c in df.columns]
+                        "nonzeros", "source", "cpu_pct", "commit", "note") if c in df.columns]
     df = df[cols].astype(object).where(df[cols].notna(), "")
     for c in ("variables", "integer", "constraints", "nonzeros"):
         if c in df.columns:
@@ -153,7 +158,9 @@ def render(rows: list[dict], args, models_info: dict) -> str:
             f"bound) / incumbent on the whole step time. first_s / best_s / solve_s: seconds to "
             f"the first schedule, to the final one, and to the end of the solve (the final gap). "
             f"commit: the code that produced the row (short hash of HEAD when its run started; "
-            f"+dirty: uncommitted changes under solver/ or monetlike/; empty: not recorded).",
+            f"+dirty: uncommitted changes under solver/ or monetlike/; empty: not recorded). "
+            f"cpu_pct: CPU time the solve got over its wall time on all cores (a solve keeps "
+            f"both busy; well under 100 means other processes shared the machine).",
             "", f"Models: {info}.", "", markdown_table(df)]
     if args.note:
         body += ["", args.note]

@@ -46,6 +46,7 @@ def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
     assert version.split("+")[0] == bench.code_version().split("+")[0]
     assert version in (version.split("+")[0], version.split("+")[0] + "+dirty")
     assert all(r["commit"] == version for r in rows.values())
+    assert 0 < ok["cpu_pct"] <= 100.5
     assert all(f"| {version} |" in ln for ln in first.splitlines() if ln.startswith("| vgg16"))
 
     def no_profiling(*a, **k):
