@@ -416,6 +416,42 @@ def test_hardtanh_mask_at_the_bounds_and_nan(inplace):
                            grad[6].item(), 0, 0, 0]
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_relu_impls_at_zero_and_nan(inplace):
+    """relu_mask and bn_relu_lean zero the gradient exactly where threshold_backward does
+    (`out <= 0`), so a NaN output passes its gradient as in plain PyTorch (`out > 0` would zero
+    it), and the gradient at 0 is 0."""
+    from monetlike.impls.relu import RELU, ActMask, BnActLean
+
+    x = torch.tensor([float("nan"), -float("inf"), -2.0, -0.0, 0.0, 1e-30, 3.0, float("inf")])
+    grad = torch.linspace(1.0, 2.0, x.numel())
+    results = []
+    for fn in (lambda t: F.relu(t, inplace), lambda t: ActMask.apply(t, RELU, inplace)):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf * 1)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0.nan_to_num(), y1.nan_to_num()) and y1.isnan().tolist()[0]
+    assert torch.equal(g0, g1)
+    assert g1.tolist() == [grad[0].item(), 0, 0, 0, 0, grad[5].item(), grad[6].item(),
+                           grad[7].item()]
+    # BN + in-place ReLU with a NaN in one channel: the lean backward recomputes the
+    # pre-activation and tests it as the default tests the output.
+    bn = nn.BatchNorm1d(2).train()
+    z = torch.tensor([[float("nan"), 1.0], [0.5, -1.0], [2.0, 3.0]])
+    out = []
+    for lean in (False, True):
+        m = copy.deepcopy(bn)
+        leaf = z.clone().requires_grad_()
+        y = (BnActLean.apply(leaf, m.weight, m.bias, m, RELU) if lean
+             else F.relu(m(leaf), inplace=True))
+        y.backward(torch.ones_like(y))
+        out.append((leaf.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+
+
 def test_hardtanh_matching_refuses_what_it_cannot_do():
     from monetlike.impls.hardtanh import hardtanh_call
     from monetlike.trace import trace

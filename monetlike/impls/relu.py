@@ -32,8 +32,12 @@ class Activation:
     """An activation whose gradient is `grad` where a mask holds and 0 elsewhere.
 
     `run(x, inplace)` is the forward (the default's kernel: same bits); `mask(y)` the bool mask
-    computed from the output, as the *_mask Impls hold it; `grad_from_pre(grad, z)` the default's
-    backward given the pre-activation, as the bn_*_lean Impls recompute it."""
+    computed from the output, as the *_mask Impls hold it: where the gradient passes when
+    `mask_passes`, else where it is zeroed (whichever form is the default backward's own test,
+    so that a NaN takes the same branch); `grad_from_pre(grad, z)` the default's backward given
+    the pre-activation, as the bn_*_lean Impls recompute it."""
+
+    mask_passes = True
 
     def run(self, x, inplace: bool):
         raise NotImplementedError
@@ -46,15 +50,20 @@ class Activation:
 
 
 class Relu(Activation):
+    # threshold_backward(grad, out, 0) is `out <= 0 ? 0 : grad`: a NaN output (relu(NaN) is NaN)
+    # passes the gradient. So the mask marks where it is zeroed, `y <= 0`; `y > 0` would zero it
+    # at a NaN. Same kernel count and bytes either way.
+    mask_passes = False
+
     def run(self, x, inplace):
         return torch.relu_(x) if inplace else torch.relu(x)
 
     def mask(self, y):
-        return y > 0
+        return y <= 0
 
     def grad_from_pre(self, grad, z):
-        # threshold_backward(grad, out, 0) is `out > 0 ? grad : 0`, and out > 0 iff z > 0.
-        return torch.where(z > 0, grad, 0)
+        # out <= 0 iff z <= 0 (and a NaN z gives a NaN out): the default's test on the output.
+        return torch.where(z <= 0, 0, grad)
 
 
 RELU = Relu()
@@ -67,14 +76,17 @@ class ActMask(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(act.mask(y))
+        ctx.passes = act.mask_passes
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        # The default backwards put `grad` where the mask holds and +0 elsewhere; where() gives
-        # the same values bit for bit.
-        return torch.where(mask, grad, 0), None, None
+        # The default backwards put `grad` where it passes and +0 elsewhere; where() gives the
+        # same values bit for bit.
+        if ctx.passes:
+            return torch.where(mask, grad, 0), None, None
+        return torch.where(mask, 0, grad), None, None
 
 
 class BnActLean(torch.autograd.Function):
