@@ -311,12 +311,14 @@ class Ours:
 
     def internals(self, top: int = 3) -> tuple[int, str]:
         """Bytes of internal saved tensors (not graph Values: dropout masks, pooling indices, norm
-        statistics). The execution model holds them from an Op's forward to its backward stage
-        whatever the schedule (recomputation runs without grad and does not regenerate them), so
-        they are memory no schedule of ours can free, while torch.utils.checkpoint frees and
-        regenerates them."""
+        statistics) that every Impl of their Op holds. The execution model holds an Op's
+        internals from its forward to its backward stage whatever the schedule (recomputation
+        runs without grad and does not regenerate them), so the least of them over the Op's
+        Impls is memory no schedule of ours can free, while torch.utils.checkpoint frees and
+        regenerates it."""
         g = self.graph
-        per = {op.id: op.impls[0].internal_bytes for op in g.ops if op.impls[0].internal_bytes}
+        per = {op.id: least for op in g.ops
+               if (least := min(im.internal_bytes for im in op.impls))}
         worst = sorted(per, key=per.get, reverse=True)[:top]
         return sum(per.values()), ", ".join(f"{g.ops[o].name} {per[o] / MiB:.1f} MiB"
                                              for o in worst)
@@ -572,8 +574,8 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
         row["verdict"] = "no schedule"
         held, top = ours.internals()
         row["why"] = "; ".join(x for x in (
-            o.note, f"internal saved tensors our schedules hold from forward to backward: "
-                    f"{held / MiB:.1f} MiB (top: {top})", mirror_note) if x)
+            o.note, f"internal saved tensors every Impl of their Op holds from forward to "
+                    f"backward: {held / MiB:.1f} MiB (top: {top})", mirror_note) if x)
         return row
     o_ovh = o.seconds / t_plain - 1
     row["ours_ovh_wall_%"] = 100 * (statistics.median(o.wall) / w_plain - 1)
@@ -723,7 +725,8 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
                      f"{res['n_ops']} ops profiled in {res['profile_s']:.0f} s; gradient checks "
                      f"passed: {res['grads_checked']}. Least feasible budget of ours "
                      f"{res['min_budget'] / MiB:.1f} MiB, of which {res['internals'][0] / MiB:.1f} "
-                     f"MiB are internal saved tensors held forward to backward "
+                     f"MiB are internal saved tensors that every Impl of their Op holds from "
+                     f"forward to backward "
                      f"({res['internals'][1] or 'none'}). "
                      + (f"Runtime floor (ours at plain's peak, {res['floor'][1]} recomputed ops): "
                         f"{100 * res['floor'][0]:+.1f}%." if res["floor"] else ""))

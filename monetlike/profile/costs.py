@@ -35,7 +35,8 @@ from torch.utils.flop_counter import flop_registry
 from solver.errors import MonetlikeError
 
 __all__ = ["DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost", "get_preset",
-           "Roofline", "Timer", "CLOCKS", "check_clock", "measure_host_bandwidth", "check_host_bandwidth"]
+           "Roofline", "Timer", "CLOCKS", "check_clock", "measure_host_bandwidth",
+           "check_host_bandwidth"]
 
 TFLOPS = 1e12
 GBPS = 1e9
