@@ -1,8 +1,8 @@
 """recompute_internals: an Op that holds only its inputs and rebuilds its internals in its backward.
 
 Some Ops' backwards hold large tensors that are neither Values nor parameters
-(`Impl.internal_bytes`): `nn.MultiheadAttention` with `need_weights=True` (the default) keeps the attention probabilities,
-batch x heads x L x L; an LSTM keeps its gate activations; an `nn.TransformerEncoderLayer`, which
+(`Impl.internal_bytes`): `nn.MultiheadAttention` with `need_weights=True` (the default) keeps
+the attention probabilities, batch x heads x L x L; an LSTM keeps its gate activations; an `nn.TransformerEncoderLayer`, which
 torch.fx keeps whole (a module of torch.nn is a leaf), keeps everything its sub-layers save. No
 keep/recompute decision can drop them: they live inside the Op from its forward to its backward.
 
