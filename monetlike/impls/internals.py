@@ -2,9 +2,10 @@
 
 Some Ops' backwards hold large tensors that are neither Values nor parameters
 (`Impl.internal_bytes`): `nn.MultiheadAttention` with `need_weights=True` (the default) keeps
-the attention probabilities, batch x heads x L x L; an LSTM keeps its gate activations; an `nn.TransformerEncoderLayer`, which
-torch.fx keeps whole (a module of torch.nn is a leaf), keeps everything its sub-layers save. No
-keep/recompute decision can drop them: they live inside the Op from its forward to its backward.
+the attention probabilities, batch x heads x L x L; an LSTM keeps its gate activations; an
+`nn.TransformerEncoderLayer`, which torch.fx keeps whole (a module of torch.nn is a leaf), keeps
+everything its sub-layers save. No keep/recompute decision can drop them: they live inside the
+Op from its forward to its backward.
 
 This Impl runs the Op's forward as the default does, then lets go of the autograd graph it built
 and keeps only the Op's tensor inputs (Values, so the schedule decides where they come from). At
