@@ -22,7 +22,7 @@ import json
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import solver
@@ -152,6 +152,9 @@ def test_encode_decode_round_trip():
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(3, 7), frac=st.sampled_from([0.5, 0.7, 0.9]),
        bw=st.sampled_from([1.0, 5.0, 50.0]))
+# HiGHS 1.16 reported this one optimal at 28.8 s while handing back the 31.0 s warm start as its
+# solution (the backend now checks the vector against the value and solves again without it).
+@example(seed=10**9, n=4, frac=0.9, bw=5.0)
 def test_random_dags_offload_never_worse_and_replays_exactly(seed, n, frac, bw):
     g = dataclasses.replace(random_dag(random.Random(seed), n, two_impl=True), host_bandwidth=bw)
     top = simulate(g, store_all_schedule(g)).peak_bytes

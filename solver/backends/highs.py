@@ -112,13 +112,27 @@ class HighsBackend(Backend):
         x = np.array(h.getSolution().col_value) if has_x else None
         bound = info.mip_dual_bound if np.isfinite(info.mip_dual_bound) else None
         obj = info.objective_function_value if has_x else None
-        if ms == highspy.HighsModelStatus.kOptimal:
+        inconsistent = False
+        if (x is not None and warm_start is not None
+                and abs(milp.objective(x) - obj) > 1e-6 * max(1.0, abs(obj))):
+            # HiGHS 1.16 can report the optimum's value while handing back the warm start as its
+            # solution (seen on a 37-column model that presolve solved: "Optimal", objective
+            # 28.8, the vector's objective the warm start's 31.0). The vector is what the caller
+            # uses, so solve again without the warm start.
+            rest = time_limit_s - (time.perf_counter() - start)
+            if rest > 0.01:
+                return self._solve(milp, time_limit_s=rest, mip_gap=mip_gap, warm_start=None,
+                                   verbose=verbose, progress=progress)
+            obj = milp.objective(x)  # out of time: report the vector it gave, as it is
+            inconsistent = True
+        if ms == highspy.HighsModelStatus.kOptimal and not inconsistent:
             status = OPTIMAL
         elif ms == highspy.HighsModelStatus.kInfeasible:
             status = INFEASIBLE
-        elif ms in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt,
-                    highspy.HighsModelStatus.kIterationLimit,
-                    highspy.HighsModelStatus.kSolutionLimit):
+        elif inconsistent or ms in (highspy.HighsModelStatus.kTimeLimit,
+                                    highspy.HighsModelStatus.kInterrupt,
+                                    highspy.HighsModelStatus.kIterationLimit,
+                                    highspy.HighsModelStatus.kSolutionLimit):
             status = TIME_LIMIT
         else:
             status = ERROR
