@@ -391,6 +391,21 @@ def test_declared_bytes_hardtanh_mask():
         assert _held_by_op(g, op, 0) == 4 * n and _held_by_op(g, op, 1) == n
 
 
+def _same_as_default(x, grad, default, impl):
+    """Run `default` and `impl` on x (x[0] is NaN) and backpropagate `grad`: outputs equal (NaN
+    where NaN) and input gradients bitwise equal; returns the Impl's input gradient."""
+    results = []
+    for fn in (default, impl):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf * 1)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0.nan_to_num(), y1.nan_to_num()) and y1.isnan().tolist()[0]
+    assert torch.equal(g0, g1)
+    return g1
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_hardtanh_mask_at_the_bounds_and_nan(inplace):
     """The mask is hardtanh_backward's condition exactly: zero gradient at and beyond both bounds,
@@ -402,16 +417,8 @@ def test_hardtanh_mask_at_the_bounds_and_nan(inplace):
     x = torch.tensor([float("nan"), -float("inf"), -3.0, lo, -0.5, 0.0, 1.5, hi, 5.0,
                       float("inf")])
     grad = torch.linspace(1.0, 2.0, x.numel())
-    results = []
-    for fn in (lambda t: F.hardtanh(t, lo, hi, inplace),
-               lambda t: ActMask.apply(t, Hardtanh(lo, hi), inplace)):
-        leaf = x.clone().requires_grad_()
-        y = fn(leaf * 1)
-        y.backward(grad)
-        results.append((y.detach(), leaf.grad))
-    (y0, g0), (y1, g1) = results
-    assert torch.equal(y0.nan_to_num(), y1.nan_to_num()) and y1.isnan().tolist()[0]
-    assert torch.equal(g0, g1)
+    g1 = _same_as_default(x, grad, lambda t: F.hardtanh(t, lo, hi, inplace),
+                          lambda t: ActMask.apply(t, Hardtanh(lo, hi), inplace))
     assert g1.tolist() == [grad[0].item(), 0, 0, 0, grad[4].item(), grad[5].item(),
                            grad[6].item(), 0, 0, 0]
 
@@ -425,15 +432,8 @@ def test_relu_impls_at_zero_and_nan(inplace):
 
     x = torch.tensor([float("nan"), -float("inf"), -2.0, -0.0, 0.0, 1e-30, 3.0, float("inf")])
     grad = torch.linspace(1.0, 2.0, x.numel())
-    results = []
-    for fn in (lambda t: F.relu(t, inplace), lambda t: ActMask.apply(t, RELU, inplace)):
-        leaf = x.clone().requires_grad_()
-        y = fn(leaf * 1)
-        y.backward(grad)
-        results.append((y.detach(), leaf.grad))
-    (y0, g0), (y1, g1) = results
-    assert torch.equal(y0.nan_to_num(), y1.nan_to_num()) and y1.isnan().tolist()[0]
-    assert torch.equal(g0, g1)
+    g1 = _same_as_default(x, grad, lambda t: F.relu(t, inplace),
+                          lambda t: ActMask.apply(t, RELU, inplace))
     assert g1.tolist() == [grad[0].item(), 0, 0, 0, 0, grad[5].item(), grad[6].item(),
                            grad[7].item()]
     # BN + in-place ReLU with a NaN in one channel: the lean backward recomputes the
