@@ -181,17 +181,17 @@ def test_declared_bytes():
     # RNG state; the plain module far more.
     h = torch.randn(b, l, e, requires_grad=True)
     mod = model.mha
-    from monetlike.impls.internals import RecomputeInternals, _Call, _TENSOR
-    from torch.utils._pytree import tree_flatten
+    from monetlike.impls.internals import _match
+    from monetlike.trace import trace
+
+    # The replacement the registry gives the runtime for this Op, called as the runtime calls it.
+    gm = trace(model)
+    node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "mha")
+    run = _match(gm, [node])[node.name]
 
     def with_impl(t):
         u = t * 1  # a fresh tensor, so that the Function's saved input is not the leaf
-        leaves, spec = tree_flatten(((u, u, u), {}))
-        template = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
-        call = _Call(mod.forward, list(mod.parameters()))
-        return RecomputeInternals.apply(call, (template, spec), {}, True,
-                                        *[v for v in leaves if isinstance(v, torch.Tensor)],
-                                        *call.params)
+        return run(gm, node, (u, u, u), {})[0]
 
     params = tuple(mod.parameters())
     held = _bytes_held(with_impl, h, fixed=params)

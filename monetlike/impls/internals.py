@@ -67,9 +67,15 @@ class RecomputeInternals(torch.autograd.Function):
         # returns the tensors only; `run` rebuilds the structure).
         n_in = len(tensors) - len(call.params)
         inputs = tensors[:n_in]
+        # `same[i]`: the first position holding the tensor at position i. The recomputation must
+        # see the same tensor passed twice where the forward did (nn.MultiheadAttention projects
+        # query, key and value in one matmul when they are one tensor), and a saved tensor comes
+        # back from unpacking as a new object each time; so each distinct input is saved once.
+        first: dict[int, int] = {}
+        ctx.same = [first.setdefault(id(t), i) for i, t in enumerate(inputs)]
         rng_ctx = rc.ContextCapturer(rc.cuda_devices_of(inputs)).capture(rng=random)
         with torch.enable_grad(), _hidden_hooks():
-            detached = _detach(inputs, [t.requires_grad for t in inputs])
+            detached = _detach(inputs, [t.requires_grad for t in inputs], ctx.same)
             out = call(_rebuild(spec, detached))
         leaves, layout["spec"] = tree_flatten(out)
         layout["tensor_pos"] = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -79,10 +85,6 @@ class RecomputeInternals(torch.autograd.Function):
         # The RNG state is saved as a tensor (not a ctx attribute) so that what this backward
         # holds is visible to the profiler's accounting, as dropout_regen's is.
         states = [s for s in (rng_ctx.cpu_rng, *rng_ctx.cuda_rng) if s is not None]
-        # Each distinct input once; `ctx.same` maps every position to its first occurrence, so
-        # the recomputation sees the same tensor passed twice where the forward did (a saved
-        # tensor comes back from unpacking as a new object each time).
-        ctx.same = _first_positions(inputs)
         ctx.save_for_backward(*[t for i, t in enumerate(inputs) if ctx.same[i] == i], *states)
         outs = tuple(leaves[i].detach() for i in ctx.tensor_pos)
         del out, leaves  # the forward's graph, and with it every internal, goes here
@@ -94,11 +96,13 @@ class RecomputeInternals(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         need = ctx.needs_input_grad[4:]
+        n_in, same = ctx.n_in, ctx.same
         distinct = iter(ctx.saved_tensors)
-        firsts = {i: next(distinct) for i in sorted(set(ctx.same))}
-        inputs = [firsts[ctx.same[i]] for i in range(ctx.n_in)]
+        inputs = [None] * n_in
+        for i in range(n_in):
+            inputs[i] = next(distinct) if same[i] == i else inputs[same[i]]
         with torch.enable_grad(), rc.replay(ctx.rng_ctx), _hidden_hooks():
-            detached = _detach(inputs, need)
+            detached = _detach(inputs, need[:n_in], same)
             out = ctx.call(_rebuild(ctx.spec, detached))
         leaves, _ = tree_flatten(out)
         outs, gouts = [], []
@@ -106,53 +110,28 @@ class RecomputeInternals(torch.autograd.Function):
             if g is not None and leaves[i].requires_grad:
                 outs.append(leaves[i])
                 gouts.append(g)
-        # One gradient per distinct tensor: the same tensor passed twice (query, key and value
-        # of self-attention) gets its gradient once, at its first position.
-        wrt_pos = [i for i in range(ctx.n_in) if ctx.same[i] == i
-                   and any(need[k] for k in range(ctx.n_in) if ctx.same[k] == i)]
-        wrt = [detached[i] for i in wrt_pos]
-        wrt += [p for p, n in zip(ctx.call.params, need[ctx.n_in:]) if n]
-        got = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True) if outs
-                   else [None] * len(wrt))
+        # A tensor passed several times gets its whole gradient at its first position (autograd
+        # adds the gradients of the positions of one tensor).
+        pos = [i for i in range(len(need)) if need[i] and (i >= n_in or same[i] == i)]
+        wrt = [detached[i] if i < n_in else ctx.call.params[i - n_in] for i in pos]
+        got = torch.autograd.grad(outs, wrt, gouts, allow_unused=True) if outs \
+            else [None] * len(wrt)
         result = [None] * len(need)
-        for i, g in zip(wrt_pos, got):
+        for i, g in zip(pos, got):
             result[i] = g
-        rest = iter(got[len(wrt_pos):])
-        for i in range(ctx.n_in, len(need)):
-            if need[i]:
-                result[i] = next(rest)
         return (None, None, None, None, *result)
 
 
-def _first_positions(tensors) -> list[int]:
-    """For each position, the first position holding the same tensor object."""
-    first: dict[int, int] = {}
-    return [first.setdefault(id(t), i) for i, t in enumerate(tensors)]
-
-
-def _detach(tensors, requires_grad):
-    """Detached aliases of `tensors` with the given requires_grad, the same tensor passed twice
-    giving the same alias twice: modules test identity (nn.MultiheadAttention projects query, key
-    and value in one matmul when they are one tensor), and the recomputation must take the
-    original's path."""
-    seen: dict[int, torch.Tensor] = {}
+def _detach(tensors, requires_grad, same):
+    """Detached aliases of `tensors` with the given requires_grad; a position holding the same
+    tensor as an earlier one (`same`) gets that one's alias."""
     out = []
-    for t, rg in zip(tensors, requires_grad):
-        d = seen.get(id(t))
-        if d is None:
-            d = seen[id(t)] = t.detach().requires_grad_(bool(rg))
-        elif rg and not d.requires_grad:
-            d.requires_grad_(True)
-        out.append(d)
+    for i, (t, rg) in enumerate(zip(tensors, requires_grad)):
+        out.append(out[same[i]] if same[i] != i else t.detach().requires_grad_(bool(rg)))
     return out
 
 
-class _Tensor:
-    def __repr__(self):
-        return "<tensor>"
-
-
-_TENSOR = _Tensor()  # marks where a tensor sits among a call's arguments
+_TENSOR = object()  # marks where a tensor sits among a call's arguments
 
 
 def _rebuild(spec, tensors):
