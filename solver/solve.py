@@ -40,10 +40,16 @@ from .graph import OpGraph
 from .schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from .simulate import simulate, store_all_schedule
 from .units import format_bytes, parse_bytes
-from .warmstart import (best_fitting, heuristic_schedules, least_memory, low_memory_schedules,
+from .warmstart import (family_starts, heuristic_schedules, least_memory, low_memory_schedules,
                         lp_rounding)
 
 MIN_BUDGET_TIME_LIMIT_S = 120.0
+RACE_SLICE_S = 45.0
+"""Seconds of LNS per start when racing starts (GoogLeNet 5 GiB: after 45 s the Impl-0 start
+was at +66%, the lean one at +112%; they ended at +32.8% and +73.7%)."""
+RACE_SLICE_SHARE = 0.08
+RACE_MIN_REMAINING_S = 120.0
+"""Race only with at least this much time left: shorter solves go on from the best start."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,10 +340,12 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     shared.start = started
 
     # -- first incumbent -----------------------------------------------------------------------
+    race: list[tuple[str, Schedule]] = []
     if warm_start:
-        best = best_fitting(graph, budget, heuristic_schedules(graph, budget, form.facts))
-        if best is not None:
-            shared.offer_schedule(form, best[1], f"heuristic:{best[0]}")
+        starts = family_starts(graph, budget, heuristic_schedules(graph, budget, form.facts))
+        if starts:
+            shared.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
+            race = [(f"heuristic:{n}", s) for n, s, _ in starts]
         else:
             # No rule fits: the least-memory schedule decides feasibility and is a start.
             peak, lower, proven, s = min_budget_details(
@@ -385,7 +393,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     shared.add_form(form_bb)
     try:
         r, lns_stats, form_bb = _optimize(form, form_bb, be, shared, deadline, mip_gap,
-                                          verbose, progress)
+                                          verbose, progress, race=race)
     finally:
         progress.close()
     if lns_stats is not None:
@@ -449,11 +457,12 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 
 
 def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, deadline: float,
-              mip_gap: float, verbose: bool, progress: _Progress):
+              mip_gap: float, verbose: bool, progress: _Progress, race=()):
     """Solve until `deadline`, improving `shared`; returns the branch-and-bound BackendResult
     (its bound, with the LP relaxation's, is the only valid lower bound), LNS statistics (or
     None) and the model branch and bound ended on. `form` is the model for LNS and decoding,
-    `form_bb` the one branch and bound starts on."""
+    `form_bb` the one branch and bound starts on; `race`: (name, schedule) starts for LNS to
+    race (see `_solve_concurrently`)."""
     if be.name != "highs":
         # Other backends: one solve, warm-started where the backend takes it.
         x0 = shared.get(form_bb)[0]
@@ -463,12 +472,13 @@ def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, dead
         if r.x is not None:
             shared.offer(form_bb, r.x, be.name)
         return r, None, form_bb
-    return _solve_concurrently(form, form_bb, shared, deadline, mip_gap, verbose, progress)
+    return _solve_concurrently(form, form_bb, shared, deadline, mip_gap, verbose, progress,
+                               race=race)
 
 
 def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared,
                         deadline: float, mip_gap: float, verbose: bool, progress: _Progress,
-                        target: float | None = None):
+                        target: float | None = None, race=()):
     """Branch and bound on the whole MILP in a thread; in this one, the LP relaxation (a bound,
     and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
     improving-solution and user-solution callbacks. When branch and bound runs with lazy
@@ -478,6 +488,10 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
     With `target` (objective units): stop once an incumbent reaches it or the bound exceeds it,
     and give branch and bound the cutoff target + 0.5 (a status 'infeasible' then means that no
     solution is at or below the target).
+    `race`: (name, schedule) starts of different Impl families. Where LNS starts decides where
+    it ends (see warmstart.family_starts), so with two or more distinct starts and time to spare
+    LNS first runs a short slice from each on its own (not taking the others' solutions), then
+    goes on from the best solution known.
     Returns the last branch-and-bound BackendResult and the LNS statistics."""
     graph, budget = form.graph, form.budget
     done = threading.Event()
@@ -576,6 +590,33 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 break
         x0 = shared.get(form)[0]
         if x0 is not None and not done.is_set() and not reached():
+            lns_stats = {"windows": 0, "improved": 0, "timed_out": 0, "seconds": 0.0}
+
+            def tally(st):
+                lns_stats["windows"] += st.windows
+                lns_stats["improved"] += st.improved
+                lns_stats["timed_out"] += st.timed_out
+                lns_stats["seconds"] = round(lns_stats["seconds"] + st.seconds, 1)
+
+            def offer(x, obj):
+                if shared.offer(form, x, "lns"):
+                    progress.update(incumbent=obj)
+
+            starts = _race_starts(form, x0, race)
+            remaining = deadline - time.perf_counter()
+            if len(starts) > 1 and remaining > RACE_MIN_REMAINING_S:
+                slice_s = min(RACE_SLICE_S, RACE_SLICE_SHARE * remaining)
+                lns_stats["race"] = {}
+                for name, xs in starts:
+                    if done.is_set() or reached():
+                        break
+                    x, st = lns.improve(form, xs, highspy_backend(),
+                                        deadline=min(deadline, time.perf_counter() + slice_s),
+                                        on_improve=offer,
+                                        should_stop=lambda: done.is_set() or reached())
+                    tally(st)
+                    lns_stats["race"][name] = form.milp.objective(x) / form.time_scale
+            x0 = shared.get(form)[0]
             seen = {"version": shared.get(form)[2]}
 
             def incoming():
@@ -590,15 +631,26 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                     seen["version"] = shared.get(form)[2]
                     progress.update(incumbent=obj)
 
-            _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
-                                on_improve=on_improve, incoming=incoming,
-                                should_stop=lambda: done.is_set() or reached())
-            lns_stats = {"windows": st.windows, "improved": st.improved,
-                         "timed_out": st.timed_out, "seconds": round(st.seconds, 1)}
+            if not done.is_set() and not reached():
+                _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
+                                    on_improve=on_improve, incoming=incoming,
+                                    should_stop=lambda: done.is_set() or reached())
+                tally(st)
     finally:
         done.wait()
         worker.join()
     return result["r"], lns_stats, state["form"]
+
+
+def _race_starts(form: Formulation, x0: np.ndarray, race) -> list[tuple[str, np.ndarray]]:
+    """The distinct LNS starts: the best solution now (LP rounding or branch and bound may have
+    beaten the heuristics) and each start of `race`, as vectors of `form`."""
+    out = [("best", x0)]
+    for name, s in race:
+        x = form.encode(s)
+        if not any(np.array_equal(np.round(x), np.round(y)) for _, y in out):
+            out.append((name, x))
+    return out
 
 
 def _lp_bound(shared: _Shared, progress: _Progress, bound: float) -> None:

@@ -168,7 +168,7 @@ def test_phase1_pushes_the_peak_below_the_budget_or_proves_it_cannot(monkeypatch
         least = exact_min_peak(g)
         top = simulate(g, store_all_schedule(g)).peak_bytes
         assert top > least + 1
-        monkeypatch.setattr(solve_mod, "best_fitting", lambda *a, **k: None)
+        monkeypatch.setattr(solve_mod, "family_starts", lambda *a, **k: [])
         monkeypatch.setattr(solve_mod, "min_budget_details",
                             lambda graph, mode="full", **k: (top, 0, False,
                                                              store_all_schedule(graph)))
@@ -178,3 +178,56 @@ def test_phase1_pushes_the_peak_below_the_budget_or_proves_it_cannot(monkeypatch
         with pytest.raises(InfeasibleBudgetError):
             solver.solve(g, least - 1, time_limit_s=30)
         monkeypatch.undo()
+
+
+def test_family_starts_gives_the_fastest_fitting_start_of_each_impl_family():
+    # relu_graph (hand-derived in test_impls_catalogue): Impl 0 peaks at 91 in 6 s, relu_mask
+    # at 90 in 6.2 s. At 91 both families fit (Impl 0 first: faster); at 90 only the lean one.
+    from solver.analysis import GraphFacts
+    from solver.warmstart import family_starts, heuristic_schedules
+    from test_impls_catalogue import relu_graph
+
+    g = relu_graph()
+    facts = GraphFacts(g, "full")
+    both = family_starts(g, 91, heuristic_schedules(g, 91, facts))
+    assert [n.startswith("lean/") for n, _, _ in both] == [False, True]
+    assert [t for _, _, t in both] == pytest.approx([6.0, 6.2])
+    assert all(simulate(g, s).peak_bytes <= 91 for _, s, _ in both)
+    (name, s, t), = family_starts(g, 90, heuristic_schedules(g, 90, facts))
+    assert name.startswith("lean/") and t == pytest.approx(6.2)
+    assert s.impl[1] == 1 and simulate(g, s).peak_bytes <= 90
+
+
+def test_race_starts_are_distinct_vectors_best_first():
+    import importlib
+
+    from solver.formulation import Formulation
+    from test_impls_catalogue import relu_graph
+
+    solve_mod = importlib.import_module("solver.solve")
+    g = relu_graph()
+    form = Formulation(g, 91)
+    top = store_all_schedule(g)
+    lean = store_all_schedule(g, (0, 1, 0))
+    x0 = form.encode(top)
+    starts = solve_mod._race_starts(form, x0, [("heuristic:a", top), ("heuristic:b", lean)])
+    assert [n for n, _ in starts] == ["best", "heuristic:b"]
+    assert form.decode(starts[1][1]).impl == (0, 1, 0)
+
+
+def test_racing_starts_keeps_answers_exact(monkeypatch):
+    """With the race forced on (any time left, short slices), solve still returns the exact
+    optimum on the Impl catalogue's graphs, checked by the simulator."""
+    import importlib
+
+    from test_impls_catalogue import bn_relu_graph, relu_graph
+
+    solve_mod = importlib.import_module("solver.solve")
+    monkeypatch.setattr(solve_mod, "RACE_MIN_REMAINING_S", 0.0)
+    monkeypatch.setattr(solve_mod, "RACE_SLICE_S", 0.5)
+    for make, budget, want in ((relu_graph, 91, 6.0), (relu_graph, 90, 6.2),
+                               (bn_relu_graph, 133, 6.0), (bn_relu_graph, 103, 6.2)):
+        g = make()
+        r = solver.solve(g, budget, time_limit_s=20)
+        assert r.status == "optimal" and r.objective == pytest.approx(want)
+        assert simulate(g, r.schedule).peak_bytes <= budget
