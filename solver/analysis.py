@@ -42,10 +42,35 @@ def allowed_impls(graph: OpGraph, mode: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _dominates(b: Impl, a: Impl) -> bool:
-    """b is at least as good as a in every respect the schedule can see."""
-    return (set(b.saved) <= set(a.saved) and b.internal_bytes <= a.internal_bytes
+    """b is at least as good as a in every respect the schedule can see. An in-place Impl and
+    an allocating one never dominate each other: the first is leaner at every point where the Op
+    runs, the second leaves its input for others to hold or read (so equal `saved` and costs,
+    as for ReLU and its in-place variant, do not make one redundant)."""
+    return (b.overwrites == a.overwrites and set(b.saved) <= set(a.saved)
+            and b.internal_bytes <= a.internal_bytes
             and b.fwd_time <= a.fwd_time and b.bwd_time <= a.bwd_time
             and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace)
+
+
+def inplace_freed(graph: OpGraph, j: int, i: int) -> int:
+    """Bytes Impl i of op j does not allocate where the Op runs: its output's, when it writes the
+    output into the storage of the input it overwrites (docs/execution-model.md section 1)."""
+    if graph.ops[j].impls[i].overwrites is None:
+        return 0
+    return sum(graph.values[w].bytes for w in graph.ops[j].outputs)
+
+
+def inplace_clashes(graph: OpGraph, impl, held) -> set[int]:
+    """The ops whose chosen in-place Impl cannot run under `impl` when the Values in `held` are
+    held across some stage boundary (or offloaded): another op's chosen Impl saves the Value it
+    overwrites, or the Value is held. Schedules from rules (baselines, LP rounding) revert
+    those ops to Impl 0; MILP solutions never have any (docs/formulation.md, `inplace_*`)."""
+    saved = set()
+    for k in graph.backward_order:
+        saved.update(graph.ops[k].impls[impl[k]].saved)
+    held = set(held)
+    return {j for j, i in enumerate(impl)
+            if (x := graph.ops[j].impls[i].overwrites) is not None and (x in saved or x in held)}
 
 
 @dataclass(frozen=True)
@@ -142,3 +167,10 @@ class GraphFacts:
     @cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
         return self.graph.users
+
+    @cached_property
+    def overwrites(self) -> dict[tuple[int, int], int]:
+        """(op j, allowed Impl i) -> the Value that in-place Impl overwrites."""
+        return {(j, i): self.graph.ops[j].impls[i].overwrites
+                for j in range(len(self.graph.ops)) for i in self.impls[j]
+                if self.graph.ops[j].impls[i].overwrites is not None}

@@ -7,15 +7,17 @@ outputs nothing reads or keeps, duplicates of a resident output, fetches from ho
 nothing reads or that duplicate a resident Value, offloads never fetched, and residency that nothing
 in the stage uses and that is not carried further (it is freed at the stage start anyway; dropping it
 earlier is never worse). By the simulator's rules the result has a peak and a time no higher than
-the original. Every schedule the MILP can describe is canonical, so a baseline's schedule becomes
-a MILP warm start through this function.
+the original. A schedule built by a rule (a baseline, LP rounding) may choose an in-place Impl
+whose overwritten Value it still holds or another chosen Impl reads; such a schedule is invalid,
+and the op gets Impl 0 instead (`analysis.inplace_clashes`). Every schedule the MILP can describe
+is canonical, so a baseline's schedule becomes a MILP warm start through this function.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .analysis import GraphFacts
+from .analysis import GraphFacts, inplace_clashes
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
 
@@ -50,6 +52,10 @@ def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Sched
     """The same schedule without work or residency that can only cost (see the module doc)."""
     ops, sched = graph.ops, facts.scheduled
     r = residency(graph, schedule, facts)
+    held = set(schedule.offload).union(*r.resident[:len(graph.backward_order)])
+    clashes = inplace_clashes(graph, r.impl, held)
+    if clashes:
+        r.impl = tuple(0 if j in clashes else i for j, i in enumerate(r.impl))
     T = len(graph.backward_order)
     r.resident[T] = set()  # nothing scheduled is needed after the last stage
     changed = True
@@ -87,7 +93,8 @@ def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Sched
                                     drop=tuple(sorted(present - r.resident[t + 1])),
                                     fetch=tuple(sorted(r.fetch[t]))))
     fetched = set().union(*r.fetch) if r.fetch else set()
-    return dataclasses.replace(schedule, forward_keep=tuple(sorted(r.resident[0])),
+    return dataclasses.replace(schedule, impl=tuple(r.impl),
+                               forward_keep=tuple(sorted(r.resident[0])),
                                stages=tuple(stages), predicted_peak_bytes=None,
                                predicted_time=None,
                                offload=tuple(sorted(v for v in schedule.offload if v in fetched)))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from .analysis import GraphFacts
+from .analysis import GraphFacts, inplace_freed
 from .canonical import canonicalize, residency
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -303,7 +303,7 @@ class Formulation:
         b.var_block("recompute")  # R[t,j]: op j recomputed just before stage t
         self.R: dict[tuple[int, int], int] = {}
         self.split_ops = {j for j in range(len(ops)) if len(f.impls[j]) > 1 and not self._uniform(
-            j, ("fwd_time", "internal_bytes", "fwd_workspace"))}
+            j, ("fwd_time", "internal_bytes", "fwd_workspace", "overwrites"))}
         for j in range(len(ops)):
             cost = 0.0 if j in self.split_ops else self._impl(j, f.impls[j][0]).fwd_time * ts
             for t in range(ohz[j] + 1):
@@ -507,6 +507,27 @@ class Formulation:
             if len(outs) == 1 and sched[outs[0]] and (t, outs[0]) in self.S:
                 b.row(f"no_duplicate[{t},{j}]", [(r, 1.0), (self.S[t, outs[0]], 1.0)], hi=1.0)
 
+        # In-place Impls (docs/formulation.md): the Value x that Impl i of op j overwrites is gone
+        # once j has run, so no chosen Impl may save it and it is never held across a stage
+        # boundary (nor offloaded). Without a column M[j,i] (the op's only Impl) the rows fix
+        # the other side to 0.
+        b.row_block("inplace_saved")  # M[j,i] + M[k,i'] <= 1 for every Impl i' of k saving x
+        for (j, i), x in f.overwrites.items():
+            for k in g.backward_order:
+                if k == j:
+                    continue
+                for i2 in f.impls[k]:
+                    if x in ops[k].impls[i2].saved:
+                        self._at_most_one(b, f"inplace_saved[{j},{i},{k},{i2}]",
+                                          [self.M.get((j, i)), self.M.get((k, i2))])
+        b.row_block("inplace_resident")  # S[t,x] + M[j,i] <= 1;  O[x] + M[j,i] <= 1
+        for (j, i), x in f.overwrites.items():
+            for t in range(hz[x] + 1):
+                self._at_most_one(b, f"inplace_resident[{t},{j},{i}]",
+                                  [self.S[t, x], self.M.get((j, i))])
+            if x in self.O:
+                self._at_most_one(b, f"inplace_offload[{j},{i}]", [self.O[x], self.M.get((j, i))])
+
         if self.offload:
             b.row_block("offload")  # Fe[t,v] <= O[v];  O[v] + S[0,v] <= 1
             for (t, v), fe in self.Fe.items():
@@ -591,7 +612,8 @@ class Formulation:
         for j, op in enumerate(ops):
             running += live_const[j]
             kept_terms += [(self.S[0, v], values[v].bytes / ms) for v in kept_after[j]]
-            c_ws, t_ws = self._choice_terms(j, lambda im: im.internal_bytes + im.fwd_workspace, ms)
+            c_ws, t_ws = self._choice_terms(
+                j, lambda im: im.internal_bytes + im.fwd_workspace - self._freed(j, im), ms)
             const = (fixed + int_fwd_const[j] + running + held_bytes[j] + f.out_bytes[j] + c_ws)
             terms = kept_terms + t_ws + ([(self.IF[j], 1.0)] if var_int else [])
             self._mem_row(b, f"mem_forward[{j}]", terms, const, f"forward of op {j} {op.name}")
@@ -646,12 +668,15 @@ class Formulation:
                     continue
                 out = f.out_bytes[j]
                 if j in self.split_ops:
-                    terms = [(self.RI[t, j, i], (out + self._impl(j, i).internal_bytes
+                    terms = [(self.RI[t, j, i], (out - inplace_freed(g, j, i)
+                                                 + self._impl(j, i).internal_bytes
                                                  + self._impl(j, i).fwd_workspace) / ms)
                              for i in f.impls[j]]
                 else:
-                    im = self._impl(j, f.impls[j][0])
-                    terms = [(self.R[t, j], (out + im.internal_bytes + im.fwd_workspace) / ms)]
+                    i0 = f.impls[j][0]
+                    im = self._impl(j, i0)
+                    terms = [(self.R[t, j], (out - inplace_freed(g, j, i0) + im.internal_bytes
+                                             + im.fwd_workspace) / ms)]
                 self._mem_row(b, f"mem_recompute[{t},{j}]", stage_terms[t][l] + terms + ib,
                               base + stage_const[t][l],
                               f"recomputation of op {j} {ops[j].name} before stage {t}")
@@ -669,6 +694,20 @@ class Formulation:
         end = fixed + g.final_grad_bytes + all_held
         self._const_point(end, "end of the backward pass")
         return b.finish(offset)
+
+    def _freed(self, j: int, im) -> int:
+        """Output bytes Impl `im` of op j does not allocate (in place: analysis.inplace_freed)."""
+        return self.facts.out_bytes[j] if im.overwrites is not None else 0
+
+    def _at_most_one(self, b: _Builder, name: str, cols: list) -> None:
+        """sum(cols) <= 1, where None stands for an Impl column that does not exist because it
+        is the op's only allowed Impl (fixed at 1): the others must then be 0."""
+        forced = sum(c is None for c in cols)
+        if forced > 1:
+            raise ValueError(f"{name}: two ops' only allowed Impls exclude each other (one "
+                             f"overwrites a Value the other saves); no schedule exists in mode "
+                             f"{self.mode!r}")
+        b.row(name, [(c, 1.0) for c in cols if c is not None], hi=1.0 - forced)
 
     def _has_point(self, t: int, j: int) -> bool:
         return self.recompute_points is None or (t, j) in self.recompute_points
@@ -794,6 +833,11 @@ class Formulation:
             raise ValueError("the schedule offloads Values to host memory; this formulation was "
                              "built without offload (offload=False)")
         schedule = canonicalize(g, dataclasses.replace(schedule, impl=tuple(impl)), f)
+        impl = list(schedule.impl)  # canonicalize reverts an in-place Impl that cannot run
+        for j, i in enumerate(impl):
+            if i not in f.impls[j]:
+                raise ValueError(f"op {j}: Impl {i} is not among the {self.mode} mode's choices "
+                                 f"{f.impls[j]}")
         r = residency(g, schedule, f)
         x = np.zeros(self.milp.num_vars)
         for (j, i), col in self.M.items():
@@ -853,6 +897,7 @@ class Formulation:
 
 
 def _no_worse(b, a) -> bool:
-    return (set(b.saved) <= set(a.saved) and b.internal_bytes <= a.internal_bytes
+    return (b.overwrites == a.overwrites and set(b.saved) <= set(a.saved)
+            and b.internal_bytes <= a.internal_bytes
             and b.fwd_time <= a.fwd_time and b.bwd_time <= a.bwd_time
             and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace)

@@ -196,10 +196,17 @@ class Impl:
     bwd_workspace: int
     """Peak bytes during its backward stage above the memory at the stage's start, not counting
     Values or internals (gradients it creates, parameter gradients, temporaries)."""
+    overwrites: int | None = None
+    """An in-place Impl: the input Value whose storage its (single) output takes, wherever the Op
+    runs (forward and recomputation). That input is destroyed there, so nothing may read or hold
+    it afterwards (docs/execution-model.md section 1); None for an Impl that allocates its
+    output."""
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["saved"] = list(self.saved)
+        if self.overwrites is None:
+            del d["overwrites"]  # graphs without in-place Impls read as before
         return d
 
     @classmethod
@@ -212,6 +219,7 @@ class Impl:
             bwd_time=_float(d, "bwd_time", where),
             fwd_workspace=_int(d, "fwd_workspace", where),
             bwd_workspace=_int(d, "bwd_workspace", where),
+            overwrites=_int(d, "overwrites", where, optional=True),
         )
 
 
@@ -330,7 +338,8 @@ class OpGraph:
                         v.requires_grad] for v in self.values],
             "ops": [[o.name, o.kind, list(o.nodes), list(o.inputs), list(o.outputs),
                      o.has_backward, o.recompute_unsafe,
-                     [[i.name, list(i.saved)] for i in o.impls]] for o in self.ops],
+                     [[i.name, list(i.saved)] + ([] if i.overwrites is None else [i.overwrites])
+                      for i in o.impls]] for o in self.ops],
             "backward_order": list(self.backward_order),
             "outputs": list(self.outputs),
         }
@@ -389,6 +398,8 @@ class OpGraph:
                 if bad:
                     raise FormatError(f"ops[{j}].impls[{k}].saved: values {bad} are neither inputs "
                                       f"nor outputs of op {j}")
+                if impl.overwrites is not None:
+                    self._validate_overwrite(op, k, impl)
         seen = set()
         for t, o in enumerate(self.backward_order):
             if o >= no or not self.ops[o].has_backward or o in seen:
@@ -404,6 +415,33 @@ class OpGraph:
         for v in self.outputs:
             if v >= nv:
                 raise FormatError(f"outputs: value {v} does not exist ({nv} values)")
+
+    def _validate_overwrite(self, op: "Op", k: int, impl: Impl) -> None:
+        """The structural conditions of an in-place Impl (docs/execution-model.md section 1):
+        what is left to the schedule (nobody holds or saves the overwritten Value) is checked
+        by the simulator and encoded by the MILP."""
+        x, where = impl.overwrites, f"ops[{op.id}].impls[{k}].overwrites"
+        if x not in op.inputs:
+            raise FormatError(f"{where}: value {x} is not an input of op {op.id}")
+        v = self.values[x]
+        if v.producer is None or x in self.outputs:
+            raise FormatError(f"{where}: value {x} ({v.name}) is a graph input or a model output; "
+                              f"an Impl may only overwrite a Value the schedule decides")
+        if x in impl.saved:
+            raise FormatError(f"{where}: its backward saves value {x}, which it overwrites")
+        # Impl 0 is the fallback where the in-place one cannot run (a schedule built by a rule
+        # that holds x): it must not need a Value the in-place Impl does not.
+        extra = sorted(set(op.impls[0].saved) - set(impl.saved))
+        if extra:
+            raise FormatError(f"{where}: Impl 0 of op {op.id} saves values {extra} that this "
+                              f"in-place Impl does not; an in-place Impl saves what Impl 0 saves")
+        if len(op.outputs) != 1 or self.values[op.outputs[0]].bytes != v.bytes:
+            raise FormatError(f"{where}: op {op.id} must have exactly one output of the bytes of "
+                              f"value {x} ({v.bytes}) to write it into that storage")
+        later = [u for u in range(op.id + 1, len(self.ops)) if x in self.ops[u].inputs]
+        if later:
+            raise FormatError(f"{where}: ops {later[:5]} read value {x} ({v.name}) after op "
+                              f"{op.id} overwrites it")
 
     def to_dict(self) -> dict:
         return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .analysis import inplace_clashes
 from .errors import ScheduleError, ScheduleMismatchError
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -96,6 +97,27 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
     def transfer(v: int) -> float:
         return values[v].bytes / graph.host_bandwidth
 
+    # In-place Impls (execution-model section 1): op j writes its output into the storage of
+    # the input x it overwrites, so x is gone once j has run. The graph guarantees that no later
+    # op reads x; the schedule must not keep it, offload it, hold it across a stage boundary,
+    # or choose an Impl whose backward reads it.
+    overwritten = {impls[j].overwrites: j for j in range(len(ops))
+                   if impls[j].overwrites is not None}
+    chosen_saved = {v: k for k in graph.backward_order for v in impls[k].saved}
+    for x, j in overwritten.items():
+        what = f"op {j} ({ops[j].name}) runs Impl {impls[j].name!r}, which overwrites value {x}"
+        if x in keep or x in offload:
+            raise ScheduleError(f"{what}, but the schedule keeps or offloads value {x}")
+        if x in chosen_saved:
+            k = chosen_saved[x]
+            raise ScheduleError(f"{what}, but the backward of op {k} ({ops[k].name}) under Impl "
+                                f"{impls[k].name!r} reads value {x}")
+
+    def freed(j: int) -> int:
+        """Bytes op j does not allocate for its output: it writes into the overwritten input."""
+        return sum(values[w].bytes for w in ops[j].outputs) if impls[j].overwrites is not None \
+            else 0
+
     fixed = graph.fixed_bytes
     points: list[Point] = []
     resident: set[int] = set()
@@ -113,7 +135,8 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
     for op in ops:
         impl = impls[op.id]
         out_bytes = sum(values[v].bytes for v in op.outputs)
-        peak = fixed + live_bytes() + internals + out_bytes + impl.internal_bytes + impl.fwd_workspace
+        peak = (fixed + live_bytes() + internals + out_bytes - freed(op.id) + impl.internal_bytes
+                + impl.fwd_workspace)
         resident.update(op.outputs)
         internals += impl.internal_bytes if op.has_backward else 0
         for v in (*op.inputs, *op.outputs):
@@ -134,6 +157,12 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             raise ScheduleError(f"schedule.stages[{t}].op: expected {op_id}, got {stage.op}")
         grad = graph.stage_grad_bytes[t]
         impl = impls[op_id]
+        held_over = sorted(x for x in overwritten if x in resident)
+        if held_over:
+            x = held_over[0]
+            raise ScheduleError(f"{where}: value {x} ({values[x].name}) is held entering this "
+                                f"stage, but op {overwritten[x]} runs Impl "
+                                f"{impls[overwritten[x]].name!r}, which overwrites it")
         needed = {v for v in impl.saved if not is_input[v]}
         drop = set(stage.drop)
         for v in drop:
@@ -189,9 +218,9 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             new = [v for v in rop.outputs if v not in resident]
             dup = sum(values[v].bytes for v in rop.outputs if v in resident)
             # Transient: duplicates of resident outputs, the op's internals (no grad: not held)
-            # and its workspace.
+            # and its workspace; an in-place Impl writes into its overwritten input instead.
             peak = (fixed + grad + live_bytes() + internals + sum(values[v].bytes for v in new)
-                    + dup + rimpl.internal_bytes + rimpl.fwd_workspace)
+                    + dup - freed(j) + rimpl.internal_bytes + rimpl.fwd_workspace)
             resident.update(new)
             release_after(pos)
             # A dropped output that nothing later in this stage reads is freed at once (its
@@ -212,6 +241,11 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
         release_after(len(stage.recompute))
         internals -= impl.internal_bytes
 
+    held_over = sorted(x for x in overwritten if x in resident)
+    if held_over:
+        x = held_over[0]
+        raise ScheduleError(f"value {x} ({values[x].name}) is held after the last stage, but op "
+                            f"{overwritten[x]} overwrites it in place")
     end = fixed + graph.final_grad_bytes + live_bytes() + internals
     points.append(Point("end", None, None, end, tuple(sorted(resident))))
     return Timeline(points=tuple(points), peak_bytes=max(p.bytes for p in points),
@@ -221,8 +255,13 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
 
 
 def store_all_schedule(graph: OpGraph, impl: tuple[int, ...] | None = None) -> Schedule:
-    """Plain PyTorch: keep every Value a backward needs; free it after the last stage needing it."""
+    """Plain PyTorch: keep every Value a backward needs; free it after the last stage needing it.
+    An in-place Impl in `impl` whose overwritten Value another chosen Impl saves is replaced by
+    Impl 0 (it could not run: analysis.inplace_clashes)."""
     impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
+    clashes = inplace_clashes(graph, impl, ())
+    if clashes:
+        impl = tuple(0 if j in clashes else i for j, i in enumerate(impl))
     is_input = [v.producer is None for v in graph.values]
     last_stage: dict[int, int] = {}
     for t, op_id in enumerate(graph.backward_order):

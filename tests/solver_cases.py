@@ -65,7 +65,9 @@ class GraphBuilder:
         built = tuple(Impl(name=d["name"], saved=resolve(d.get("saved", ())),
                            internal_bytes=d.get("internal_bytes", 0), fwd_time=d.get("fwd_time", 1.0),
                            bwd_time=d.get("bwd_time", 1.0), fwd_workspace=d.get("fwd_workspace", 0),
-                           bwd_workspace=d.get("bwd_workspace", 0)) for d in impls)
+                           bwd_workspace=d.get("bwd_workspace", 0),
+                           overwrites=(resolve((d["overwrites"],))[0] if d.get("overwrites")
+                                       is not None else None)) for d in impls)
         self.ops.append(Op(oid, name, kind, (name,), inputs, tuple(outs), built, has_backward,
                            unsafe))
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -123,6 +125,46 @@ def random_dag(rng: random.Random, n: int, *, two_impl: bool = False) -> OpGraph
         vals.append(b.op(f"op{i}", ins, rng.randint(1, 9), **kw))
     grads = [rng.randint(0, 4) for _ in range(n)]
     return b.build(outputs=vals[-1], stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
+
+
+def random_inplace_dag(rng: random.Random, n: int) -> OpGraph:
+    """A small DAG where every op whose last-read input has its output's bytes may also run in
+    place over that input (an Impl with `overwrites`, saving what the default saves, which then
+    never includes that input), beside random saved sets of other ops that sometimes make it
+    clash with another op's backward."""
+    sizes = [rng.choice([4, 8])]
+    structure = []
+    for i in range(n):
+        k = 1 if i == 0 or rng.random() < 0.5 else 2
+        ins = sorted(set(rng.sample(range(max(0, len(sizes) - 4), len(sizes)),
+                                    min(k, len(sizes)))))
+        structure.append((ins, rng.choice([4, 8])))
+        sizes.append(structure[-1][1])
+    last = {}
+    for i, (ins, _) in enumerate(structure):
+        for u in ins:
+            last[u] = i
+    output = len(sizes) - 1
+    b = GraphBuilder("inplace_dag", param_bytes=rng.randint(0, 5), input_bytes=rng.randint(1, 5))
+    b.input("x", b.input_bytes)
+    for i, (ins, size) in enumerate(structure):
+        saved = rng.choice([("in0",), ("out0",), (), tuple(f"in{j}" for j in range(len(ins)))])
+        default = dict(name="default", saved=saved, internal_bytes=rng.choice([0, 0, 1]),
+                       fwd_time=rng.randint(1, 5), bwd_time=rng.randint(1, 5),
+                       fwd_workspace=rng.choice([0, 0, 2]), bwd_workspace=rng.choice([0, 1, 2]))
+        impls = [default]
+        over = [j for j, u in enumerate(ins) if u > 0 and last[u] == i and sizes[u] == size
+                and u != output]
+        if over and rng.random() < 0.7:
+            # Like ReLU or add: the backward reads the same under both Impls, never the input
+            # the in-place one overwrites.
+            j = rng.choice(over)
+            default["saved"] = tuple(s for s in saved if s != f"in{j}")
+            impls.append(dict(default, name="inplace", overwrites=f"in{j}",
+                              fwd_time=rng.randint(1, 5)))
+        b.op(f"op{i}", [u for u in ins], size, impls=impls)
+    grads = [rng.randint(0, 4) for _ in range(n)]
+    return b.build(outputs=output, stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
 
 
 # ----------------------------------------------------------------------------------------------

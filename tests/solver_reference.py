@@ -31,6 +31,14 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
     impl_choices = [range(len(op.impls)) if mode == "full" else [0] for op in ops]
     for impl in itertools.product(*impl_choices):
         im = [ops[j].impls[i] for j, i in enumerate(impl)]
+        # In-place Impls: x is destroyed where op j runs; no chosen backward may read it and no
+        # schedule may keep it or hold it across a stage boundary.
+        destroyed = {i.overwrites for i in im if i.overwrites is not None}
+        if any(v in destroyed for k in graph.backward_order for v in im[k].saved):
+            continue
+
+        def new_bytes(j):
+            return 0 if im[j].overwrites is not None else sum(nbytes[w] for w in ops[j].outputs)
         internals_at = []
         for t in range(T):
             internals_at.append(sum(im[k].internal_bytes for k in graph.backward_order[t:]))
@@ -44,7 +52,7 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
                         last[v] = max(last[v], op.id)
             live, internals, peak = set(), 0, 0
             for op in ops:
-                out = sum(nbytes[w] for w in op.outputs)
+                out = new_bytes(op.id)
                 peak = max(peak, graph.fixed_bytes + sum(nbytes[v] for v in live) + internals
                            + out + im[op.id].internal_bytes + im[op.id].fwd_workspace)
                 live |= set(op.outputs)
@@ -61,7 +69,7 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
             k = graph.backward_order[t]
             saved = [v for v in im[k].saved if vals[v].producer is not None]
             present = set(resident) | {w for j in rec for w in ops[j].outputs}
-            if not nxt <= present:
+            if not nxt <= present or nxt & destroyed:
                 return None
             drop = (present - nxt) - held
             base = graph.fixed_bytes + graph.stage_grad_bytes[t] + internals_at[t]
@@ -83,7 +91,7 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
                     return None
                 i = im[j]
                 peak = max(peak, base + sum(nbytes[v] for v in live)
-                           + sum(nbytes[w] for w in ops[j].outputs) + i.internal_bytes
+                           + new_bytes(j) + i.internal_bytes
                            + i.fwd_workspace)
                 live |= set(ops[j].outputs)
                 for v in drop:
@@ -130,6 +138,8 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
 
         for m in range(len(free_vals) + 1):
             for keep in itertools.combinations(free_vals, m):
+                if destroyed & set(keep):
+                    continue
                 peak, after = forward(set(keep))
                 if peak > budget:
                     continue

@@ -33,7 +33,8 @@ def _doc_blocks(section: str) -> set[str]:
 
 
 def _graph_with_every_block():
-    """Two Impls differing in forward cost, internals and saved set: every block appears."""
+    """Two Impls differing in forward cost, internals and saved set, and an in-place Impl whose
+    overwritten Value another backward saves: every block appears."""
     b = GraphBuilder("every_block")
     x = b.input("x", 0)
     a = b.op("op0", [x], 10, fwd=3)
@@ -41,7 +42,9 @@ def _graph_with_every_block():
         dict(name="default", saved=("in0",), internal_bytes=0, fwd_time=1, bwd_time=1),
         dict(name="alt", saved=("out0",), internal_bytes=3, fwd_time=2, bwd_time=1,
              fwd_workspace=1)])
-    c = b.op("op2", [m, a], 10, fwd=1)
+    c = b.op("op2", [m, a], 10, impls=[
+        dict(name="default", saved=("in0",)),
+        dict(name="add_inplace", saved=("in0",), overwrites="in1")])
     y = b.op("op3", [c], 1, fwd=1)
     return b.build(outputs=y, stage_grad_bytes=[1, 2, 3, 4])
 

@@ -309,8 +309,8 @@ def test_declared_bytes_relu_mask():
     x = torch.randn(*X_IMG)
     g = monetlike.profile(model, x, cost=A100)
     relu = next(o for o in g.ops if o.kind == "ReLU")
-    default, mask = relu.impls
-    assert mask.name == "relu_mask"
+    default, mask, inplace = relu.impls  # relu_inplace: tests/test_impls_inplace.py
+    assert mask.name == "relu_mask" and inplace.name == "relu_inplace"
     n = 2 * 4 * 8 * 8
     assert default.saved == relu.outputs and default.internal_bytes == 0
     assert mask.saved == () and mask.internal_bytes == n  # 1 byte per element

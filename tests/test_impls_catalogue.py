@@ -22,13 +22,13 @@ from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
 
 
-def _graph(name, op1_out, impls):
+def _graph(name, op1_out, impls, grads=(50, 50, 0)):
     b = GraphBuilder(name)
     x = b.input("x", 0)
     a = b.op("op0", [x], 40, saved=("in0",))
     m = b.op("op1", [a], op1_out, impls=impls)
     b.op("op2", [m], 1, saved=())
-    return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=[50, 50, 0])
+    return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=list(grads))
 
 
 def relu_graph():
@@ -118,6 +118,44 @@ def dropout_graph():
     ])
 
 
+def relu_inplace_graph():
+    # op1 = ReLU written out of place, r (40); stage gradients 10, 10, 0 (smaller than above, so
+    # the forward transient binds). default and relu_inplace both save r (ReLU's backward reads
+    # its result); relu_inplace writes r into a's storage (overwrites a), so its forward point
+    # does not allocate r.
+    # default: forward op1 a+r = 80 (a is op1's input: live there whatever the schedule), op2
+    #   r+y = 41; stages 10 + r + y = 51. Peak 80, time 6. No schedule lowers the forward point
+    #   op1: checkpoint's minimum is 80.
+    # relu_inplace: forward op1 a = 40 (r takes a's storage), op2 41; stages 51 (recomputing r
+    #   at stage op1 instead: op0 from x, 10 + y + a = 51, no lower). Peak 51, time 6.
+    return _graph("relu_inplace", 40, [
+        dict(name="default", saved=("out0",)),
+        dict(name="relu_inplace", saved=("out0",), overwrites="in0"),
+    ], grads=(10, 10, 0))
+
+
+def inplace_saved_graph():
+    # x -> op0 a (40, saves x) -> op1 "conv" c (4, saves a) ; op2 = ReLU of a, out of place,
+    # r (40): default saves r, relu_inplace saves r and overwrites a ; op3 "add" of r and c -> y
+    # (1, saves nothing). Stage gradients 10 each (op3, op2, op1), 0 for op0.
+    # op1's backward reads a, so relu_inplace cannot be chosen (row inplace_saved): the
+    # in-place forward point op2 would be a + c = 44, and full mode's minimum would be 51.
+    # default: forward op2 a+c+r = 84 (constant: a and c are read later); after op2, keeping a
+    #   for op1 makes op3 a+c+r+y = 85; not keeping it, op3 45 and stage op1 recomputes op0
+    #   (10 + y + a = 51). Stages op3/op2 10 + r + y = 51 (+a if kept: 91).
+    #   At 84: a recomputed, time 4 + 4 + 1 = 9. Minimum 84 in both modes. Keeping a instead
+    #   (time 8) needs 91 (stages op3/op2: 10 + a + r + y).
+    b = GraphBuilder("inplace_saved")
+    x = b.input("x", 0)
+    a = b.op("op0", [x], 40, saved=("in0",))
+    c = b.op("op1", [a], 4, saved=("in0",))
+    r = b.op("op2", [a], 40, impls=[
+        dict(name="default", saved=("out0",)),
+        dict(name="relu_inplace", saved=("out0",), overwrites="in0")])
+    b.op("op3", [r, c], 1, saved=())
+    return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=[10, 10, 10, 0])
+
+
 # (name, graph factory, budget, {mode: optimal time or None}, Impl picked by full mode)
 CASES = [
     ("relu_mask/wins", relu_graph, 90, {"full": 6.2, "checkpoint": None}, "relu_mask"),
@@ -138,9 +176,15 @@ CASES = [
     ("maxpool/default_wins", maxpool_graph, 107, {"full": 6.0, "checkpoint": 6.0}, None),
     ("dropout/regen_wins", dropout_graph, 85, {"full": 6.6, "checkpoint": None}, "dropout_regen"),
     ("dropout/default_wins", dropout_graph, 90, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("relu_inplace/wins", relu_inplace_graph, 60, {"full": 6.0, "checkpoint": None},
+     "relu_inplace"),
+    ("relu_inplace/illegal", inplace_saved_graph, 84, {"full": 9.0, "checkpoint": 9.0}, None),
+    ("relu_inplace/illegal_keeps", inplace_saved_graph, 91, {"full": 8.0, "checkpoint": 8.0},
+     None),
 ]
 MIN_BUDGETS = {relu_graph: (90, 91), bn_relu_graph: (91, 133), hardtanh_graph: (90, 91),
-               bn_hardtanh_graph: (91, 133), maxpool_graph: (53, 107), dropout_graph: (81, 90)}
+               bn_hardtanh_graph: (91, 133), maxpool_graph: (53, 107), dropout_graph: (81, 90),
+               relu_inplace_graph: (51, 80), inplace_saved_graph: (84, 84)}
 IDS = [c[0] for c in CASES]
 
 

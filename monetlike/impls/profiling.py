@@ -38,7 +38,8 @@ def candidates(gm, run: ProfileRun) -> dict[int, list]:
     for g in run.groups:
         if not g.ran_backward or any(name not in nodes for name in g.nodes):
             continue
-        found = matches(gm, [nodes[name] for name in g.nodes])
+        found = [(spec, subs) for spec, subs in matches(gm, [nodes[name] for name in g.nodes])
+                 if spec.overwrites is None]  # in-place ones: inplace_alternatives
         if found:
             out[g.gid] = found
     return out
@@ -110,3 +111,90 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                     bwd_workspace=int(max(0, sg.bwd_peak - sg.stage_start))))
     # Rounds go through each Op's candidates in registration order: so are its Impls.
     return result
+
+
+def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, repeat: int,
+                         clock: str = "wall") -> dict[int, list[dict]]:
+    """Main-run group id -> [the in-place Impl (a dict with main-run value tids)] for every Op
+    where one is legal (inplace.py). An Op gets at most one: the first registered that fits.
+
+    What its backward holds is the default's: the in-place kernel's backward reads what the
+    out-of-place one reads (the result for ReLU-like activations, nothing for add), which the
+    legality conditions require (its saved set does not contain the overwritten Value), and
+    the bytes test of tests/test_impls_inplace.py checks against the runtime. The forward point
+    no longer allocates the output: that is `Impl.overwrites`, which the simulator and the MILP
+    account for. Costs: measured in timing steps with every legal in-place call substituted at
+    once (each overwrites a different Value, and nothing any backward reads); analytical costs
+    are the default's (the roofline moves the same bytes: read x, write the output)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    saved_anywhere = set().union(*(g.saved for g in run.groups)) if run.groups else set()
+    foreign = {tid for _, _, tid in run.foreign_writes}
+    creator = {(v.name, v.index): v.tid for v in run.values}
+    found: dict[int, tuple] = {}
+    for g in run.groups:
+        # Ops without a backward (a frozen stem) are candidates too: the forward point is what
+        # in place lowers.
+        if len(g.nodes) != 1 or len(g.outputs) != 1 or g.nodes[0] not in nodes:
+            continue
+        node = nodes[g.nodes[0]]
+        for spec, subs in matches(gm, [node]):
+            if spec.overwrites is None:
+                continue
+            arg = spec.overwrites(gm, node)
+            x = creator.get((arg.name, None)) if arg is not None else None
+            if x is not None and _may_overwrite(run, g, x, saved_anywhere, foreign):
+                found[g.gid] = (spec, subs, x)
+                break
+    if not found:
+        return {}
+    fwd_t: dict[int, list[float]] = {}
+    bwd_t: dict[int, list[float]] = {}
+    if measured:
+        subs = {}
+        for spec, repl, _ in found.values():
+            subs.update(repl)
+        try:
+            with torch.enable_grad():
+                timing = SubstitutingTimingRun(gm, run.node_gid, Timer(device, clock))
+                timing.impl_subs = subs
+                timing.step(xs)
+                for _ in range(repeat):
+                    f, b = timing.step(xs)
+                    for gid in found:
+                        fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
+                        bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
+        except Exception as e:  # an Impl that cannot run on this model must not stop profiling
+            names = sorted({spec.name for spec, _, _ in found.values()})
+            warnings.warn(f"monetlike: in-place implementations {names} could not be timed and "
+                          f"are left out ({type(e).__name__}: {e})", RuntimeWarning)
+            return {}
+    out = {}
+    for gid, (spec, _, x) in found.items():
+        g = run.groups[gid]
+        if measured:
+            fwd, bwd = median(fwd_t.get(gid, [])), median(bwd_t.get(gid, []))
+        else:
+            fwd, bwd = g.fwd_cost, g.bwd_cost
+        if not g.ran_backward:
+            bwd = 0.0
+        out[gid] = [dict(name=spec.name, saved=tuple(sorted(g.saved)),
+                         internal_bytes=int(g.internal_bytes), fwd_time=float(fwd),
+                         bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
+                         bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
+                         if g.ran_backward else 0, overwrites=x)]
+    return out
+
+
+def _may_overwrite(run: ProfileRun, g, x: int, saved_anywhere: set, foreign: set) -> bool:
+    """The profiler's legality rule for group g writing its output into Value x's storage
+    (docs/impls.md, "In-place execution"). The op order is checked when the graph is built."""
+    v, y = run.values[x], run.values[g.outputs[0]]
+    if v.producer is None or v.producer == g.gid or x not in g.inputs:
+        return False  # a graph input (or a parameter: never a Value), or not an input of g
+    if x in run.output_tids or x in saved_anywhere or x in foreign:
+        return False  # the caller holds it, some backward reads it, or it is written elsewhere
+    if (v.shape, v.dtype, v.nbytes) != (y.shape, y.dtype, y.nbytes):
+        return False  # the output would not fit the storage exactly
+    # Every other reader (views included: readers are by storage) runs before g in fx order,
+    # which is the order the runtime's forward runs the nodes in.
+    return all(pos < g.position for pos, gid in run.readers.get(x, ()) if gid != g.gid)

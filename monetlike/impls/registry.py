@@ -8,8 +8,9 @@ and by the runtime (to execute `schedule.impl[op]`), so what is measured is what
 
 Each replacement is a `torch.autograd.Function` whose forward result is bitwise the default's and
 whose backward gives the same gradients; only what its backward holds (and its costs) differ.
-Recomputation always runs the default nodes under no_grad: the output is the same bits, and
-without grad nothing is saved, so the Impl choice does not matter there.
+Recomputation runs the default nodes under no_grad: the output is the same bits, and without
+grad nothing is saved, so the Impl choice does not matter there; except for in-place Impls
+(`overwrites`), whose recomputation runs in place too, because the point's memory depends on it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class ImplSpec:
     name: str
     match: Callable[[fx.GraphModule, list], "dict[str, Replacement] | None"]
     doc: str
+    overwrites: "Callable[[fx.GraphModule, fx.Node], fx.Node | None] | None" = None
+    """In-place Impls (inplace.py): the argument node whose storage the Op's output takes. The
+    profiler decides where that is legal and records the Value (`Impl.overwrites`); such Impls
+    are not measured in the substituted profiling steps (run in place, the Op would make no
+    Value of its own there) but by `profiling.inplace_alternatives`."""
 
 
 _REGISTRY: dict[str, ImplSpec] = {}
@@ -69,7 +75,7 @@ def _load() -> None:
     # The families register themselves on import; imported lazily so that importing the
     # registry (from the runtime's plan) stays cheap and free of cycles. The import order is the
     # registration order, i.e. the order of an Op's extra Impls (part of its fingerprint).
-    from . import dropout, pool, relu, hardtanh, internals  # noqa: F401
+    from . import dropout, pool, relu, hardtanh, internals, inplace  # noqa: F401
 
 
 class SubstitutingMixin:

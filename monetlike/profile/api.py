@@ -236,6 +236,12 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                     gm, work, xs, run, measured=kind == "measured", preset=preset,
                     device=device, repeat=repeat, note=note, clock=clock,
                     context=_GpuLikeDropout if kind == "analytical" else contextlib.nullcontext)
+                from ..impls.profiling import inplace_alternatives
+
+                for gid, alts in inplace_alternatives(gm, xs, run, measured=kind == "measured",
+                                                      device=device, repeat=repeat,
+                                                      clock=clock).items():
+                    alternatives.setdefault(gid, []).extend(alts)
         finally:
             if bar is not None:
                 bar.close()
@@ -296,6 +302,15 @@ def _get_attr_tensors(gm, work) -> list[torch.Tensor]:
     return out
 
 
+def _inplace_in_order(run: ProfileRun, new_gid: dict, gid: int, alt: dict) -> bool:
+    """An in-place Impl needs every other reader of the Value it overwrites before its Op in op
+    order as well (the simulator's and the MILP's order; the fx order is checked when offered)."""
+    x = alt.get("overwrites")
+    if x is None:
+        return True
+    return all(new_gid[r] < new_gid[gid] for _, r in run.readers.get(x, ()) if r != gid)
+
+
 def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool,
                  fwd_times: dict, bwd_times: dict, param_bytes: int, optimizer_bytes: int,
                  input_bytes: int, provenance: str, meta: dict,
@@ -329,8 +344,11 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0)
         # Registered operator implementations measured in their own steps (monetlike.impls).
-        extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"]))})
-                      for alt in (alternatives or {}).get(gid, ()))
+        extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
+                              **({"overwrites": new_tid[alt["overwrites"]]}
+                                 if alt.get("overwrites") is not None else {})})
+                      for alt in (alternatives or {}).get(gid, ())
+                      if _inplace_in_order(run, new_gid, gid, alt))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),
                       inputs=tuple(new_tid[t] for t in g.inputs),
                       outputs=tuple(new_tid[t] for t in g.outputs), impls=(impl,) + extra,

@@ -107,7 +107,7 @@ class StepState:
     # -- saved tensors ----------------------------------------------------------------------
     def _match(self, op: int, key: int) -> int | None:
         vkey = self.vkey
-        for v in self.plan.op_values[op]:
+        for v in self.plan.storage_values[op]:
             if vkey.get(v) == key:
                 return v
         return None
@@ -240,11 +240,17 @@ class StepState:
         if ctx is None:
             raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
                                f"forward context was not captured; this is a bug")
+        # An in-place Impl recomputes in place as well (on the copy of the overwritten Value
+        # recomputed in this stage, which nothing reads afterwards): the simulator counts no new
+        # storage for its output at this point.
+        inplace = plan.impl_calls if j in plan.overwrites else {}
         with torch.no_grad(), rc.replay(ctx):
             for node in plan.op_nodes[j]:
                 args, kwargs = self._materialize_args(node, local, new_values, t)
                 try:
-                    result = self.runner.call_for_recompute(node, args, kwargs)
+                    sub = inplace.get(node.name)
+                    result = (sub(self.runner, node, args, kwargs) if sub is not None
+                              else self.runner.call_for_recompute(node, args, kwargs))
                 except Exception as e:
                     raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
                                        f"backward stage {t} failed at node "
@@ -341,7 +347,7 @@ class StepState:
         leaves = []
         values = self.plan.graph.values
         if op is not None:
-            candidates = [v for v in self.plan.op_values[op] if v in self.vkey]
+            candidates = [v for v in self.plan.storage_values[op] if v in self.vkey]
         else:
             candidates = set()
             for a in node.all_input_nodes:

@@ -123,6 +123,13 @@ class Plan:
     impl_saved: list[frozenset[int]] = field(default_factory=list)
     impl_calls: dict = field(default_factory=dict)
     """fx node name -> replacement callable, for the nodes of Ops whose Impl is not 'default'."""
+    overwrites: dict = field(default_factory=dict)
+    """Op id -> the Value its chosen in-place Impl overwrites (monetlike/impls/inplace.py)."""
+    storage_values: list = field(default_factory=list)
+    """Per Op, the Values a storage it touches may be, outputs first: the candidates when a saved
+    tensor or a node's result is matched to a Value by storage (NOTE [Storage identity] in
+    executor.py). An in-place Op's output shares its storage with the Value it overwrites, which
+    is left out: after the write that storage holds the output."""
 
     @property
     def store_all(self) -> bool:
@@ -183,6 +190,11 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         if v.producer is not None:
             value_of[(v.name, v.index)] = v.id
     op_values = [frozenset(op.inputs) | frozenset(op.outputs) for op in graph.ops]
+    overwrites = {op.id: op.impls[k].overwrites for op, k in zip(graph.ops, schedule.impl)
+                  if op.impls[k].overwrites is not None}
+    storage_values = [tuple(op.outputs) + tuple(
+        v for v in op.inputs if v not in op.outputs and v != overwrites.get(op.id))
+        for op in graph.ops]
     impl_saved = [frozenset(op.impls[k].saved) for op, k in zip(graph.ops, schedule.impl)]
 
     recomputed_ops = frozenset(j for st in schedule.stages for j in st.recompute)
@@ -261,7 +273,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
                 hooked_ops=hooked_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
-                impl_saved=impl_saved, impl_calls=impl_calls, offload=offload,
+                impl_saved=impl_saved, impl_calls=impl_calls, overwrites=overwrites,
+                storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()})
 
 
