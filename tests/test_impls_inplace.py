@@ -140,25 +140,30 @@ def test_inplace_exact_through_runtime(case):
             _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
 
 
-@pytest.mark.parametrize("net", ["mobilenet_v2", "transformer"])
-def test_zoo_models_with_every_residual_add_in_place_are_exact(net):
-    """The zoo's models whose residual adds gain add_inplace_rhs (`x + self.conv(x)`,
-    `x + self.attn(...)`: the branch output is overwritten, x is read by the branch first), all
-    of them at once, under keep-nothing (every add recomputed in place, dropout recomputed under
-    the replayed RNG; store-all is covered on the small modules above)."""
+@pytest.mark.parametrize("net, name, adds", [("mobilenet_v2", "add_inplace_rhs", 10),
+                                             ("transformer", "add_inplace_rhs", 4),
+                                             ("resnet18", "add_inplace", 8)])
+def test_zoo_models_with_every_residual_add_in_place_are_exact(net, name, adds):
+    """Residual adds of real models, all of them in place at once, under keep-nothing (every add
+    recomputed in place, dropout recomputed under the replayed RNG; store-all is covered on the
+    small modules above). MobileNetV2's `x + self.conv(x)` and the transformer's
+    `x + self.attn(...)` overwrite the branch output (x is read by the branch first); ResNet's
+    `out += identity; relu(out)` traces as an add followed by an in-place ReLU (one Op) and
+    overwrites `out`, the last BatchNorm's output."""
+    import torchvision
+
+    from monetlike.models import transformer
+
     torch.manual_seed(0)
-    if net == "mobilenet_v2":
-        import torchvision
-
-        model, x, adds = torchvision.models.mobilenet_v2(num_classes=10), (2, 3, 32, 32), 10
-    else:
-        from monetlike.models import transformer
-
-        model, x, adds = transformer(depth=2, dim=32, heads=4), (2, 8, 32), 4
+    model, x = {
+        "mobilenet_v2": lambda: (torchvision.models.mobilenet_v2(num_classes=10), (2, 3, 32, 32)),
+        "transformer": lambda: (transformer(depth=2, dim=32, heads=4), (2, 8, 32)),
+        "resnet18": lambda: (torchvision.models.resnet18(num_classes=10), (2, 3, 32, 32)),
+    }[net]()
     model.train()
     x = torch.randn(*x).requires_grad_()
     graph = monetlike.profile(model, x, cost=A100)
-    picked, schedules = _schedules(graph, "add_inplace_rhs")
+    picked, schedules = _schedules(graph, name)
     assert len(picked) == adds and all(graph.ops[j].kind == "add" for j in picked)
     assert any(j in st.recompute for st in schedules[1].stages for j in picked)
     for s in schedules[1:]:
@@ -239,16 +244,19 @@ class NotOffered(nn.Module):
             return c, torch.relu(c)
         if self.form == "broadcast_add":  # the output is larger than the left operand
             return c.sum(dim=1, keepdim=True) * 1 + c
+        if self.form == "read_by_own_later_node":  # the add's Op is [add, add_]: add_ reads c
+            s = c + self.conv2(c)
+            return s.add_(c)
         raise ValueError(self.form)
 
 
 @pytest.mark.parametrize("form", ["read_later", "saved_by_conv", "graph_input", "model_output",
-                                  "broadcast_add"])
+                                  "broadcast_add", "read_by_own_later_node"])
 def test_profiler_offers_no_inplace_impl_where_it_would_be_wrong(form):
     torch.manual_seed(0)
     g = monetlike.profile(NotOffered(form).train(), torch.randn(*X), cost=A100)
     inplace = [(o.name, im.name) for o in g.ops for im in o.impls if im.overwrites is not None]
-    if form == "broadcast_add":  # the right operand has the output's shape: that one is fine
+    if form in ("broadcast_add", "read_by_own_later_node"):  # the right operand is fine
         assert [n for _, n in inplace] == ["add_inplace_rhs"]
     elif form == "saved_by_conv":  # not the ReLU; the add may overwrite conv2's output
         assert [n for _, n in inplace] == ["add_inplace"]

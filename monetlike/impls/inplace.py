@@ -39,8 +39,12 @@ from .registry import ImplSpec, register
 from .relu import node_input
 
 
-def _single(nodes):
-    return nodes[0] if len(nodes) == 1 else None
+def _creator(nodes):
+    """The node that makes the Op's output. The Op's other nodes, if any, write into that output
+    in place (`torch.relu_` after `a + b`: torchvision's ResNet `out += identity; relu(out)` traces
+    as an out-of-place add followed by an in-place ReLU); they run unchanged, on the output that
+    now lives in the overwritten input's storage."""
+    return nodes[0] if nodes else None
 
 
 def _first_arg_node(n):
@@ -103,7 +107,7 @@ def _sigmoid_like(gm, n):
 
 def unary_matcher(call_of):
     def match(gm, nodes):
-        n = _single(nodes)
+        n = _creator(nodes)
         if n is None or _first_arg_node(n) is None:
             return None
         call = call_of(gm, n)
@@ -133,7 +137,7 @@ def add_matcher(into: int):
     """match() for an add written out of place, run as `operand[into].add_(other)` (IEEE
     addition is commutative, so b.add_(a) gives a + b's bits)."""
     def match(gm, nodes):
-        n = _single(nodes)
+        n = _creator(nodes)
         if n is None or not _plain_add(n):
             return None
 

@@ -133,11 +133,12 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
     found: dict[int, tuple] = {}
     for g in run.groups:
         # Ops without a backward (a frozen stem) are candidates too: the forward point is what
-        # in place lowers.
-        if len(g.nodes) != 1 or len(g.outputs) != 1 or g.nodes[0] not in nodes:
+        # in place lowers. The creator is the Op's first node; any others write its output in
+        # place (ResNet's add + relu_) and run unchanged.
+        if len(g.outputs) != 1 or any(name not in nodes for name in g.nodes):
             continue
         node = nodes[g.nodes[0]]
-        for spec, subs in matches(gm, [node]):
+        for spec, subs in matches(gm, [nodes[name] for name in g.nodes]):
             if spec.overwrites is None:
                 continue
             arg = spec.overwrites(gm, node)
@@ -196,5 +197,7 @@ def _may_overwrite(run: ProfileRun, g, x: int, saved_anywhere: set, foreign: set
     if (v.shape, v.dtype, v.nbytes) != (y.shape, y.dtype, y.nbytes):
         return False  # the output would not fit the storage exactly
     # Every other reader (views included: readers are by storage) runs before g in fx order,
-    # which is the order the runtime's forward runs the nodes in.
-    return all(pos < g.position for pos, gid in run.readers.get(x, ()) if gid != g.gid)
+    # which is the order the runtime's forward runs the nodes in; g itself reads x only at its
+    # creator node (a later in-place node of g reading x would see the output instead).
+    return all(pos < g.position if gid != g.gid else pos == g.position
+               for pos, gid in run.readers.get(x, ()))
