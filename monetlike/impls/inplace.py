@@ -20,8 +20,10 @@ hardtanh, whose backward reads its input, so in place autograd saves a clone of 
 the write and the point gains nothing (hardtanh.py); LeakyReLU, whose out-of-place backward reads
 its input (the Value overwritten) while the in-place one reads its result, so the two Impls
 would save different Values (the IR requires an in-place Impl to save what Impl 0 saves, so
-that Impl 0 is always a valid fallback). Recomputation runs the
-in-place call too (under no_grad), on the recomputed x, which then goes (executor.recompute_op).
+that Impl 0 is always a valid fallback).
+
+Recomputation runs the in-place call too (under no_grad), on the copy of x recomputed in that
+stage, which then goes (executor.recompute_op).
 
 `ImplSpec.overwrites(gm, node)` names the argument node whose storage the output takes: the
 profiler needs it to check the conditions above and to record `Impl.overwrites`.
