@@ -201,6 +201,7 @@ def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
     ("relu_module", "relu_inplace", 4),  # the result, fp32
     ("sigmoid_module", "sigmoid_inplace", 4),
     ("add_lhs", "add_inplace", 0),  # add's backward reads nothing
+    ("add_rhs", "add_inplace_rhs", 0),
 ])
 def test_declared_bytes_inplace(case, name, per_element):
     torch.manual_seed(0)
@@ -218,7 +219,8 @@ def test_declared_bytes_inplace(case, name, per_element):
     other = torch.randn(2, 4, 8, 8, requires_grad=True)
     held = {"relu_inplace": lambda t: torch.relu_(t * 1),
             "sigmoid_inplace": lambda t: torch.sigmoid_(t * 1),
-            "add_inplace": lambda t: (t * 1).add_(other)}[name]
+            "add_inplace": lambda t: (t * 1).add_(other),
+            "add_inplace_rhs": lambda t: (other * 1).add_(t)}[name]
     assert _bytes_held(held, z, fixed=(other,)) == per_element * n
     # The Impl's value is the Value it overwrites: the BN output, the activation's input.
     assert im.overwrites in op.inputs and g.ops[g.values[im.overwrites].producer].kind \
