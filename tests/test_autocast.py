@@ -17,12 +17,7 @@ from runtime_support import every, keep_schedule, recomputed_op_count
 from solver.errors import ScheduleMismatchError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _autocast(cache_enabled: bool = True):

@@ -25,12 +25,7 @@ from solver.simulate import simulate, store_all_schedule, with_predictions
 A100 = "analytical:A100-40GB"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------

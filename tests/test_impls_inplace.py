@@ -22,12 +22,7 @@ from test_impls import _assert_same, _bytes_held, _held_by_op, _measured_peak, _
 A100 = "analytical:A100-40GB"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ConvBnAct(nn.Module):
@@ -194,7 +189,8 @@ def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
     for s in schedules:
         wrapped = monetlike.ScheduleWrapper(model, s)
         measured = _measured_peak(g, model, wrapped, x)
-        assert measured <= s.predicted_peak_bytes * 1.02 + 2 ** 20
+        # small tensors: no allocator slack (1 MiB of it would make this check vacuous)
+        assert measured <= s.predicted_peak_bytes * 1.02, (measured, s.predicted_peak_bytes)
 
 
 @pytest.mark.parametrize("case, name, per_element", [
@@ -333,13 +329,6 @@ def test_end_to_end_full_mode_picks_inplace_impls():
         for seed in (5, 6):
             _assert_same(_step(ref, x, seed), _step(wrapped, x, seed))
 
-        def step():
-            wrapped(x).sum().backward()
-
-        torch.manual_seed(3)
-        step()
-        for p in model.parameters():
-            p.grad = None
-        m = monetlike.measure_step(step, warmup=0, repeat=1)
-        measured = m.peak_bytes - m.start_bytes + g.fixed_bytes
-        assert measured <= predicted * 1.02 + 2 ** 20, (picked, measured, predicted)
+        measured = _measured_peak(g, model, wrapped, x)
+        # a few hundred KB: no allocator slack; the runtime holds what the simulator predicts
+        assert abs(measured - predicted) <= 0.02 * predicted, (picked, measured, predicted)

@@ -23,7 +23,9 @@ from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
 from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
-from test_impls import _assert_same, _bytes_held, _run, one_thread  # noqa: F401 (autouse)
+from test_impls import _assert_same, _bytes_held, _run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 A100 = "analytical:A100-40GB"
 NAME = "recompute_internals"

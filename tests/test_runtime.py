@@ -77,14 +77,7 @@ def test_store_all_is_bitwise_exact_with_batchnorm_two_steps():
                  steps=2, exact=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Other processes share the 2 cores; OpenMP threads spinning against them make timings
-    # (and so test durations) swing tenfold. One thread keeps them steady.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def measured_peak(graph, model, wrapped, inputs) -> int:

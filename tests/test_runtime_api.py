@@ -23,12 +23,7 @@ from solver.schedule import SolveResult
 from solver.simulate import simulate, store_all_schedule
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_cnn():

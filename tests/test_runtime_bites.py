@@ -24,12 +24,7 @@ from solver.schedule import StageSchedule
 from solver.simulate import store_all_schedule
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tight(graph):
