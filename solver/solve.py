@@ -9,7 +9,8 @@ solve. With the
 HiGHS backend both cores work: one thread runs branch and bound (on an equivalent model with full
 memory sums and lazy recomputation rows, see `_branch_and_bound_form`), the other solves the LP
 relaxation (a bound at once, and LP rounding) and then improves the incumbent by
-large-neighbourhood search (lns.py); each hands the other its better solutions through HiGHS's
+large-neighbourhood search (lns.py), first racing one start per Impl family for a short slice
+each (the start decides where a local search ends); each hands the other its better solutions through HiGHS's
 callbacks. Every answer is decoded into a Schedule and replayed by the simulator: the peak must
 fit the budget and the time must equal the MILP's objective, or it is a bug and says so.
 
