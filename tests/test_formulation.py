@@ -73,6 +73,21 @@ def _random_schedules(g, rng):
     return out
 
 
+def assert_encoding_claims_the_simulation(g, s, budget, objective="time"):
+    """Encode `s` in the MILP: the vector is feasible and describes a schedule (canonical,
+    dominated Impls replaced) that costs no more than s, and its memory rows and objective claim
+    exactly the simulator's peak and time. Returns (formulation, that schedule's timeline)."""
+    tl = simulate(g, s)
+    f = Formulation(g, budget, objective=objective)
+    x = f.encode(s)
+    assert f.milp.violations(x) == []
+    dt = simulate(g, f.decode(x))
+    assert f.claimed_peak(x) == dt.peak_bytes
+    assert f.seconds(x) == pytest.approx(dt.total_time, rel=1e-12)
+    assert dt.peak_bytes <= tl.peak_bytes and dt.total_time <= tl.total_time + 1e-12
+    return f, dt
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(1, 9), kind=st.sampled_from(["chain", "dag"]))
 def test_encoded_schedules_are_feasible_and_claim_the_simulated_peak(seed, n, kind):
@@ -80,15 +95,7 @@ def test_encoded_schedules_are_feasible_and_claim_the_simulated_peak(seed, n, ki
     g = random_chain(rng, n) if kind == "chain" else random_dag(rng, n, two_impl=True)
     for s in _random_schedules(g, rng):
         tl = simulate(g, s)
-        f = Formulation(g, tl.peak_bytes)
-        x = f.encode(s)
-        assert f.milp.violations(x) == []
-        # the vector describes a schedule (canonical, dominated Impls replaced) that costs no
-        # more than s, and its memory rows claim exactly the simulator's peak
-        dt = simulate(g, f.decode(x))
-        assert f.claimed_peak(x) == dt.peak_bytes
-        assert f.seconds(x) == pytest.approx(dt.total_time, rel=1e-12)
-        assert dt.peak_bytes <= tl.peak_bytes and dt.total_time <= tl.total_time + 1e-12
+        f, dt = assert_encoding_claims_the_simulation(g, s, tl.peak_bytes)
         # canonical schedules never cost more than the original
         ct = simulate(g, canonicalize(g, s, f.facts))
         assert ct.peak_bytes <= tl.peak_bytes and ct.total_time <= tl.total_time + 1e-12

@@ -19,11 +19,11 @@ from solver.analysis import GraphFacts, allowed_impls
 from solver.backends import available
 from solver.baselines import schedule_from_keep
 from solver.canonical import canonicalize
-from solver.formulation import Formulation
 from solver.graph import OpGraph
 from solver.schedule import Schedule, StageSchedule
 from solver_cases import GraphBuilder, random_inplace_dag
 from solver_reference import exact_optimum
+from test_formulation import assert_encoding_claims_the_simulation
 
 
 def _relu_chain(stage_grads=(10, 10, 0)):
@@ -198,13 +198,7 @@ def test_encoded_inplace_schedules_claim_the_simulated_peak_and_time(seed, n):
     for s in _random_schedules(g, rng):
         tl = simulate(g, s)
         for objective, budget in (("time", tl.peak_bytes), ("peak", None)):
-            f = Formulation(g, budget, objective=objective)
-            x = f.encode(s)
-            assert f.milp.violations(x) == []
-            dt = simulate(g, f.decode(x))
-            assert f.claimed_peak(x) == dt.peak_bytes
-            assert f.seconds(x) == pytest.approx(dt.total_time, rel=1e-12)
-            assert dt.peak_bytes <= tl.peak_bytes and dt.total_time <= tl.total_time + 1e-12
+            assert_encoding_claims_the_simulation(g, s, budget, objective)
 
 
 @pytest.mark.parametrize("seed", [4, 7, 11, 14, 31, 37])  # graphs with two in-place Impls
