@@ -8,6 +8,9 @@
     dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
     recompute_internals  MultiheadAttention, scaled_dot_product_attention, RNNs and Transformer
                      layers holding only their inputs, their forward run again in the backward
+    relu_inplace, sigmoid_inplace, add_inplace, add_inplace_rhs
+                     an op written out of place (ReLU, sigmoid/tanh, a + b) run in place, its
+                     output taking the storage of an input nothing reads afterwards
 """
 
 from .registry import ImplSpec, SubstitutingMixin, get, matches, names, register, specs
