@@ -10,8 +10,8 @@ HiGHS backend both cores work: one thread runs branch and bound (on an equivalen
 memory sums and lazy recomputation rows, see `_branch_and_bound_form`), the other solves the LP
 relaxation (a bound at once, and LP rounding) and then improves the incumbent by
 large-neighbourhood search (lns.py), first racing one start per Impl family for a short slice
-each (the start decides where a local search ends); each hands the other its better solutions through HiGHS's
-callbacks. Every answer is decoded into a Schedule and replayed by the simulator: the peak must
+each (the start decides where a local search ends); each hands the other its better solutions
+through HiGHS's callbacks. Every answer is decoded into a Schedule and replayed by the simulator: the peak must
 fit the budget and the time must equal the MILP's objective, or it is a bug and says so.
 
 Gaps are (incumbent - lower bound) / incumbent on the whole step time (forward + recomputation +
@@ -604,9 +604,15 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 lns_stats["timed_out"] += st.timed_out
                 lns_stats["seconds"] = round(lns_stats["seconds"] + st.seconds, 1)
 
-            def offer(x, obj):
+            seen = {"version": shared.get(form)[2]}
+
+            def on_improve(x, obj):
                 if shared.offer(form, x, "lns"):
+                    seen["version"] = shared.get(form)[2]
                     progress.update(incumbent=obj)
+
+            def stop():
+                return done.is_set() or reached()
 
             starts = _race_starts(form, x0, race)
             remaining = deadline - time.perf_counter()
@@ -614,16 +620,15 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 slice_s = min(RACE_SLICE_S, RACE_SLICE_SHARE * remaining)
                 lns_stats["race"] = {}
                 for name, xs in starts:
-                    if done.is_set() or reached():
+                    if stop():
                         break
                     x, st = lns.improve(form, xs, highspy_backend(),
                                         deadline=min(deadline, time.perf_counter() + slice_s),
-                                        on_improve=offer,
-                                        should_stop=lambda: done.is_set() or reached())
+                                        on_improve=on_improve,
+                                        should_stop=stop)
                     tally(st)
                     lns_stats["race"][name] = form.milp.objective(x) / form.time_scale
-            x0 = shared.get(form)[0]
-            seen = {"version": shared.get(form)[2]}
+            x0, _, seen["version"] = shared.get(form)
 
             def incoming():
                 x, _, version = shared.get(form)
@@ -632,15 +637,10 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                     return x
                 return None
 
-            def on_improve(x, obj):
-                if shared.offer(form, x, "lns"):
-                    seen["version"] = shared.get(form)[2]
-                    progress.update(incumbent=obj)
-
-            if not done.is_set() and not reached():
+            if not stop():
                 _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
                                     on_improve=on_improve, incoming=incoming,
-                                    should_stop=lambda: done.is_set() or reached())
+                                    should_stop=stop)
                 tally(st)
     finally:
         done.wait()
