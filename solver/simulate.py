@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .analysis import inplace_clashes
+from .analysis import inplace_clashes, inplace_freed
 from .errors import ScheduleError, ScheduleMismatchError
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -114,9 +114,7 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
                                 f"{impls[k].name!r} reads value {x}")
 
     def freed(j: int) -> int:
-        """Bytes op j does not allocate for its output: it writes into the overwritten input."""
-        return sum(values[w].bytes for w in ops[j].outputs) if impls[j].overwrites is not None \
-            else 0
+        return inplace_freed(graph, j, schedule.impl[j])
 
     fixed = graph.fixed_bytes
     points: list[Point] = []
