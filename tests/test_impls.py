@@ -21,6 +21,7 @@ from monetlike.impls import names
 from monetlike.profile.memory import StorageTracker
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
+from runtime_support import PEAK_TOLERANCE, measured_peak
 
 A100 = "analytical:A100-40GB"
 
@@ -551,19 +552,6 @@ class SmallVGG(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _measured_peak(graph, model, wrapped, x) -> int:
-    def step():
-        wrapped(x).sum().backward()
-
-    torch.manual_seed(3)
-    step()
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(3)
-    m = monetlike.measure_step(step, warmup=0, repeat=1)
-    return m.peak_bytes - m.start_bytes + graph.fixed_bytes
-
-
 class SmallMobile(nn.Module):
     """MobileNetV2's pieces (torchvision's own blocks): Conv-BN-ReLU6(inplace) and inverted
     residuals (expand, depthwise, project, residual add), then pooling, dropout, a classifier."""
@@ -611,5 +599,6 @@ def test_end_to_end_full_mode_picks_impls(net, families):
         ref = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(model, s)
         _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
-        measured = _measured_peak(g, model, wrapped, x)
-        assert measured <= predicted * 1.02 + 2 ** 20, (picked, measured, predicted)
+        measured = measured_peak(g, model, wrapped, x)
+        assert abs(measured - predicted) <= PEAK_TOLERANCE * predicted, (picked, measured,
+                                                                          predicted)
