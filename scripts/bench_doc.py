@@ -32,6 +32,15 @@ def header(command: str) -> str:
             f"Command: `{command}`\n")
 
 
+def read_section(name: str, path: str = DEFAULT_PATH) -> str | None:
+    """The body of section `name` as last written, or None when it is not there."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if start not in text or end not in text:
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
 def replace_section(name: str, body: str, path: str = DEFAULT_PATH) -> None:
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"

@@ -2,6 +2,7 @@
 
     python scripts/bench_impls.py                       # MONeT's five models, 5-10 GiB, CPU part
     python scripts/bench_impls.py --models vgg16 --budgets 8 --time-limit 60 --no-cpu
+    python scripts/bench_impls.py --only-cpu --time-limit 30   # rerun part 2, keep part 1
 
 Part 1 (predicted): MONeT's five models at MONeT's batch sizes, analytical A100-40GB costs, meta
 inputs (nothing is allocated). Per model: the store-all peak, the minimum feasible budget in each
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import solver  # noqa: E402
-from bench_doc import header, replace_section  # noqa: E402
+from bench_doc import header, read_section, replace_section  # noqa: E402
 from monetlike.profile import profile  # noqa: E402
 
 GIB = 2 ** 30
@@ -201,14 +202,15 @@ def measured(time_limit, log) -> str:
         w = monetlike.ScheduleWrapper(model, s)
 
         def step():
-            w(x).sum().backward()
+            # A training step as the simulator counts it: gradients start as None
+            # (zero_grad(set_to_none=True); accumulating into existing ones allocates more) and
+            # the output is held until the backward is done.
+            for p in model.parameters():
+                p.grad = None
+            out = w(x)
+            out.sum().backward()
 
-        step()
-        for p in model.parameters():
-            p.grad = None
         m = monetlike.measure_step(step, warmup=1, repeat=7)
-        for p in model.parameters():
-            p.grad = None
         return m.peak_bytes - m.start_bytes + g.fixed_bytes, m.seconds
 
     run(solver.store_all_schedule(g))  # warm-up: the first steps pay page faults
@@ -245,8 +247,12 @@ def main(argv=None):
     ap.add_argument("--min-budget-time-limit", type=float, default=120.0,
                     help="seconds per minimum-budget solve")
     ap.add_argument("--no-cpu", action="store_true", help="skip the measured CPU comparison")
+    ap.add_argument("--only-cpu", action="store_true",
+                    help="rerun only the measured CPU comparison; part 1 stays as last written")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
     args = ap.parse_args(argv)
+    if args.only_cpu and args.no_cpu:
+        ap.error("--only-cpu and --no-cpu exclude each other")
     names = [n for n in args.models.split(",") if n]
     budgets = [float(b) for b in args.budgets.split(",") if b]
     budgets = [int(b) if b == int(b) else b for b in budgets]
@@ -265,6 +271,17 @@ def main(argv=None):
         else:
             replace_section("impls", body)
 
+    if args.only_cpu:
+        marker = "### Measured on this CPU"
+        previous = read_section("impls")
+        if previous is None or marker not in previous:
+            raise SystemExit("--only-cpu: docs/BENCHMARKS.md has no impls section with a measured "
+                             "part to replace; run without --only-cpu")
+        parts = [previous.split(marker, 1)[0].rstrip(), "", f"{marker}: checkpoint vs full mode "
+                 "end to end", "", "Rerun alone: " + header(command.strip()),
+                 measured(args.time_limit, log)]
+        write()
+        return
     rows, mins = predicted(names, budgets, args.time_limit, args.min_budget_time_limit, log)
     parts += ["### Predicted: MONeT's models, checkpoint vs full mode", "",
               predicted_tables(rows, mins), ""]
