@@ -33,7 +33,7 @@ def allowed_impls(graph: OpGraph, mode: str) -> tuple[tuple[int, ...], ...]:
             continue
         keep = []
         for i, a in enumerate(op.impls):
-            dominated = any(_dominates(b, a) and (not _dominates(a, b) or k < i)
+            dominated = any(dominates(b, a) and (not dominates(a, b) or k < i)
                             for k, b in enumerate(op.impls) if k != i)
             if not dominated:
                 keep.append(i)
@@ -41,7 +41,7 @@ def allowed_impls(graph: OpGraph, mode: str) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _dominates(b: Impl, a: Impl) -> bool:
+def dominates(b: Impl, a: Impl) -> bool:
     """b is at least as good as a in every respect the schedule can see. An in-place Impl and
     an allocating one never dominate each other: the first is leaner at every point where the Op
     runs, the second leaves its input for others to hold or read (so equal `saved` and costs,
@@ -49,7 +49,8 @@ def _dominates(b: Impl, a: Impl) -> bool:
     return (b.overwrites == a.overwrites and set(b.saved) <= set(a.saved)
             and b.internal_bytes <= a.internal_bytes
             and b.fwd_time <= a.fwd_time and b.bwd_time <= a.bwd_time
-            and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace)
+            and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace
+            and b.recompute_transient <= a.recompute_transient)
 
 
 def inplace_freed(graph: OpGraph, j: int, i: int) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from .analysis import GraphFacts, inplace_freed
+from .analysis import GraphFacts, dominates, inplace_freed
 from .canonical import canonicalize, residency
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -303,7 +303,7 @@ class Formulation:
         b.var_block("recompute")  # R[t,j]: op j recomputed just before stage t
         self.R: dict[tuple[int, int], int] = {}
         self.split_ops = {j for j in range(len(ops)) if len(f.impls[j]) > 1 and not self._uniform(
-            j, ("fwd_time", "internal_bytes", "fwd_workspace", "overwrites"))}
+            j, ("fwd_time", "recompute_transient", "overwrites"))}
         for j in range(len(ops)):
             cost = 0.0 if j in self.split_ops else self._impl(j, f.impls[j][0]).fwd_time * ts
             for t in range(ohz[j] + 1):
@@ -669,14 +669,12 @@ class Formulation:
                 out = f.out_bytes[j]
                 if j in self.split_ops:
                     terms = [(self.RI[t, j, i], (out - inplace_freed(g, j, i)
-                                                 + self._impl(j, i).internal_bytes
-                                                 + self._impl(j, i).fwd_workspace) / ms)
+                                                 + self._impl(j, i).recompute_transient) / ms)
                              for i in f.impls[j]]
                 else:
                     i0 = f.impls[j][0]
-                    im = self._impl(j, i0)
-                    terms = [(self.R[t, j], (out - inplace_freed(g, j, i0) + im.internal_bytes
-                                             + im.fwd_workspace) / ms)]
+                    terms = [(self.R[t, j], (out - inplace_freed(g, j, i0)
+                                             + self._impl(j, i0).recompute_transient) / ms)]
                 self._mem_row(b, f"mem_recompute[{t},{j}]", stage_terms[t][l] + terms + ib,
                               base + stage_const[t][l],
                               f"recomputation of op {j} {ops[j].name} before stage {t}")
@@ -823,7 +821,7 @@ class Formulation:
         impl = list(schedule.impl)
         for j, i in enumerate(impl):
             if i not in f.impls[j]:
-                better = [a for a in f.impls[j] if _no_worse(g.ops[j].impls[a], g.ops[j].impls[i])]
+                better = [a for a in f.impls[j] if dominates(g.ops[j].impls[a], g.ops[j].impls[i])]
                 if not better:
                     raise ValueError(f"op {j} uses Impl {i}, not among the {self.mode} mode's "
                                      f"choices {f.impls[j]}")
@@ -895,9 +893,3 @@ class Formulation:
         return {"variables": m.num_vars, "integer_variables": m.num_integer,
                 "constraints": m.num_rows, "nonzeros": m.nnz}
 
-
-def _no_worse(b, a) -> bool:
-    return (b.overwrites == a.overwrites and set(b.saved) <= set(a.saved)
-            and b.internal_bytes <= a.internal_bytes
-            and b.fwd_time <= a.fwd_time and b.bwd_time <= a.bwd_time
-            and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace)

@@ -202,11 +202,28 @@ class Impl:
     it afterwards (docs/execution-model.md section 1); None for an Impl that allocates its
     output."""
 
+    recompute_workspace: int | None = None
+    """Peak transient bytes of a recomputation of the Op under this Impl, above its inputs and
+    its new outputs. The runtime recomputes under no_grad, so nothing is saved for a backward:
+    an Impl's internals (a ReLU mask, max-pool indices, BatchNorm statistics) are not made there
+    unless the forward kernel makes them anyway (CPU dropout's noise). Measured by the profiler
+    (the Op's forward run again under no_grad); None in graphs profiled before it was, read as
+    internal_bytes + fwd_workspace (an upper bound). See `recompute_transient`."""
+
+    @property
+    def recompute_transient(self) -> int:
+        """The bytes a recomputation under this Impl needs above its inputs and new outputs."""
+        if self.recompute_workspace is None:
+            return self.internal_bytes + self.fwd_workspace
+        return self.recompute_workspace
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["saved"] = list(self.saved)
         if self.overwrites is None:
             del d["overwrites"]  # graphs without in-place Impls read as before
+        if self.recompute_workspace is None:
+            del d["recompute_workspace"]  # nor graphs profiled before it was measured
         return d
 
     @classmethod
@@ -220,6 +237,7 @@ class Impl:
             fwd_workspace=_int(d, "fwd_workspace", where),
             bwd_workspace=_int(d, "bwd_workspace", where),
             overwrites=_int(d, "overwrites", where, optional=True),
+            recompute_workspace=_int(d, "recompute_workspace", where, optional=True),
         )
 
 

@@ -215,10 +215,12 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             rimpl = impls[j]
             new = [v for v in rop.outputs if v not in resident]
             dup = sum(values[v].bytes for v in rop.outputs if v in resident)
-            # Transient: duplicates of resident outputs, the op's internals (no grad: not held)
-            # and its workspace; an in-place Impl writes into its overwritten input instead.
+            # Transient: duplicates of resident outputs and what the forward needs besides its
+            # inputs and outputs under no_grad (Impl.recompute_transient: no internals are
+            # saved, since nothing is held for a backward); an in-place Impl writes into its
+            # overwritten input instead.
             peak = (fixed + grad + live_bytes() + internals + sum(values[v].bytes for v in new)
-                    + dup - freed(j) + rimpl.internal_bytes + rimpl.fwd_workspace)
+                    + dup - freed(j) + rimpl.recompute_transient)
             resident.update(new)
             release_after(pos)
             # A dropped output that nothing later in this stage reads is freed at once (its

@@ -122,7 +122,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     bound). Cached per graph and mode."""
     key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
                                     graph.param_bytes, graph.optimizer_bytes,
-                                    tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace)
+                                    tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
+                                           i.recompute_transient)
                                           for op in graph.ops for i in op.impls))), mode,
            graph.host_bandwidth if offload else None)
     if key in _MIN_BUDGET_CACHE:

@@ -67,7 +67,8 @@ class GraphBuilder:
                            bwd_time=d.get("bwd_time", 1.0), fwd_workspace=d.get("fwd_workspace", 0),
                            bwd_workspace=d.get("bwd_workspace", 0),
                            overwrites=(resolve((d["overwrites"],))[0] if d.get("overwrites")
-                                       is not None else None)) for d in impls)
+                                       is not None else None),
+                           recompute_workspace=d.get("recompute_workspace")) for d in impls)
         self.ops.append(Op(oid, name, kind, (name,), inputs, tuple(outs), built, has_backward,
                            unsafe))
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -121,7 +122,9 @@ def random_dag(rng: random.Random, n: int, *, two_impl: bool = False) -> OpGraph
                      bwd_workspace=kw["bwd_ws"]),
                 dict(name="alt", saved=alt_saved, internal_bytes=rng.choice([0, 1]),
                      fwd_time=rng.randint(1, 5), bwd_time=rng.randint(1, 6),
-                     fwd_workspace=rng.choice([0, 1]), bwd_workspace=rng.choice([0, 2]))]
+                     fwd_workspace=rng.choice([0, 1]), bwd_workspace=rng.choice([0, 2]),
+                     # measured (profiled graphs) or not (None: internals + workspace)
+                     recompute_workspace=rng.choice([None, 0, 1, 3]))]
         vals.append(b.op(f"op{i}", ins, rng.randint(1, 9), **kw))
     grads = [rng.randint(0, 4) for _ in range(n)]
     return b.build(outputs=vals[-1], stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))

@@ -91,8 +91,7 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
                     return None
                 i = im[j]
                 peak = max(peak, base + sum(nbytes[v] for v in live)
-                           + new_bytes(j) + i.internal_bytes
-                           + i.fwd_workspace)
+                           + new_bytes(j) + i.recompute_transient)
                 live |= set(ops[j].outputs)
                 for v in drop:
                     if uses.get(v, -1) == pos:
@@ -164,7 +163,8 @@ def exact_min_peak(graph: OpGraph, *, mode: str = "full", hi: int | None = None)
     lo = graph.fixed_bytes
     hi = hi if hi is not None else graph.fixed_bytes + sum(v.bytes for v in graph.values) * 3 + 10 \
         + max(graph.stage_grad_bytes, default=0) + graph.final_grad_bytes + sum(
-            i.internal_bytes + i.fwd_workspace + i.bwd_workspace for op in graph.ops
+            i.internal_bytes + i.fwd_workspace + i.bwd_workspace + i.recompute_transient
+            for op in graph.ops
             for i in op.impls)
     assert exact_optimum(graph, hi, mode=mode) is not None
     while lo < hi:

@@ -602,3 +602,56 @@ def test_end_to_end_full_mode_picks_impls(net, families):
         measured = measured_peak(g, model, wrapped, x)
         assert abs(measured - predicted) <= PEAK_TOLERANCE * predicted, (picked, measured,
                                                                           predicted)
+
+
+class WideMlp(nn.Module):
+    """Linear -> ReLU -> Linear(..., 1): recomputing the ReLU is the step's tightest point when
+    the recomputation makes no mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 1)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+@pytest.mark.parametrize("cost", ["measured", A100])
+def test_recomputation_under_no_grad_makes_no_internals(cost):
+    # The runtime recomputes under no_grad, where relu_mask's mask is not made: the profiler
+    # measures that (recompute_workspace 0 beside 1 byte per element of internals) and the
+    # simulator's peak is the runtime's. The rule before it, internals + workspace as the
+    # recomputation's transient, over-counts this schedule by the mask.
+    import dataclasses
+
+    from solver.analysis import GraphFacts
+    from solver.baselines import schedule_from_keep
+
+    torch.manual_seed(0)
+    model = WideMlp().train()
+    x = torch.randn(64, 8)
+    g = monetlike.profile(model, x, cost=cost, repeat=1)
+    relu = next(o for o in g.ops if o.kind == "ReLU")
+    k = next(i for i, im in enumerate(relu.impls) if im.name == "relu_mask")
+    assert relu.impls[k].internal_bytes == 64 * 512  # the mask, held forward to backward
+    assert relu.impls[k].recompute_workspace == relu.impls[0].recompute_workspace == 0
+    impl = tuple(k if o.id == relu.id else 0 for o in g.ops)
+    s = with_predictions(g, schedule_from_keep(g, (), impl=impl, retain="none",
+                                               facts=GraphFacts(g, "full")), mode="full")
+    assert any(relu.id in st.recompute for st in s.stages)
+    measured = measured_peak(g, model, monetlike.ScheduleWrapper(model, s), x)
+    assert measured == s.predicted_peak_bytes
+    old = dataclasses.replace(g, ops=tuple(
+        dataclasses.replace(o, impls=tuple(dataclasses.replace(im, recompute_workspace=None)
+                                           for im in o.impls)) for o in g.ops))
+    assert simulate(old, s).peak_bytes > measured * (1 + PEAK_TOLERANCE)
+
+
+def test_recomputation_keeps_what_the_kernel_makes_anyway():
+    # CPU dropout draws its noise as a tensor of the input's dtype with or without grad: a
+    # recomputation makes it too (and frees it).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.Dropout(0.5), nn.Linear(256, 1)).train()
+    g = monetlike.profile(model, torch.randn(32, 8), cost="measured", repeat=1)
+    drop = next(o for o in g.ops if o.kind == "Dropout")
+    assert drop.impls[0].recompute_workspace == 32 * 256 * 4

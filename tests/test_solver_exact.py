@@ -81,6 +81,7 @@ def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(6, 14))
+@example(seed=888, n=13)  # CBC with a MIP start and preprocessing on: 79 "optimal", 78 is
 def test_larger_dags_backends_agree(seed, n):
     """Past the exhaustive search's reach: the backends still agree with each other."""
     g = random_dag(random.Random(seed), n, two_impl=True)

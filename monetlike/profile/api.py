@@ -342,11 +342,18 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                     internal_bytes=int(g.internal_bytes), fwd_time=float(fwd),
                     bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
-                    if g.ran_backward else 0)
+                    if g.ran_backward else 0,
+                    recompute_workspace=int(max(0, g.recompute_workspace)))
         # Registered operator implementations measured in their own steps (monetlike.impls).
+        # The runtime recomputes an allocating Impl with the Op's own forward under no_grad
+        # (the default's transient) and an in-place one with its in-place kernel, which makes
+        # nothing but its workspace.
         extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
                               **({"overwrites": new_tid[alt["overwrites"]]}
-                                 if alt.get("overwrites") is not None else {})})
+                                 if alt.get("overwrites") is not None else {}),
+                              "recompute_workspace": (impl.recompute_workspace
+                                                      if alt.get("overwrites") is None
+                                                      else int(alt["fwd_workspace"]))})
                       for alt in (alternatives or {}).get(gid, ())
                       if _inplace_in_order(run, new_gid, gid, alt))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),

@@ -71,6 +71,7 @@ class Group:
     saved: set = field(default_factory=set)
     internal_bytes: int = 0
     fwd_workspace: int = 0
+    recompute_workspace: int = 0  # the forward's transient under no_grad (how it is recomputed)
     unsafe: list = field(default_factory=list)
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
@@ -85,7 +86,7 @@ class Group:
 
 class _NodeRec:
     __slots__ = ("node", "pos", "created", "writes", "reads", "saved", "unsafe", "cost",
-                 "start_live", "peak")
+                 "start_live", "peak", "nograd_transient")
 
     def __init__(self, node: fx.Node, pos: int):
         self.node, self.pos = node, pos
@@ -97,6 +98,7 @@ class _NodeRec:
         self.cost = 0.0
         self.start_live = 0
         self.peak = 0
+        self.nograd_transient: int | None = None
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -274,6 +276,10 @@ class ProfileRun(fx.Interpreter):
             if self.cuda is not None:  # pragma: no cover
                 rec.peak = max(rec.peak, rec.start_live
                                + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
+            if (self.phase == "forward" and n.op in ("call_module", "call_function",
+                                                     "call_method")
+                    and not rec.writes and not rec.unsafe):
+                rec.nograd_transient = self._nograd_transient(n, args, kwargs)
         # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
         # (CopySlices) belongs to this node's Op.
         written = [t for t in tree_leaves((args, kwargs))
@@ -286,6 +292,35 @@ class ProfileRun(fx.Interpreter):
         if not n.users and n.op != "output":
             return None  # nobody reads it: free it now, as eager PyTorch would
         return result
+
+    def _nograd_transient(self, n: fx.Node, args, kwargs) -> int:
+        """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
+        the memory before it and the outputs it leaves. Under no_grad nothing is saved for a
+        backward, so an Impl's internals (a ReLU mask, max-pool indices) are not made unless the
+        kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics). Only for
+        nodes that write no existing storage (run twice, an in-place write would apply twice);
+        the generator state is put back, so later nodes draw what they drew before."""
+        tr = self.tracker
+        tr.reset_window()
+        start = tr.live
+        if self.cuda is not None:  # pragma: no cover - no GPU in CI
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+            alloc0 = torch.cuda.memory_allocated(self.cuda)
+        devices = [self.cuda] if self.cuda is not None else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                again = getattr(self, n.op)(n.target, args, kwargs)
+        except Exception as e:
+            raise ProfileError(
+                f"node {n.name} ({n.op} {_node_kind(self.gm, n)}) failed when run again under "
+                f"no_grad to measure its recomputation{self.device_note}: "
+                f"{type(e).__name__}: {e}") from e
+        peak = tr.window_peak
+        if self.cuda is not None:  # pragma: no cover
+            peak = max(peak, start + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
+        left = tr.live  # its outputs (held by `again`)
+        del again
+        return max(0, peak - left)
 
     # -- grouping ---------------------------------------------------------------------------
     def _new_value(self, name, index, t: torch.Tensor, nbytes, producer) -> int:
@@ -416,6 +451,11 @@ class ProfileRun(fx.Interpreter):
             # INPUT and FIXED: always resident, not the schedule's business; INTERNAL: already
             # counted for the Op that created it.
         g.fwd_workspace = max(g.fwd_workspace, rec.peak - rec.start_live - persistent)
+        # A node not run again (it writes in place, or the Op is never recomputed) counts its
+        # forward workspace.
+        g.recompute_workspace = max(g.recompute_workspace,
+                                    rec.peak - rec.start_live - persistent
+                                    if rec.nograd_transient is None else rec.nograd_transient)
         g.fwd_cost += rec.cost
         _walk_new_autograd_nodes(list(leaves) + list(written), self.fn_owner, self.fn_keep,
                                  g.gid, self._hook_fn)
