@@ -23,6 +23,11 @@ from solver_reference import exact_optimum
 
 FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.35)
 
+# The tests that run every backend draw the same examples in every run (derandomize): on
+# 2026-11-24 one random example kept scipy.optimize.milp (the cvxpy-scipy backend) busy for more
+# than 10 minutes despite its 30 s time limit, and a suite that can hang on an unlucky draw is not
+# a CI check. The drawn examples pass in about a minute.
+
 
 def _check(graph, r, budget):
     tl = simulate(graph, r.schedule)
@@ -59,7 +64,8 @@ def test_chain_optimum_equals_exhaustive_search(seed, n, mode, warm):
         _check(g, r, budget)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(2, 4))
 @example(seed=123, n=4)  # scipy's HiGHS presolve called this feasible model infeasible
 def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
@@ -79,7 +85,8 @@ def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
                 _check(g, r, budget)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(6, 14))
 @example(seed=888, n=13)  # CBC with a MIP start and preprocessing on: 79 "optimal", 78 is
 def test_larger_dags_backends_agree(seed, n):
