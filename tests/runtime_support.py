@@ -187,6 +187,22 @@ def peak_of(graph: OpGraph, schedule: Schedule) -> int:
     return simulate(graph, schedule).peak_bytes
 
 
+def impl_schedules(graph: OpGraph, name: str) -> tuple[list[int], list[Schedule]]:
+    """(the Ops that run Impl `name`, [store-all, keep-nothing]) with that Impl on every Op that
+    has it; keep-nothing recomputes, in its backward stages, every Value they read (the Impl's
+    Op included)."""
+    from solver.analysis import GraphFacts
+    from solver.baselines import schedule_from_keep
+
+    impl = tuple(next((i for i, im in enumerate(op.impls) if im.name == name), 0)
+                 for op in graph.ops)
+    picked = [j for j, i in enumerate(impl) if i]
+    facts = GraphFacts(graph, "full")
+    store = store_all_schedule(graph, impl)
+    nothing = schedule_from_keep(graph, (), impl=impl, retain="none", facts=facts)
+    return picked, [with_predictions(graph, s, mode="full") for s in (store, nothing)]
+
+
 # Measured against simulated peak on the CPU, where storages are counted exactly (no allocator
 # rounding): the largest difference seen is 0.6% below the simulator (workspace as measured in
 # the profile vs at run time).

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 import monetlike
 import solver
 from monetlike.impls import names
-from monetlike.profile.memory import StorageTracker
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
-from runtime_support import PEAK_TOLERANCE, measured_peak
+from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
 
 A100 = "analytical:A100-40GB"
 
@@ -624,9 +623,6 @@ def test_recomputation_under_no_grad_makes_no_internals(cost):
     # recomputation's transient, over-counts this schedule by the mask.
     import dataclasses
 
-    from solver.analysis import GraphFacts
-    from solver.baselines import schedule_from_keep
-
     torch.manual_seed(0)
     model = WideMlp().train()
     x = torch.randn(64, 8)
@@ -635,10 +631,8 @@ def test_recomputation_under_no_grad_makes_no_internals(cost):
     k = next(i for i, im in enumerate(relu.impls) if im.name == "relu_mask")
     assert relu.impls[k].internal_bytes == 64 * 512  # the mask, held forward to backward
     assert relu.impls[k].recompute_workspace == relu.impls[0].recompute_workspace == 0
-    impl = tuple(k if o.id == relu.id else 0 for o in g.ops)
-    s = with_predictions(g, schedule_from_keep(g, (), impl=impl, retain="none",
-                                               facts=GraphFacts(g, "full")), mode="full")
-    assert any(relu.id in st.recompute for st in s.stages)
+    _, (_, s) = impl_schedules(g, "relu_mask")
+    assert s.impl[relu.id] == k and any(relu.id in st.recompute for st in s.stages)
     measured = measured_peak(g, model, monetlike.ScheduleWrapper(model, s), x)
     assert measured == s.predicted_peak_bytes
     old = dataclasses.replace(g, ops=tuple(

@@ -14,10 +14,8 @@ import torch.nn.functional as F
 
 import monetlike
 import solver
-from solver.analysis import GraphFacts
-from solver.baselines import schedule_from_keep
-from solver.simulate import simulate, store_all_schedule, with_predictions
-from runtime_support import PEAK_TOLERANCE, measured_peak
+from solver.simulate import simulate, store_all_schedule
+from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
 from test_impls import _assert_same, _bytes_held, _held_by_op, _run
 
 A100 = "analytical:A100-40GB"
@@ -103,18 +101,6 @@ CASES = {
 }
 
 
-def _schedules(graph, name):
-    """Store-all and keep-nothing (every stage recomputes what it reads) with Impl `name` on
-    every Op that has it; the second recomputes the in-place Op itself in a backward stage."""
-    impl = tuple(next((i for i, im in enumerate(op.impls) if im.name == name), 0)
-                 for op in graph.ops)
-    picked = [j for j, i in enumerate(impl) if i]
-    facts = GraphFacts(graph, "full")
-    store = store_all_schedule(graph, impl)
-    nothing = schedule_from_keep(graph, (), impl=impl, retain="none", facts=facts)
-    return picked, [with_predictions(graph, s, mode="full") for s in (store, nothing)]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_inplace_exact_through_runtime(case):
     factory, name = CASES[case]
@@ -122,7 +108,7 @@ def test_inplace_exact_through_runtime(case):
     model = factory().train()
     x = torch.randn(*X).requires_grad_()
     graph = monetlike.profile(model, x, cost=A100)
-    picked, schedules = _schedules(graph, name)
+    picked, schedules = impl_schedules(graph, name)
     assert len(picked) == 1, f"{name} was not offered on {case}"
     j = picked[0]
     recomputed = [t for t, st in enumerate(schedules[1].stages) if j in st.recompute]
@@ -159,7 +145,7 @@ def test_zoo_models_with_every_residual_add_in_place_are_exact(net, name, adds):
     model.train()
     x = torch.randn(*x).requires_grad_()
     graph = monetlike.profile(model, x, cost=A100)
-    picked, schedules = _schedules(graph, name)
+    picked, schedules = impl_schedules(graph, name)
     assert len(picked) == adds and all(graph.ops[j].kind == "add" for j in picked)
     assert any(j in st.recompute for st in schedules[1].stages for j in picked)
     for s in schedules[1:]:
@@ -186,7 +172,7 @@ def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
         tl = simulate(g, s)
         points[impl] = next(p.bytes for p in tl.points if p.phase == "forward" and p.op == relu.id)
     assert points[0] - points[k] == y
-    _, schedules = _schedules(g, "relu_inplace")
+    _, schedules = impl_schedules(g, "relu_inplace")
     for s in schedules:
         wrapped = monetlike.ScheduleWrapper(model, s)
         measured = measured_peak(g, model, wrapped, x)

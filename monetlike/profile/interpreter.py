@@ -450,11 +450,11 @@ class ProfileRun(fx.Interpreter):
                     persistent += nbytes
             # INPUT and FIXED: always resident, not the schedule's business; INTERNAL: already
             # counted for the Op that created it.
-        g.fwd_workspace = max(g.fwd_workspace, rec.peak - rec.start_live - persistent)
+        workspace = rec.peak - rec.start_live - persistent
+        g.fwd_workspace = max(g.fwd_workspace, workspace)
         # A node not run again (it writes in place, or the Op is never recomputed) counts its
         # forward workspace.
-        g.recompute_workspace = max(g.recompute_workspace,
-                                    rec.peak - rec.start_live - persistent
+        g.recompute_workspace = max(g.recompute_workspace, workspace
                                     if rec.nograd_transient is None else rec.nograd_transient)
         g.fwd_cost += rec.cost
         _walk_new_autograd_nodes(list(leaves) + list(written), self.fn_owner, self.fn_keep,

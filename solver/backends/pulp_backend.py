@@ -76,8 +76,6 @@ class PulpCbcBackend(Backend):
     requires = ("pulp",)
     WARM_START = True
     DUAL_BOUND = True
-    options: tuple = ()
-    """Extra CBC command-line options; for experiments."""
 
     def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
         import pulp
@@ -93,9 +91,8 @@ class PulpCbcBackend(Backend):
                 solver = pulp.PULP_CBC_CMD(msg=bool(verbose), timeLimit=max(1, int(time_limit_s)),
                                            gapRel=float(mip_gap), threads=1,
                                            warmStart=warm_start is not None, logPath=log_path,
-                                           options=list(self.options) + (
-                                               list(WARM_START_OPTIONS)
-                                               if warm_start is not None else []))
+                                           options=(list(WARM_START_OPTIONS)
+                                                    if warm_start is not None else []))
             prob.solve(solver)
             with open(log_path, encoding="utf-8", errors="replace") as f:
                 log = f.read()
