@@ -15,7 +15,10 @@ computes), and the objective is exactly the simulator's step time. What keeps it
 - memory inside a backward stage written as running sums (one continuous column per point, O(1)
   nonzeros per change of residency) instead of one full sum per point;
 - dominance cuts that keep an optimal schedule (no useless residency, no useless or duplicate
-  recomputation), so bounds from this model are valid lower bounds.
+  recomputation), so bounds from this model are valid lower bounds;
+- recompute-support cuts (solver/cuts.py), valid inequalities that solve.py separates from LP
+  solutions and passes in as `support_cuts`: they cut off the LP's ramps (a Value made resident
+  by tiny recomputations at many stages), which left GoogLeNet's LP bound 3 points low.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import scipy.sparse as sp
 
 from .analysis import GraphFacts, dominates, inplace_freed
 from .canonical import canonicalize, residency
+from .cuts import SupportCut, support_terms
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
 
@@ -214,7 +218,7 @@ class Formulation:
     def __init__(self, graph: OpGraph, budget: int | None = None, *, mode: str = "full",
                  objective: str = "time", running_sums: bool = True,
                  recompute_points: "frozenset[tuple[int, int]] | None" = None,
-                 offload: bool = False):
+                 offload: bool = False, support_cuts: "frozenset[SupportCut]" = frozenset()):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if offload and graph.host_bandwidth is None:
@@ -234,6 +238,9 @@ class Formulation:
         """None: a memory row at every candidate recomputation. A set of (stage, op): rows only
         there, a relaxation (valid for bounds) whose solutions the simulator must check; the
         lazy-row loop in solve.py adds the points they violate."""
+        self.support_cuts = frozenset(support_cuts)
+        """Recompute-support cuts (solver/cuts.py) to add as rows: valid inequalities, chosen by
+        separation from LP solutions; they change no 0/1 solution, only the relaxation."""
         g = graph
         self.T = len(g.backward_order)
         # Scale memory to about 4096 units at the budget (or the store-all size) and time to
@@ -550,6 +557,13 @@ class Formulation:
                 terms += [(self.R[t, u], -1.0) for u in g.users[v] if u in cand_sets[t]]
                 b.row(f"useful_fetch[{t},{v}]", terms, hi=0.0)
 
+        if self.support_cuts:
+            b.row_block("recompute_support")  # S[t2,v] <= S[t1,v] + sum S[t1,u] + R[t1..t2-1,q]
+            for c in sorted(self.support_cuts):
+                self._check_cut(c)
+                b.row(f"recompute_support[{c.value},{'/'.join(map(str, c.path))},{c.first},"
+                      f"{c.last}]", support_terms(self, c), hi=0.0)
+
         # ---- internals running sums ----
         if var_int:
             b.row_block("internals")
@@ -706,6 +720,21 @@ class Formulation:
                              f"overwrites a Value the other saves); no schedule exists in mode "
                              f"{self.mode!r}")
         b.row(name, [(c, 1.0) for c in cols if c is not None], hi=1.0 - forced)
+
+    def _check_cut(self, c: SupportCut) -> None:
+        """A cut is valid only along an input chain (solver/cuts.py): say so if it is not."""
+        g = self.graph
+        chain = (c.value,) + c.path
+        for a, u in zip(chain, chain[1:]):
+            p = g.values[a].producer
+            if p is None or u not in g.ops[p].inputs:
+                raise ValueError(f"support cut {c}: Value {u} is not an input of the producer "
+                                 f"of Value {a}")
+        if (0, g.values[c.value].producer) not in self.R or (c.last, c.value) not in self.S \
+                or not 0 <= c.first < c.last:
+            raise ValueError(f"support cut {c}: Value {c.value} has no recomputation or no "
+                             f"residency column at stage {c.last}, or the stages are not "
+                             f"first < last")
 
     def _has_point(self, t: int, j: int) -> bool:
         return self.recompute_points is None or (t, j) in self.recompute_points

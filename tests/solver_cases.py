@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import random
 
+from solver.analysis import GraphFacts
+from solver.baselines import chen_schedule, schedule_from_keep
 from solver.graph import Impl, Op, OpGraph, Value
+from solver.simulate import store_all_schedule
 
 
 class GraphBuilder:
@@ -168,6 +171,29 @@ def random_inplace_dag(rng: random.Random, n: int) -> OpGraph:
         b.op(f"op{i}", [u for u in ins], size, impls=impls)
     grads = [rng.randint(0, 4) for _ in range(n)]
     return b.build(outputs=output, stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
+
+
+def random_schedules(g: OpGraph, rng: random.Random, *, random_impls: bool = False) -> list:
+    """Schedules from every rule with random kept sets, plus store-all and Chen's; with
+    `random_impls`, each op's Impl drawn at random too (five store-all and five kept-set
+    schedules)."""
+    facts = GraphFacts(g, "full")
+    values = [v.id for v in g.values if v.producer is not None]
+    if not random_impls:
+        out = [store_all_schedule(g), chen_schedule(g, facts, 2)]
+        for _ in range(4):
+            keep = {v for v in values if rng.random() < 0.5}
+            out.append(schedule_from_keep(g, keep, retain=rng.choice(["all", "saved", "none"]),
+                                          facts=facts))
+        return out
+    out = []
+    for _ in range(5):
+        impl = tuple(rng.randrange(len(op.impls)) for op in g.ops)
+        out.append(store_all_schedule(g, impl))
+        keep = {v for v in values if rng.random() < 0.5}
+        out.append(schedule_from_keep(g, keep, retain=rng.choice(["all", "saved", "none"]),
+                                      facts=facts, impl=impl))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from solver import simulate, store_all_schedule
-from solver.analysis import GraphFacts
-from solver.baselines import chen_schedule, schedule_from_keep
 from solver.canonical import canonicalize
+from solver.cuts import all_support_cuts
 from solver.formulation import Formulation
-from solver_cases import GraphBuilder, random_chain, random_dag, resnet_like
+from solver_cases import (GraphBuilder, random_chain, random_dag, random_schedules,
+                          resnet_like)
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "formulation.md"
 
@@ -53,24 +53,14 @@ def test_blocks_match_the_documentation():
     g = _graph_with_every_block()
     milp = Formulation(g, 60).milp
     peak = Formulation(g, None, objective="peak").milp
-    off = Formulation(dataclasses.replace(g, host_bandwidth=1.0), 60, offload=True).milp
+    off = Formulation(dataclasses.replace(g, host_bandwidth=1.0), 60, offload=True)
+    off = Formulation(off.graph, 60, offload=True,
+                      support_cuts=frozenset(all_support_cuts(off))).milp
     rows = {b.name for b in milp.row_blocks} | {b.name for b in off.row_blocks}
     cols = ({b.name for b in milp.var_blocks} | {b.name for b in peak.var_blocks}
             | {b.name for b in off.var_blocks})
     assert rows == _doc_blocks("4. Rows")
     assert cols == _doc_blocks("3. Columns")
-
-
-def _random_schedules(g, rng):
-    """Schedules from every rule, with random kept sets, plus store-all and Chen's."""
-    facts = GraphFacts(g, "full")
-    out = [store_all_schedule(g), chen_schedule(g, facts, 2)]
-    values = [v.id for v in g.values if v.producer is not None]
-    for _ in range(4):
-        keep = {v for v in values if rng.random() < 0.5}
-        out.append(schedule_from_keep(g, keep, retain=rng.choice(["all", "saved", "none"]),
-                                      facts=facts))
-    return out
 
 
 def assert_encoding_claims_the_simulation(g, s, budget, objective="time"):
@@ -93,7 +83,7 @@ def assert_encoding_claims_the_simulation(g, s, budget, objective="time"):
 def test_encoded_schedules_are_feasible_and_claim_the_simulated_peak(seed, n, kind):
     rng = random.Random(seed)
     g = random_chain(rng, n) if kind == "chain" else random_dag(rng, n, two_impl=True)
-    for s in _random_schedules(g, rng):
+    for s in random_schedules(g, rng):
         tl = simulate(g, s)
         f, dt = assert_encoding_claims_the_simulation(g, s, tl.peak_bytes)
         # canonical schedules never cost more than the original

@@ -21,7 +21,7 @@ from solver.baselines import schedule_from_keep
 from solver.canonical import canonicalize
 from solver.graph import OpGraph
 from solver.schedule import Schedule, StageSchedule
-from solver_cases import GraphBuilder, random_inplace_dag
+from solver_cases import GraphBuilder, random_inplace_dag, random_schedules
 from solver_reference import exact_optimum
 from test_formulation import assert_encoding_claims_the_simulation
 
@@ -177,25 +177,12 @@ def test_rule_built_schedules_revert_an_inplace_impl_that_cannot_run():
 
 
 # -- the MILP against the simulator and an exhaustive search --------------------------------------
-def _random_schedules(g, rng):
-    facts = GraphFacts(g, "full")
-    values = [v.id for v in g.values if v.producer is not None]
-    out = []
-    for _ in range(5):
-        impl = tuple(rng.randrange(len(op.impls)) for op in g.ops)
-        out.append(store_all_schedule(g, impl))
-        keep = {v for v in values if rng.random() < 0.5}
-        out.append(schedule_from_keep(g, keep, retain=rng.choice(["all", "saved", "none"]),
-                                      facts=facts, impl=impl))
-    return out
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(1, 8))
 def test_encoded_inplace_schedules_claim_the_simulated_peak_and_time(seed, n):
     rng = random.Random(seed)
     g = random_inplace_dag(rng, n)
-    for s in _random_schedules(g, rng):
+    for s in random_schedules(g, rng, random_impls=True):
         tl = simulate(g, s)
         for objective, budget in (("time", tl.peak_bytes), ("peak", None)):
             assert_encoding_claims_the_simulation(g, s, budget, objective)
