@@ -530,7 +530,8 @@ def _optimize(form: Formulation, form_bb: Formulation, be, shared: _Shared, dead
 def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared,
                         deadline: float, mip_gap: float, verbose: bool, progress: _Progress,
                         target: float | None = None, race=()):
-    """Branch and bound on the whole MILP in a thread; in this one, the LP relaxation (a bound,
+    """Branch and bound on the whole MILP in a thread (after root cut rounds, `_tighten`); in
+    this one, the LP relaxation (a bound,
     and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
     improving-solution and user-solution callbacks. When branch and bound runs with lazy
     recomputation rows (see `_branch_and_bound_form`), each of its solutions is replayed by the
@@ -545,10 +546,6 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
     goes on from the best solution known.
     Returns the last branch-and-bound BackendResult and the LNS statistics."""
     graph, budget = form.graph, form.budget
-    tightened = _tighten(form, form_bb, shared, progress, deadline)
-    if tightened is not form_bb:
-        shared.add_form(tightened, replacing=form_bb)
-        form_bb = tightened
     done = threading.Event()
     result: dict = {}
     state = {"form": form_bb, "injected": 0, "violated": set(), "stop": False}
@@ -593,6 +590,12 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
 
     def run_full():
         try:
+            # root cut rounds in this thread, so LP rounding and LNS go on beside them
+            first = state["form"]
+            tightened = _tighten(form, first, shared, progress, deadline)
+            if tightened is not first:
+                shared.add_form(tightened, replacing=first)
+                state["form"] = tightened
             while True:
                 fb = state["form"]
                 x0, _, version = shared.get(fb)
