@@ -5,19 +5,20 @@ needs whatever the schedule with InfeasibleBudgetError at once; take the fastest
 schedule that fits as the first incumbent (warmstart.py), or, when none fits, the least-memory
 schedule from an exact min-peak solve (which also proves infeasibility), pushed below the budget
 by a first min-peak phase when that solve left the budget undecided (`_min_peak_below`); then
-solve. With the
-HiGHS backend both cores work: one thread runs branch and bound (on an equivalent model with full
-memory sums and lazy recomputation rows, see `_branch_and_bound_form`), the other solves the LP
+solve. With the HiGHS backend both cores work: one thread runs branch and bound (on an equivalent
+model with full memory sums and lazy recomputation rows, see `_branch_and_bound_form`, tightened
+first by rounds of recompute-support cuts, `_tighten` and cuts.py), the other solves the LP
 relaxation (a bound at once, and LP rounding) and then improves the incumbent by
 large-neighbourhood search (lns.py), first racing one start per Impl family for a short slice
 each (the start decides where a local search ends); each hands the other its better solutions
-through HiGHS's callbacks. Every answer is decoded into a Schedule and replayed by the simulator: the peak must
-fit the budget and the time must equal the MILP's objective, or it is a bug and says so.
+through HiGHS's callbacks. Every answer is decoded into a Schedule and replayed by the simulator:
+the peak must fit the budget and the time must equal the MILP's objective, or it is a bug and
+says so.
 
 Gaps are (incumbent - lower bound) / incumbent on the whole step time (forward + recomputation +
 backward), as MONeT reports them. Lower bounds come only from relaxations of the exact model
-(its LP, or branch and bound on it with some recomputation rows left out), never from the
-heuristics or LNS, which fix columns.
+(its LP, or branch and bound on it with some recomputation rows left out, both with valid cuts
+added), never from the heuristics or LNS, which fix columns.
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ RACE_SLICE_SHARE = 0.25
 GoogLeNet at 5 GiB races two 10 s slices and ends at +86.97% against +117.23% from the lean
 start alone)."""
 RACE_MIN_REMAINING_S = 30.0
+"""Race only with at least this much time left (LNS windows take up to 5 s each; a 30 s solve
+of GoogLeNet at 5 GiB has about 20 s after the LP, and 5 s slices changed nothing): shorter
+solves go on from the best start."""
 CUT_ROUNDS = 8
 """Root rounds of recompute-support cuts (LP, separate, add) before branch and bound."""
 CUT_TIME_SHARE = 0.15
 """At most this share of the time left goes to the cut rounds. Measured on the profiled
 GoogLeNet (batch 320): 2 rounds (5 s) at 9 GiB, 4 rounds (47 s) at 5 GiB."""
-"""Race only with at least this much time left (LNS windows take up to 5 s each; a 30 s solve
-of GoogLeNet at 5 GiB has about 20 s after the LP, and 5 s slices changed nothing): shorter
-solves go on from the best start."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,8 +532,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                         deadline: float, mip_gap: float, verbose: bool, progress: _Progress,
                         target: float | None = None, race=()):
     """Branch and bound on the whole MILP in a thread (after root cut rounds, `_tighten`); in
-    this one, the LP relaxation (a bound,
-    and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
+    this one, the LP relaxation (a bound, and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
     improving-solution and user-solution callbacks. When branch and bound runs with lazy
     recomputation rows (see `_branch_and_bound_form`), each of its solutions is replayed by the
     simulator first: a valid one is shared, one that breaks the budget at a recomputation point
