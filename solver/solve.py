@@ -58,6 +58,10 @@ RACE_MIN_REMAINING_S = 30.0
 """Race only with at least this much time left (LNS windows take up to 5 s each; a 30 s solve
 of GoogLeNet at 5 GiB has about 20 s after the LP, and 5 s slices changed nothing): shorter
 solves go on from the best start."""
+ALL_ROWS_NNZ = 200_000
+"""Below this many nonzeros (full memory sums, every recomputation row) branch and bound gets
+the whole model rather than lazy rows. UNet (batch 11): 97,532; GoogLeNet (batch 320): 1.25 M.
+Lazy rows restart branch and bound, which loses its tree (UNet at 5 GiB restarted 2-6 times)."""
 CUT_ROUNDS = 8
 """Root rounds of recompute-support cuts (LP, separate, add) before branch and bound."""
 CUT_TIME_SHARE = 0.15
@@ -267,13 +271,15 @@ def _branch_and_bound_form(form: Formulation, points=None,
                            support_cuts=frozenset()) -> Formulation:
     """The formulation branch and bound runs on: full memory sums (HiGHS solved the root LP of
     the full-sum form up to three times faster than the running-sum form on the profiled
-    GoogLeNet) and, for the time objective, memory rows only at the recomputation points in
-    `points` (lazy rows: on the profiled GoogLeNet and ResNet-50 at 5 GiB the LP bound is the
-    same without any of them and the LP solves seven times faster; the simulator checks every
-    solution and the loop in `_solve_concurrently` adds the points a solution violates), plus
-    the recompute-support cuts `support_cuts` (solver/cuts.py)."""
+    GoogLeNet) and, for the time objective on a model above ALL_ROWS_NNZ, memory rows only at
+    the recomputation points in `points` (lazy rows: on the profiled GoogLeNet and ResNet-50 at
+    5 GiB the LP bound is the same without any of them and the LP solves seven times faster; the
+    simulator checks every solution and the loop in `_solve_concurrently` adds the points a
+    solution violates), plus the recompute-support cuts `support_cuts` (solver/cuts.py)."""
     if form.objective != "time":
         points = None
+    elif form.full_sum_nnz + form.milp.nnz <= ALL_ROWS_NNZ:
+        points = None  # small enough for every row: no restarts that lose the tree
     elif points is None:
         points = frozenset()
     big = points is None and form.full_sum_nnz + form.milp.nnz > 2_500_000

@@ -12,7 +12,7 @@ from solver import (BackendUnavailableError, BudgetParseError, InfeasibleBudgetE
                     simulate, store_all_schedule)
 from solver.backends import available, get_backend, known
 from solver.backends.base import BackendResult
-from solver_cases import GraphBuilder, resnet_like
+from solver_cases import resnet_like
 from test_solver_catalogue import chain
 
 
@@ -138,17 +138,29 @@ def test_resnet50_sized_graph_to_one_percent():
     assert r.predicted_time < 1.12 * base
 
 
-def test_lazy_recomputation_rows_restart_when_a_solution_breaks_the_budget():
+def test_lazy_recomputation_rows_restart_when_a_solution_breaks_the_budget(monkeypatch):
     # Branch and bound starts without any recomputation row (no warm start to pick tight
-    # points from); its first answer recomputes op0 at 31 bytes, over the budget of 30, so the
-    # simulator rejects it and the solve restarts with that one row.
+    # points from; lazy rows forced on this small model); its first answer recomputes op0 at 31
+    # bytes, over the budget of 30, so the simulator rejects it and the solve restarts with that
+    # one row.
     from test_solver_catalogue import multi_output
+
+    monkeypatch.setattr(importlib.import_module("solver.solve"), "ALL_ROWS_NNZ", 0)
 
     r = solver.solve(multi_output(), 30, warm_start=False, time_limit_s=20)
     assert r.status == "optimal" and r.objective == pytest.approx(13.0)
     bb = r.stats["branch_and_bound_model"]
     assert bb["restarts"] == 1 and bb["recompute_rows"] == 1
     assert simulate(multi_output(), r.schedule).peak_bytes == 30
+
+
+def test_small_models_get_every_recomputation_row_and_never_restart():
+    from test_solver_catalogue import multi_output
+
+    r = solver.solve(multi_output(), 30, warm_start=False, time_limit_s=20)
+    assert r.status == "optimal" and r.objective == pytest.approx(13.0)
+    bb = r.stats["branch_and_bound_model"]
+    assert bb["restarts"] == 0 and bb["recompute_rows"] is None
 
 
 def test_phase1_pushes_the_peak_below_the_budget_or_proves_it_cannot(monkeypatch):
