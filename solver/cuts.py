@@ -117,44 +117,40 @@ def separate(form, x: np.ndarray, paths=None, *, min_violation: float = MIN_VIOL
     first."""
     if paths is None:
         paths = support_paths(form)
-    g, T = form.graph, form.T
-    n = T + 1
+    g, n = form.graph, form.T + 1
+    series: dict = {}
 
-    def series(cols: dict, key: int) -> np.ndarray:
-        s = np.zeros(n)
-        for t in range(n):
-            col = cols.get((t, key))
-            if col is not None:
-                s[t] = x[col]
-        return s
-
-    cache: dict = {}
-
-    def cached(kind: str, cols: dict, key: int) -> np.ndarray:
-        if (kind, key) not in cache:
-            cache[kind, key] = series(cols, key)
-        return cache[kind, key]
+    def over_stages(cols: dict, key: int) -> np.ndarray:
+        """x of columns cols[(t, key)] for t = 0..T (0 where the column does not exist)."""
+        if (id(cols), key) not in series:
+            s = np.zeros(n)
+            for t in range(n):
+                col = cols.get((t, key))
+                if col is not None:
+                    s[t] = x[col]
+            series[id(cols), key] = s
+        return series[id(cols), key]
 
     found = []
     for v, path in paths:
-        q = g.values[path[-1]].producer
-        sv = cached("S", form.S, v)
-        held = sv + sum(cached("S", form.S, u) for u in path)
-        made = cached("R", form.R, q) if q is not None else np.zeros(n)
+        sv = over_stages(form.S, v)
+        held = sv + sum(over_stages(form.S, u) for u in path)
+        # path Values are scheduled, so produced: q exists (it may have no R column)
+        made = over_stages(form.R, g.values[path[-1]].producer)
         if form.Fe:
-            made = made + sum(cached("Fe", form.Fe, w) for w in (v,) + path)
+            made = made + sum(over_stages(form.Fe, w) for w in (v,) + path)
         before = np.concatenate([[0.0], np.cumsum(made)])  # before[t] = sum_{t' < t} made[t']
-        # rhs(t1, t2) = held[t1] - before[t1] + before[t2]; minimise over t1 < t2
+        # rhs(t1, t2) = slack[t1] + before[t2]; the best t1 < t2 is the prefix argmin of slack
         slack = held - before[:n]
-        best = np.minimum.accumulate(slack)
         arg = np.zeros(n, dtype=int)
         for t in range(1, n):
             arg[t] = t if slack[t] < slack[arg[t - 1]] else arg[t - 1]
         for t2 in range(1, n):
             if (t2, v) not in form.S:
                 break
-            violation = sv[t2] - (best[t2 - 1] + before[t2])
+            t1 = int(arg[t2 - 1])
+            violation = sv[t2] - (slack[t1] + before[t2])
             if violation > min_violation:
-                found.append((violation, SupportCut(v, path, int(arg[t2 - 1]), t2)))
+                found.append((violation, SupportCut(v, path, t1, t2)))
     found.sort(key=lambda c: -c[0])
     return [c for _, c in found[:limit]]

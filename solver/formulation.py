@@ -24,8 +24,9 @@ computes), and the objective is exactly the simulator's step time. What keeps it
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -90,6 +91,10 @@ class MILP:
 
     def objective(self, x: np.ndarray) -> float:
         return float(self.c @ x + self.offset)
+
+    def relaxation(self) -> "MILP":
+        """The LP relaxation: the same model with every column continuous."""
+        return dataclasses.replace(self, integrality=np.zeros_like(self.integrality))
 
     def violations(self, x: np.ndarray, tol: float = 1e-6) -> list[str]:
         """Human-readable list of the bounds, rows and integralities x violates."""
@@ -232,7 +237,7 @@ class Formulation:
         if objective == "time" and budget is None:
             raise ValueError("objective 'time' needs a budget")
         self.graph, self.budget, self.mode, self.objective = graph, budget, mode, objective
-        self.facts = f = GraphFacts(graph, mode)
+        self.facts = GraphFacts(graph, mode)
         self.running_sums = running_sums
         self.recompute_points = None if recompute_points is None else frozenset(recompute_points)
         """None: a memory row at every candidate recomputation. A set of (stage, op): rows only

@@ -23,7 +23,6 @@ added), never from the heuristics or LNS, which fix columns.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import threading
@@ -276,13 +275,14 @@ def _branch_and_bound_form(form: Formulation, points=None,
     5 GiB the LP bound is the same without any of them and the LP solves seven times faster; the
     simulator checks every solution and the loop in `_solve_concurrently` adds the points a
     solution violates), plus the recompute-support cuts `support_cuts` (solver/cuts.py)."""
+    nnz = form.full_sum_nnz + form.milp.nnz  # of the full-sum form with every row
     if form.objective != "time":
         points = None
-    elif form.full_sum_nnz + form.milp.nnz <= ALL_ROWS_NNZ:
+    elif nnz <= ALL_ROWS_NNZ:
         points = None  # small enough for every row: no restarts that lose the tree
     elif points is None:
         points = frozenset()
-    big = points is None and form.full_sum_nnz + form.milp.nnz > 2_500_000
+    big = points is None and nnz > 2_500_000
     if big and not support_cuts:
         return form
     return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
@@ -308,8 +308,7 @@ def _tighten(form: Formulation, form_bb: Formulation, shared: "_Shared", progres
         left = stop_at - time.perf_counter()
         if left <= 0:
             break
-        lp = dataclasses.replace(fb.milp, integrality=np.zeros_like(fb.milp.integrality))
-        r = highspy_backend().solve(lp, time_limit_s=left, mip_gap=0.0)
+        r = highspy_backend().solve(fb.milp.relaxation(), time_limit_s=left, mip_gap=0.0)
         if r.status != B_OPTIMAL or r.x is None:
             break
         _lp_bound(shared, progress, r.objective)
@@ -538,11 +537,12 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                         deadline: float, mip_gap: float, verbose: bool, progress: _Progress,
                         target: float | None = None, race=()):
     """Branch and bound on the whole MILP in a thread (after root cut rounds, `_tighten`); in
-    this one, the LP relaxation (a bound, and LP rounding) and then LNS. Each hands the other its better solutions through HiGHS's
-    improving-solution and user-solution callbacks. When branch and bound runs with lazy
-    recomputation rows (see `_branch_and_bound_form`), each of its solutions is replayed by the
-    simulator first: a valid one is shared, one that breaks the budget at a recomputation point
-    stops the solve, and it restarts with rows at those points (from the best valid schedule).
+    this one, the LP relaxation (a bound, and LP rounding) and then LNS. Each hands the other
+    its better solutions through HiGHS's improving-solution and user-solution callbacks. When
+    branch and bound runs with lazy recomputation rows (see `_branch_and_bound_form`), each of
+    its solutions is replayed by the simulator first: a valid one is shared, one that breaks the
+    budget at a recomputation point stops the solve, and it restarts with rows at those points
+    (from the best valid schedule).
     With `target` (objective units): stop once an incumbent reaches it or the bound exceeds it,
     and give branch and bound the cutoff target + 0.5 (a status 'infeasible' then means that no
     solution is at or below the target).

@@ -12,10 +12,6 @@ costs one LP solve and often lands far closer to the optimum at tight budgets th
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
-
 from .analysis import GraphFacts
 from .baselines import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
 from .canonical import canonicalize
@@ -161,9 +157,7 @@ def lp_rounding(form, backend, *, time_limit_s: float,
     objective: (name, schedule, seconds) of the fastest rounding that fits the budget; for the
     peak objective: (name, schedule, peak) of the least peak. None when nothing fits or the LP
     does not solve in time. `on_bound(value)` receives the LP optimum (a lower bound)."""
-    milp = form.milp
-    lp = dataclasses.replace(milp, integrality=np.zeros_like(milp.integrality))
-    r = backend.solve(lp, time_limit_s=time_limit_s, mip_gap=0.0)
+    r = backend.solve(form.milp.relaxation(), time_limit_s=time_limit_s, mip_gap=0.0)
     if r.x is None:
         return None
     if on_bound is not None and r.status == "optimal":

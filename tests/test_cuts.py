@@ -34,10 +34,13 @@ def _with_every_cut(g, budget, **kw):
     return plain, Formulation(g, budget, support_cuts=frozenset(all_support_cuts(plain)), **kw)
 
 
+def _solved(milp, integer=True):
+    return HighsBackend().solve(milp if integer else milp.relaxation(), time_limit_s=30,
+                                mip_gap=0)
+
+
 def _optimum(milp, integer=True):
-    if not integer:
-        milp = dataclasses.replace(milp, integrality=np.zeros_like(milp.integrality))
-    r = HighsBackend().solve(milp, time_limit_s=30, mip_gap=0)
+    r = _solved(milp, integer)
     return None if r.x is None else r.objective
 
 
@@ -87,10 +90,7 @@ def test_cuts_raise_the_lp_bound_where_it_ramps():
     assert lp < lp_cut <= opt
     assert _optimum(cut.milp) == pytest.approx(opt, rel=1e-12)
     # the plain LP solution breaks cuts, and separation finds them
-    x = HighsBackend().solve(dataclasses.replace(
-        plain.milp, integrality=np.zeros_like(plain.milp.integrality)),
-        time_limit_s=30, mip_gap=0).x
-    assert separate(plain, x)
+    assert separate(plain, _solved(plain.milp, integer=False).x)
 
 
 def test_solve_reports_the_bound_the_cuts_give():
@@ -119,8 +119,7 @@ def test_separation_finds_the_most_violated_cut_per_path_and_stage(seed):
     if f.infeasible_points:
         return
     np_rng = np.random.default_rng(seed)
-    lp = HighsBackend().solve(dataclasses.replace(
-        f.milp, integrality=np.zeros_like(f.milp.integrality)), time_limit_s=30, mip_gap=0).x
+    lp = _solved(f.milp, integer=False).x
     for x in (lp, np_rng.random(f.milp.num_vars), np.round(np_rng.random(f.milp.num_vars), 1)):
         if x is None:
             continue
