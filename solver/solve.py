@@ -220,6 +220,26 @@ class _Shared:
         """The LP relaxation's value, when a helper solved it: a valid lower bound."""
         self.restarts = 0
         """Times branch and bound restarted with more recomputation rows (lazy rows)."""
+        self.guide = None
+        """(version, formulation, x): the latest LP relaxation solution, LNS's RINS guide."""
+
+    def set_guide(self, form: Formulation, x: np.ndarray, replace: bool = True) -> None:
+        """Offer an LP solution of `form` as the RINS guide (with `replace=False` only when
+        there is none yet: the cut rounds' LPs are tighter than the plain one)."""
+        with self.lock:
+            if replace or self.guide is None:
+                version = 1 if self.guide is None else self.guide[0] + 1
+                self.guide = (version, form, np.array(x, dtype=float))
+
+    def guide_for(self, form: Formulation, cache: dict):
+        """The guide as (version, vector of `form`), mapped once per version; None if none."""
+        with self.lock:
+            g = self.guide
+        if g is None:
+            return None
+        if cache.get("version") != g[0]:
+            cache["version"], cache["x"] = g[0], lns.map_decisions(g[1], g[2], form)
+        return cache["version"], cache["x"]
 
     def offer(self, form: Formulation, x: np.ndarray, source: str) -> bool:
         """Take x (a vector of `form`) if it beats the best; True if it did."""
@@ -312,6 +332,7 @@ def _tighten(form: Formulation, form_bb: Formulation, shared: "_Shared", progres
         if r.status != B_OPTIMAL or r.x is None:
             break
         _lp_bound(shared, progress, r.objective)
+        shared.set_guide(fb, r.x)
         if last is not None and r.objective - last <= 1e-4 * max(1.0, abs(r.objective)):
             break
         last = r.objective
@@ -645,7 +666,8 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
         if remaining > 20 and not done.is_set() and not reached():
             rounded = lp_rounding(form_bb, highspy_backend(),
                                   time_limit_s=min(120.0, 0.3 * remaining),
-                                  on_bound=lambda b: _lp_bound(shared, progress, b))
+                                  on_bound=lambda b: _lp_bound(shared, progress, b),
+                                  on_solution=lambda x: shared.set_guide(form_bb, x, False))
             if rounded is not None and shared.offer_schedule(form, rounded[1], rounded[0]):
                 progress.update(incumbent=shared.obj)
         # Wait for a first incumbent (from the heuristics or branch and bound) before LNS.
@@ -654,12 +676,19 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                 break
         x0 = shared.get(form)[0]
         if x0 is not None and not done.is_set() and not reached():
-            lns_stats = {"windows": 0, "improved": 0, "timed_out": 0, "seconds": 0.0}
+            lns_stats = {"windows": 0, "improved": 0, "timed_out": 0, "rins": 0,
+                         "rins_improved": 0, "seconds": 0.0}
+            guide_cache: dict = {}
+
+            def guide():
+                return shared.guide_for(form, guide_cache)
 
             def tally(st):
                 lns_stats["windows"] += st.windows
                 lns_stats["improved"] += st.improved
                 lns_stats["timed_out"] += st.timed_out
+                lns_stats["rins"] += st.rins
+                lns_stats["rins_improved"] += st.rins_improved
                 lns_stats["seconds"] = round(lns_stats["seconds"] + st.seconds, 1)
 
             seen = {"version": shared.get(form)[2]}
@@ -683,7 +712,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                     x, st = lns.improve(form, xs, highspy_backend(),
                                         deadline=min(deadline, time.perf_counter() + slice_s),
                                         on_improve=on_improve,
-                                        should_stop=stop)
+                                        should_stop=stop, guide=guide)
                     tally(st)
                     lns_stats["race"][name] = form.milp.objective(x) / form.time_scale
             x0, _, seen["version"] = shared.get(form)
@@ -698,7 +727,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
             if not stop():
                 _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
                                     on_improve=on_improve, incoming=incoming,
-                                    should_stop=stop)
+                                    should_stop=stop, guide=guide)
                 tally(st)
     finally:
         done.wait()

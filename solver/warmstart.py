@@ -152,16 +152,19 @@ def low_memory_schedules(graph: OpGraph, facts: GraphFacts) -> list[tuple[str, S
 
 
 def lp_rounding(form, backend, *, time_limit_s: float,
-                thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), on_bound=None):
+                thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), on_bound=None, on_solution=None):
     """Round the LP relaxation's residency (all stages) at each threshold. For the time
     objective: (name, schedule, seconds) of the fastest rounding that fits the budget; for the
     peak objective: (name, schedule, peak) of the least peak. None when nothing fits or the LP
-    does not solve in time. `on_bound(value)` receives the LP optimum (a lower bound)."""
+    does not solve in time. `on_bound(value)` receives the LP optimum (a lower bound),
+    `on_solution(x)` the LP solution (a vector of `form`)."""
     r = backend.solve(form.milp.relaxation(), time_limit_s=time_limit_s, mip_gap=0.0)
     if r.x is None:
         return None
     if on_bound is not None and r.status == "optimal":
         on_bound(r.objective)  # the LP optimum bounds the MILP from below
+    if on_solution is not None and r.status == "optimal":
+        on_solution(r.x)
     graph, facts = form.graph, form.facts
     impl = form.decode(r.x).impl
     T = form.T

@@ -1,0 +1,147 @@
+"""Large-neighbourhood search (solver/lns.py): decisions move between formulations of one graph,
+and the RINS step frees exactly the 0/1 columns on which the guide and the incumbent disagree,
+never makes the incumbent worse, and takes it to the optimum when the guide is the optimum."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+import solver
+from solver import lns, simulate, store_all_schedule
+from solver.backends.highs import HighsBackend
+from solver.formulation import Formulation
+from solver_cases import random_dag, random_schedules
+
+
+def _optimum(g, budget) -> float:
+    """The MILP optimum in seconds (the MILP is checked against exhaustive search elsewhere:
+    test_solver_exact, test_cuts)."""
+    form = Formulation(g, budget)
+    r = HighsBackend().solve(form.milp, time_limit_s=30, mip_gap=0)
+    assert r.status == "optimal"
+    return r.objective / form.time_scale
+
+
+def _case(seed: int):
+    """A random two-Impl DAG, a random schedule (the start), a budget at the start's peak and
+    the optimum there; None when the start is already optimal."""
+    rng = random.Random(seed)
+    g = random_dag(rng, 7, two_impl=True)
+    peak_all = simulate(g, store_all_schedule(g)).peak_bytes
+    for start in random_schedules(g, random.Random(seed), random_impls=True):
+        tl = simulate(g, start)
+        if tl.peak_bytes < peak_all:
+            opt = _optimum(g, tl.peak_bytes)
+            if opt < tl.total_time * (1 - 1e-9):
+                return g, tl.peak_bytes, start, opt
+    return None
+
+
+CASES = [c for c in (_case(seed) for seed in range(40)) if c is not None][:6]
+
+
+class _Recording:
+    """HiGHS, remembering which 0/1 columns each sub-MILP left free."""
+
+    def __init__(self):
+        self.free = []
+
+    def solve(self, milp, **kw):
+        cols = np.nonzero(milp.integrality)[0]
+        self.free.append(set(cols[milp.lb[cols] < milp.ub[cols]].tolist()))
+        return HighsBackend().solve(milp, **kw)
+
+
+def test_there_are_cases():
+    assert len(CASES) >= 4
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_map_decisions_carries_a_schedule_between_forms(case):
+    """Running sums with every row to full sums with lazy rows (branch and bound's form) and
+    back: the same schedule, and decisions only (helper columns are recomputed by encode)."""
+    g, budget, start, _ = CASES[case]
+    form = Formulation(g, budget)
+    form_bb = Formulation(g, budget, running_sums=False, recompute_points=frozenset())
+    x = form.encode(start)
+    y = lns.map_decisions(form, x, form_bb)
+    assert form_bb.decode(y) == form.decode(x)
+    back = lns.map_decisions(form_bb, y, form)
+    ints = np.nonzero(form.milp.integrality)[0]
+    assert np.array_equal(back[ints], x[ints])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rins_guided_by_the_optimum_reaches_it_in_one_step(case):
+    g, budget, start, opt = CASES[case]
+    form = Formulation(g, budget)
+    x0 = form.encode(start)
+    x_opt = form.encode(solver.solve(g, budget, time_limit_s=30, mip_gap=0).schedule)
+    be = _Recording()
+    best, stats = lns.improve(form, x0, be, deadline=time.perf_counter() + 30,
+                              guide=lambda: (1, x_opt), should_stop=lambda: len(be.free) >= 1)
+    ints = np.nonzero(form.milp.integrality)[0]
+    disagree = {int(c) for c in ints if abs(x_opt[c] - x0[c]) > lns.RINS_TOL}
+    assert be.free[0] == disagree  # the first sub-MILP is the RINS step, freeing exactly these
+    assert stats.rins == 1 and stats.rins_improved == 1 and stats.windows == 0
+    assert form.milp.objective(best) / form.time_scale == pytest.approx(opt, rel=1e-9)
+    assert simulate(g, form.decode(best)).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rins_runs_once_per_guide_and_incumbent_and_never_worsens(case):
+    g, budget, start, opt = CASES[case]
+    form = Formulation(g, budget)
+    x0 = form.encode(start)
+    rng = np.random.default_rng(case)
+    lp = rng.random(form.milp.num_vars)  # any vector in [0, 1] may guide; bounds stay valid
+    be = _Recording()
+    best, stats = lns.improve(form, x0, be, deadline=time.perf_counter() + 30,
+                              guide=lambda: (7, lp))
+    assert stats.rins >= 1
+    assert stats.rins <= stats.improved + 1  # a repeat only after the incumbent moved
+    assert form.milp.objective(best) <= form.milp.objective(x0) + 1e-9
+    assert form.milp.objective(best) / form.time_scale >= opt * (1 - 1e-9)
+    assert simulate(g, form.decode(best)).peak_bytes <= budget
+
+
+def test_a_guide_equal_to_the_incumbent_frees_nothing_and_is_skipped():
+    g, budget, start, _ = CASES[0]
+    form = Formulation(g, budget)
+    x0 = form.encode(start)
+    be = _Recording()
+    _, stats = lns.improve(form, x0, be, deadline=time.perf_counter() + 30,
+                           guide=lambda: (1, x0), should_stop=lambda: len(be.free) >= 1)
+    assert stats.rins == 0 and stats.windows == 1  # the first sub-MILP was a window
+
+
+def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
+    """Branch and bound is stubbed to find nothing, so the LP (solved beside it, also the guide)
+    and LNS do the work; the answer is still the optimum."""
+    import importlib
+
+    from solver.backends.base import BackendResult
+
+    solve_mod = importlib.import_module("solver.solve")
+
+    class SlowNothing:
+        def __init__(self, *a, **k):
+            pass
+
+        def solve(self, milp, **kw):
+            time.sleep(4.0)
+            return BackendResult(status="time_limit", x=None, objective=None, bound=None,
+                                 seconds=4.0, message="stub: nothing found")
+
+    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", SlowNothing)
+    for g, budget, _, opt in CASES:
+        r = solver.solve(g, budget, time_limit_s=25, mip_gap=0)
+        assert r.objective == pytest.approx(opt, rel=1e-9)
+        if r.stats["lns"] is not None and r.stats["lns"]["rins"] >= 1:
+            break
+    else:
+        pytest.fail("no case ran a RINS step")
