@@ -210,7 +210,7 @@ def _roofline(flops: float, moved: float) -> float:
 
 class _ResNetBuilder:
     def __init__(self, batch: int, fp_bytes: int = 4):
-        self.b = GraphBuilder(f"resnet_like", batch=batch)
+        self.b = GraphBuilder("resnet_like", batch=batch)
         self.batch, self.fp = batch, fp_bytes
         self.params = 0
         self.param_of_op: list[int] = []
@@ -325,3 +325,22 @@ def resnet_like(blocks=(3, 4, 6, 3), *, batch: int = 184, width: int = 64,
             param_so_far += r.param_of_op[op_id]
     return r.b.build(outputs=y, backward_order=order, stage_grad_bytes=grads,
                      final_grad_bytes=r.params)
+
+
+def branch_and_bound_finding_nothing(seconds: float):
+    """A stand-in for solve's branch-and-bound runner (`solver.solve._HighsWithCallbacks`) that
+    waits `seconds` and finds nothing, so a test sees what the other thread (LP, LNS) does."""
+    import time
+
+    from solver.backends.base import BackendResult
+
+    class FindsNothing:
+        def __init__(self, *a, **k):
+            pass
+
+        def solve(self, milp, **kw):
+            time.sleep(seconds)
+            return BackendResult(status="time_limit", x=None, objective=None, bound=None,
+                                 seconds=seconds, message="stub: nothing found")
+
+    return FindsNothing

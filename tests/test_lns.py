@@ -14,7 +14,7 @@ import solver
 from solver import lns, simulate, store_all_schedule
 from solver.backends.highs import HighsBackend
 from solver.formulation import Formulation
-from solver_cases import random_dag, random_schedules
+from solver_cases import branch_and_bound_finding_nothing, random_dag, random_schedules
 
 
 def _optimum(g, budget) -> float:
@@ -124,20 +124,8 @@ def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
     and LNS do the work; the answer is still the optimum."""
     import importlib
 
-    from solver.backends.base import BackendResult
-
     solve_mod = importlib.import_module("solver.solve")
-
-    class SlowNothing:
-        def __init__(self, *a, **k):
-            pass
-
-        def solve(self, milp, **kw):
-            time.sleep(4.0)
-            return BackendResult(status="time_limit", x=None, objective=None, bound=None,
-                                 seconds=4.0, message="stub: nothing found")
-
-    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", SlowNothing)
+    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", branch_and_bound_finding_nothing(4.0))
     for g, budget, _, opt in CASES:
         r = solver.solve(g, budget, time_limit_s=25, mip_gap=0)
         assert r.objective == pytest.approx(opt, rel=1e-9)

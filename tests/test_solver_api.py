@@ -232,22 +232,12 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     at 91 both families fit (Impl 0 store-all, 6 s; relu_mask, 6.2 s), LNS runs a slice from
     each, then goes on from the best, and the answer is the hand-derived optimum."""
     import importlib
-    import time
 
+    from solver_cases import branch_and_bound_finding_nothing
     from test_impls_catalogue import relu_graph
 
     solve_mod = importlib.import_module("solver.solve")
-
-    class SlowNothing:
-        def __init__(self, *a, **k):
-            pass
-
-        def solve(self, milp, **kw):
-            time.sleep(3.0)
-            return BackendResult(status="time_limit", x=None, objective=None, bound=None,
-                                 seconds=3.0, message="stub: nothing found")
-
-    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", SlowNothing)
+    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", branch_and_bound_finding_nothing(3.0))
     monkeypatch.setattr(solve_mod, "RACE_MIN_REMAINING_S", 0.0)
     monkeypatch.setattr(solve_mod, "RACE_SLICE_S", 0.5)
     g = relu_graph()
