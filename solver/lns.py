@@ -134,7 +134,6 @@ def improve(form: Formulation, x: np.ndarray, backend: Backend, *, deadline: flo
     solution as a vector of `form`): each pair of guide version and incumbent gets one RINS step
     before the windows go on."""
     milp = form.milp
-    integer = milp.integrality
     hoods = [_Neighbourhood("ops", column_ops(form), len(form.graph.ops), window),
              _Neighbourhood("stages", column_stages(form), max(1, form.T), window)]
     best, best_obj = x.copy(), milp.objective(x)
@@ -143,7 +142,7 @@ def improve(form: Formulation, x: np.ndarray, backend: Backend, *, deadline: flo
     quiet = 0
     improved_in_sweep = False
     turn = 0
-    cols = np.nonzero(integer)[0]
+    cols = np.nonzero(milp.integrality)[0]  # the 0/1 columns
     tried = set()  # (guide version, incumbent objective) pairs RINS has run on
 
     def sub_solve(free: np.ndarray, limit: float):

@@ -221,25 +221,18 @@ class _Shared:
         self.restarts = 0
         """Times branch and bound restarted with more recomputation rows (lazy rows)."""
         self.guide = None
-        """(version, formulation, x): the latest LP relaxation solution, LNS's RINS guide."""
+        """(version, x): the latest LP relaxation solution as a vector of the first formulation
+        (the one LNS works on), its RINS guide."""
 
     def set_guide(self, form: Formulation, x: np.ndarray, replace: bool = True) -> None:
         """Offer an LP solution of `form` as the RINS guide (with `replace=False` only when
         there is none yet: the cut rounds' LPs are tighter than the plain one)."""
+        if not replace and self.guide is not None:
+            return
+        mapped = lns.map_decisions(form, x, self.forms[0])
         with self.lock:
             if replace or self.guide is None:
-                version = 1 if self.guide is None else self.guide[0] + 1
-                self.guide = (version, form, np.array(x, dtype=float))
-
-    def guide_for(self, form: Formulation, cache: dict):
-        """The guide as (version, vector of `form`), mapped once per version; None if none."""
-        with self.lock:
-            g = self.guide
-        if g is None:
-            return None
-        if cache.get("version") != g[0]:
-            cache["version"], cache["x"] = g[0], lns.map_decisions(g[1], g[2], form)
-        return cache["version"], cache["x"]
+                self.guide = (1 if self.guide is None else self.guide[0] + 1, mapped)
 
     def offer(self, form: Formulation, x: np.ndarray, source: str) -> bool:
         """Take x (a vector of `form`) if it beats the best; True if it did."""
@@ -572,6 +565,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
     LNS first runs a short slice from each on its own (not taking the others' solutions), then
     goes on from the best solution known.
     Returns the last branch-and-bound BackendResult and the LNS statistics."""
+    assert shared.forms[0] is form, "LNS works on the first formulation of `shared`"
     graph, budget = form.graph, form.budget
     done = threading.Event()
     result: dict = {}
@@ -678,10 +672,6 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
         if x0 is not None and not done.is_set() and not reached():
             lns_stats = {"windows": 0, "improved": 0, "timed_out": 0, "rins": 0,
                          "rins_improved": 0, "seconds": 0.0}
-            guide_cache: dict = {}
-
-            def guide():
-                return shared.guide_for(form, guide_cache)
 
             def tally(st):
                 lns_stats["windows"] += st.windows
@@ -712,7 +702,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                     x, st = lns.improve(form, xs, highspy_backend(),
                                         deadline=min(deadline, time.perf_counter() + slice_s),
                                         on_improve=on_improve,
-                                        should_stop=stop, guide=guide)
+                                        should_stop=stop, guide=lambda: shared.guide)
                     tally(st)
                     lns_stats["race"][name] = form.milp.objective(x) / form.time_scale
             x0, _, seen["version"] = shared.get(form)
@@ -727,7 +717,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
             if not stop():
                 _, st = lns.improve(form, x0, highspy_backend(), deadline=deadline,
                                     on_improve=on_improve, incoming=incoming,
-                                    should_stop=stop, guide=guide)
+                                    should_stop=stop, guide=lambda: shared.guide)
                 tally(st)
     finally:
         done.wait()

@@ -161,10 +161,11 @@ def lp_rounding(form, backend, *, time_limit_s: float,
     r = backend.solve(form.milp.relaxation(), time_limit_s=time_limit_s, mip_gap=0.0)
     if r.x is None:
         return None
-    if on_bound is not None and r.status == "optimal":
-        on_bound(r.objective)  # the LP optimum bounds the MILP from below
-    if on_solution is not None and r.status == "optimal":
-        on_solution(r.x)
+    if r.status == "optimal":
+        if on_bound is not None:
+            on_bound(r.objective)  # the LP optimum bounds the MILP from below
+        if on_solution is not None:
+            on_solution(r.x)
     graph, facts = form.graph, form.facts
     impl = form.decode(r.x).impl
     T = form.T

@@ -4,6 +4,7 @@ never makes the incumbent worse, and takes it to the optimum when the guide is t
 
 from __future__ import annotations
 
+import importlib
 import random
 import time
 
@@ -122,8 +123,6 @@ def test_a_guide_equal_to_the_incumbent_frees_nothing_and_is_skipped():
 def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
     """Branch and bound is stubbed to find nothing, so the LP (solved beside it, also the guide)
     and LNS do the work; the answer is still the optimum."""
-    import importlib
-
     solve_mod = importlib.import_module("solver.solve")
     monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", branch_and_bound_finding_nothing(4.0))
     for g, budget, _, opt in CASES:
