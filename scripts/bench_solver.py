@@ -118,7 +118,8 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
         # from and how far each moved (seconds of step time; store-all for scale)
         detail={k: st.get(k) for k in ("store_all_time_s", "heuristic", "heuristic_objective_s",
                                        "lower_bound_s", "lp_bound_s", "bb_bound_s",
-                                       "phase1_s", "lns", "branch_and_bound_model")})
+                                       "probe_bound_s", "probes", "phase1_s", "lns",
+                                       "branch_and_bound_model")})
     return row
 
 

@@ -132,3 +132,77 @@ def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
             break
     else:
         pytest.fail("no case ran a RINS step")
+
+
+# -- probes (solve._probe_bounds): branch and bound under an objective cutoff proves bounds ------
+def _incumbent(form, schedule_or_x):
+    from solver.solve import _Progress, _Shared
+
+    shared = _Shared([form])
+    x = schedule_or_x if isinstance(schedule_or_x, np.ndarray) else form.encode(schedule_or_x)
+    assert shared.offer(form, x, "test")
+    return shared, _Progress(False, 10, 1.0, 1.0, "test")
+
+
+def test_probes_prove_both_lines_below_an_optimal_incumbent():
+    from solver.solve import _probe_bounds
+
+    for g, budget, _, opt in CASES[:3]:
+        form = Formulation(g, budget)
+        r = HighsBackend().solve(form.milp, time_limit_s=30, mip_gap=0)
+        shared, progress = _incumbent(form, r.x)
+        _probe_bounds(form, shared, progress, time.perf_counter() + 30, 0.05, lambda: False)
+        # nothing costs less than the optimum, so every line (10%, 7.5% and 5% below) is proven
+        assert [(gap, status) for gap, status, _ in shared.probes] == [
+            (0.1, "proved"), (0.075, "proved"), (0.05, "proved")]
+        assert shared.proven <= r.objective
+        assert shared.proven == pytest.approx(0.95 * r.objective, rel=1e-8)
+
+
+def test_a_probe_above_the_optimum_hands_over_a_better_schedule():
+    solve_mod = importlib.import_module("solver.solve")
+    _probe_bounds = solve_mod._probe_bounds
+
+    for g, budget, start, opt in CASES:
+        form = Formulation(g, budget)
+        shared, progress = _incumbent(form, start)
+        start_obj = shared.obj
+        gap = (1 - opt * form.time_scale / start_obj) / 4  # the first line lies above the optimum
+        assert solve_mod.PROBE_GAPS[0] == 2.0
+        if gap < 1e-4:
+            continue
+        _probe_bounds(form, shared, progress, time.perf_counter() + 30, gap, lambda: False)
+        assert shared.obj < start_obj and shared.source == "highs/probe"
+        assert len(shared.probes) == 1  # it returned at once, for LNS to go on from there
+        x, obj, _ = shared.get(form)
+        tl = simulate(g, form.decode(x))
+        assert tl.peak_bytes <= budget
+        assert tl.total_time == pytest.approx(obj / form.time_scale, rel=1e-9)
+        # whatever the probe proved is a lower bound of the optimum
+        assert shared.proven is None or shared.proven <= opt * form.time_scale * (1 + 1e-9)
+        return
+    pytest.fail("no case whose start is far enough from the optimum")
+
+
+def test_solve_turns_to_probes_when_lns_is_quiet(monkeypatch):
+    # Branch and bound proper finds nothing (stubbed); probes may run at once. The bound the
+    # solve reports then comes from the probes, and it is valid.
+    solve_mod = importlib.import_module("solver.solve")
+    real = solve_mod._HighsWithCallbacks
+    stub = branch_and_bound_finding_nothing(6.0)
+
+    def runner(*args, **kw):
+        probe = "objective_bound" in (args[4] if len(args) > 4 else kw.get("options") or {})
+        return real(*args, **kw) if probe else stub()
+
+    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", runner)
+    monkeypatch.setattr(solve_mod, "PROBE_QUIET_S", 0.0)
+    for g, budget, _, opt in CASES:
+        r = solver.solve(g, budget, time_limit_s=20, mip_gap=0.05)
+        if r.stats["probes"]:
+            assert r.stats["probe_bound_s"] <= opt * (1 + 1e-9)
+            assert r.stats["lower_bound_s"] <= opt * (1 + 1e-9)
+            if r.status == "optimal":
+                assert r.mip_gap <= 0.05 + 1e-9
+                return
+    pytest.fail("no case proved its gap by probes")
