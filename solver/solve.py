@@ -12,9 +12,9 @@ relaxation (a bound at once, and LP rounding) and then improves the incumbent by
 large-neighbourhood search (lns.py), first racing one start per Impl family for a short slice
 each (the start decides where a local search ends), and on small models turning to bound
 probes (`_probe_bounds`: branch and bound under an objective cutoff) while no better schedule
-turns up; each hands the other its better solutions through HiGHS's callbacks. Every answer is decoded into a Schedule and replayed by the simulator:
-the peak must fit the budget and the time must equal the MILP's objective, or it is a bug and
-says so.
+turns up; each hands the other its better solutions through HiGHS's callbacks. Every answer is
+decoded into a Schedule and replayed by the simulator: the peak must fit the budget and the time
+must equal the MILP's objective, or it is a bug and says so.
 
 Gaps are (incumbent - lower bound) / incumbent on the whole step time (forward + recomputation +
 backward), as MONeT reports them. Lower bounds come only from relaxations of the exact model
@@ -231,7 +231,7 @@ class _Shared:
         self.proven = None
         """The best bound the probes proved (`_probe_bounds`): a valid lower bound."""
         self.probes = []
-        """(line, outcome, seconds) of each probe, for the statistics."""
+        """(gap, outcome, seconds) of each probe, for the statistics."""
         self.restarts = 0
         """Times branch and bound restarted with more recomputation rows (lazy rows)."""
         self.guide = None
@@ -773,14 +773,15 @@ def _probe_bounds(fb: Formulation, shared: _Shared, progress: _Progress, deadlin
                   mip_gap: float, should_stop) -> None:
     """Prove lower bounds with branch and bound under an objective cutoff (HiGHS's
     objective_bound): the lines PROBE_GAPS times `mip_gap` below the incumbent, in turn (twice
-    the target first, then closer). Such a search only has to show that nothing costs less than the line, so it prunes
-    every node whose bound reaches it, where branch and bound proper (which must also find
-    schedules) keeps diving there. Measured on UNet (batch 11) at 5 GiB, branch and bound alone
-    on one core beside another: the line +27.9% over store-all proven in 110 s and +28.4% in
-    235 s, where the dual bound of plain branch and bound passed them after about 560 s and
-    950 s. Status infeasible proves the line; a search stopped early still proves its dual bound
-    (capped at the line). Returns when a better schedule turns up (offered to `shared`, so LNS
-    can work from it), when `should_stop()`, at the deadline, or when every line is proven.
+    the target first, then closer). Such a search only has to show that nothing costs less than
+    the line, so it prunes every node whose bound reaches it, where branch and bound proper
+    (which must also find schedules) keeps diving there. Measured on UNet (batch 11) at 5 GiB,
+    branch and bound alone on one core beside another: the line +27.9% over store-all proven in
+    110 s and +28.4% in 235 s, where the dual bound of plain branch and bound passed them after
+    about 560 s and 950 s. Status infeasible proves the line; a search stopped early still
+    proves its dual bound (capped at the line). Returns when a better schedule turns up (offered
+    to `shared`, so LNS can work from it), when `should_stop()`, at the deadline, or when every
+    line is proven.
     `fb` is branch and bound's model: a relaxation, so its bounds are valid; with lazy rows a
     schedule it finds is shared only if the simulator accepts it."""
     graph, budget = fb.graph, fb.budget
