@@ -305,7 +305,7 @@ def _branch_and_bound_form(form: Formulation, points=None,
     nnz = form.full_sum_nnz + form.milp.nnz  # of the full-sum form with every row
     if form.objective != "time":
         points = None
-    elif nnz <= ALL_ROWS_NNZ:
+    elif _every_row(form):
         points = None  # small enough for every row: no restarts that lose the tree
     elif points is None:
         points = frozenset()
@@ -315,6 +315,11 @@ def _branch_and_bound_form(form: Formulation, points=None,
     return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
                        running_sums=big, recompute_points=points, offload=form.offload,
                        support_cuts=support_cuts)
+
+
+def _every_row(form: Formulation) -> bool:
+    """Small enough (ALL_ROWS_NNZ) for branch and bound to get every recomputation row."""
+    return form.full_sum_nnz + form.milp.nnz <= ALL_ROWS_NNZ
 
 
 def _tighten(form: Formulation, form_bb: Formulation, shared: "_Shared", progress: "_Progress",
@@ -741,8 +746,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
 
             # LNS until it has gone PROBE_QUIET_S without a better schedule from anywhere, then
             # probes (bounds) until one turns up, and LNS again from it (time objective only).
-            probing = (target is None and form.objective == "time"
-                       and form.full_sum_nnz + form.milp.nnz <= ALL_ROWS_NNZ)
+            probing = target is None and form.objective == "time" and _every_row(form)
             probed_version = None
             while not stop() and time.perf_counter() < deadline - 0.5:
                 began = time.perf_counter()
@@ -782,18 +786,15 @@ def _probe_bounds(fb: Formulation, shared: _Shared, progress: _Progress, deadlin
     proves its dual bound (capped at the line). Returns when a better schedule turns up (offered
     to `shared`, so LNS can work from it), when `should_stop()`, at the deadline, or when every
     line is proven.
-    `fb` is branch and bound's model: a relaxation, so its bounds are valid; with lazy rows a
-    schedule it finds is shared only if the simulator accepts it."""
-    graph, budget = fb.graph, fb.budget
+    `fb` is branch and bound's model with every row (`_every_row`), so a schedule the probe finds
+    is a schedule of the exact model, and its bounds are valid."""
+    assert fb.recompute_points is None, "probes run on models with every recomputation row"
     version = shared.version
 
     def on_improving(e):
         x = np.array(e.data_out.mip_solution, dtype=float)
-        if len(x) != fb.milp.num_vars:
-            return
-        if fb.recompute_points is None or simulate(graph, fb.decode(x)).peak_bytes <= budget:
-            if shared.offer(fb, x, "highs/probe"):
-                progress.update(incumbent=fb.milp.objective(x))
+        if len(x) == fb.milp.num_vars and shared.offer(fb, x, "highs/probe"):
+            progress.update(incumbent=fb.milp.objective(x))
 
     def on_interrupt(e):
         if should_stop() or shared.version != version or time.perf_counter() > deadline:
