@@ -6,7 +6,9 @@
 Every entry is solved in full mode with analytical costs for a named GPU (stated in the entry),
 checked by the simulator, and written as JSON into schedules/ with an index (schedules/index.json)
 that `monetlike zoo` reads. Sizes follow MONeT: 3x224x224 inputs, UNet at 3x416x608 (MONeT's
-UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3).
+UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3). A rebuilt entry
+replaces the old one only when its schedule is faster for the same graph and costs (a solve that
+stops at its time limit may end worse than an earlier one); --force replaces it anyway.
 """
 
 from __future__ import annotations
@@ -43,7 +45,15 @@ DEFAULT_COST = "analytical:A100-40GB"
 OUT = os.path.join(ROOT, "schedules")
 
 
-def build(names, budgets_gib, cost, time_limit, backend):
+def keeps(old: dict | None, graph, new_time: float) -> bool:
+    """The index entry `old` stays: it was made for the same graph and costs, and its schedule
+    is at least as fast as the new one (`new_time`, simulated seconds)."""
+    return (old is not None and old["fingerprint"] == graph.fingerprint
+            and old["cost_provenance"] == graph.cost_provenance
+            and old["predicted_time"] <= new_time)
+
+
+def build(names, budgets_gib, cost, time_limit, backend, force=False):
     index_path = os.path.join(OUT, INDEX)
     entries = {}
     if os.path.exists(index_path):
@@ -73,6 +83,12 @@ def build(names, budgets_gib, cost, time_limit, backend):
             continue
         tl = solver.simulate(g, r.schedule)
         assert tl.peak_bytes == r.predicted_peak_bytes <= budget, entry_name
+        old = entries.get(entry_name)
+        if not force and keeps(old, g, tl.total_time):
+            pct = [100 * (t / base.total_time - 1) for t in (old["predicted_time"], tl.total_time)]
+            print(f"{entry_name}: kept the entry ({pct[0]:.2f}% over store-all; this solve "
+                  f"{pct[1]:.2f}%)", flush=True)
+            continue
         r.schedule.save(os.path.join(OUT, f"{entry_name}.json"))
         entries[entry_name] = ZooEntry(
             name=entry_name, model=spec, batch=batch, input_shape=tuple(shape),
@@ -100,13 +116,15 @@ def main(argv=None):
     ap.add_argument("--cost", default=DEFAULT_COST, help="analytical:DEVICE cost model")
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per solve")
     ap.add_argument("--backend", default="highs", help="MILP backend")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an entry even when the new schedule is not faster")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     budgets = [int(b.lower().replace("gib", "")) for b in args.budgets.split(",") if b]
-    build(names, budgets, args.cost, args.time_limit, args.backend)
+    build(names, budgets, args.cost, args.time_limit, args.backend, force=args.force)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,24 @@ def test_every_package_with_code_is_listed_in_pyproject():
             if "__init__.py" in files and "__pycache__" not in dirpath:
                 found.add(os.path.relpath(dirpath, ROOT).replace(os.sep, "."))
     assert found | {"monetlike.schedules"} == listed
+
+
+def test_a_rebuild_keeps_a_faster_entry_of_the_same_graph_and_costs():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from build_zoo import keeps
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    e = ENTRIES[0].to_dict()
+    same = SimpleNamespace(fingerprint=e["fingerprint"], cost_provenance=e["cost_provenance"])
+    t = e["predicted_time"]
+    assert keeps(e, same, t * 1.01) and keeps(e, same, t)  # the new one is no faster
+    assert not keeps(e, same, t * 0.99)  # a faster schedule replaces it
+    assert not keeps(None, same, t)  # nothing to keep
+    # made for another graph or other costs: the old entry is stale whatever its time
+    assert not keeps(e, SimpleNamespace(fingerprint="other", cost_provenance=e["cost_provenance"]),
+                     t * 2)
+    assert not keeps(e, SimpleNamespace(fingerprint=e["fingerprint"], cost_provenance="other"),
+                     t * 2)
