@@ -11,10 +11,10 @@ Given a guide (an LP relaxation's solution, `guide`), each new incumbent first g
 (relaxation-induced neighbourhood search, Danna, Rothberg and Le Pape 2005): every 0/1 column
 on which the LP and the incumbent agree (within RINS_TOL) is fixed, the rest is solved. Windows
 free what is near in the graph or in time; RINS frees what the relaxation disputes, wherever it
-is. Measured from the zoo's schedules with the root LP after the recompute-support cuts, one
-RINS step took GoogLeNet (batch 320) at 5 GiB from +32.95% over store-all to +30.76% (2,458 of
-19,489 columns free, 35 s) and UNet (batch 11) at 5 GiB from +31.59% to +31.28% (767 of 2,830
-free, 9 s); with a tolerance of 0.1 they reached only +31.03% and +31.46%.
+is. Measured from an earlier zoo build's schedules with the root LP after the recompute-support
+cuts, one RINS step took GoogLeNet (batch 320) at 5 GiB from +32.95% over store-all to +30.76%
+(2,458 of 19,489 columns free, 35 s) and UNet (batch 11) at 5 GiB from +31.59% to +31.28%
+(767 of 2,830 free, 9 s); with a tolerance of 0.1 they reached only +31.03% and +31.46%.
 
 Every accepted solution is a full solution of the whole MILP, so it is a valid incumbent there;
 the search proves nothing (bounds come from the full MILP only).
