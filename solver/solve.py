@@ -414,7 +414,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     only at some points: at the root of a large model it can run past it. Measured on the
     transformer stack (batch 24, 1.09 M nonzeros in branch and bound's model) at 5 GiB with 300 s:
     the solve returned after 336-341 s; HiGHS's log shows 115 s at the root with no LP iteration
-    and no log line (in cut separation), ending 41 s past its own limit.
+    and no log line (in cut separation), ending 41 s past its own limit (a known HiGHS limit:
+    ERGO-Code/HiGHS issues 885 and 1278, procedures that check the time too seldom).
     """
     started = time.perf_counter()
     budget = parse_bytes(budget)
