@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import monetlike
 import solver
 from monetlike.impls import names
+from solver.backends import available as available_backends
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
 from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
@@ -202,6 +203,8 @@ CASES = {
     "maxpool_function": (lambda: FnPool(), (2, 3, 7, 9), "maxpool_compact"),
     "dropout_module": (lambda: Drop(), (8, 16), "dropout_regen"),
     "dropout_function": (lambda: Drop(functional=True), (8, 16), "dropout_regen"),
+    "dropout_mask_module": (lambda: Drop(), (8, 16), "dropout_mask"),
+    "dropout_mask_function": (lambda: Drop(functional=True), (8, 16), "dropout_mask"),
 }
 
 
@@ -502,19 +505,75 @@ def test_declared_bytes_dropout_regen():
     x = torch.randn(8, 16)
     g = monetlike.profile(model, x, cost="measured", repeat=1)
     drop = next(o for o in g.ops if o.kind == "Dropout")
-    default, regen = drop.impls
+    default, regen, mask = drop.impls
     rng = torch.get_rng_state().numel()  # the CPU generator state, bytes (uint8)
     assert default.saved == () and default.internal_bytes == 8 * 32 * 4  # CPU: float32 noise
     assert regen.saved == () and regen.internal_bytes == rng
+    assert mask.name == "dropout_mask" and mask.saved == () and mask.internal_bytes == 8 * 32
     from monetlike.impls.dropout import DropoutRegen
 
     z = torch.randn(8, 32, requires_grad=True)
     assert _bytes_held(lambda t: F.dropout(t, 0.3, True), z) == 8 * 32 * 4
     assert _bytes_held(lambda t: DropoutRegen.apply(t, 0.3), z) == rng
-    # On a GPU profile the default holds a bool mask (1 byte per element).
+    from monetlike.impls.dropout import DropoutMask
+
+    assert _bytes_held(lambda t: DropoutMask.apply(t, 0.3), z) == 8 * 32
+    # On a GPU profile the default holds a bool mask (1 byte per element), as dropout_mask does.
     ga = monetlike.profile(model, x, cost=A100)
     da = next(o for o in ga.ops if o.kind == "Dropout")
-    assert da.impls[0].internal_bytes == 8 * 32 and da.impls[1].internal_bytes == rng
+    assert [im.internal_bytes for im in da.impls] == [8 * 32, rng, 8 * 32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.77])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_dropout_mask_bitwise(dtype, p, layout):
+    """The 1-byte mask gives F.dropout's output and input gradient bit for bit on the CPU, signed
+    zeros included; a NaN of the incoming gradient stays NaN where the default's does (its
+    payload bits may differ: bf16 arithmetic on the CPU does not keep them)."""
+    from monetlike.impls.dropout import DropoutMask
+
+    base = torch.randn(37, 129, dtype=dtype)
+    x = (base if layout == "contiguous" else base.t()).requires_grad_()
+    grad = torch.randn(x.shape, dtype=dtype)
+    grad.view(-1)[:7] = float("nan")
+    grad.view(-1)[7:20] = -3.0
+    outs = []
+    for f in (lambda t: F.dropout(t, p, True), lambda t: DropoutMask.apply(t, p)):
+        torch.manual_seed(3)
+        y = f(x)
+        (gx,) = torch.autograd.grad(y, x, grad)
+        outs.append((y.detach(), gx))
+    (y0, g0), (y1, g1) = outs
+    assert y1.stride() == y0.stride()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32 if dtype == torch.float32 \
+        else torch.int64
+    assert torch.equal(y0.contiguous().view(bits), y1.contiguous().view(bits))
+    nan = g0.isnan()
+    assert torch.equal(nan, g1.isnan()) and nan.any()
+    assert torch.equal(g0[~nan].view(bits), g1[~nan].view(bits))
+
+
+def test_full_mode_picks_dropout_mask_on_a_cpu_profile():
+    """Measured on the CPU, dropout's default holds 4 bytes per element of noise; at the least
+    feasible full-mode budget every backend's plan holds the 1-byte mask, and it runs exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.Dropout(0.4), nn.Linear(512, 512),
+                          nn.Dropout(0.4), nn.Linear(512, 1)).train()
+    x = torch.randn(64, 16).requires_grad_()  # _run compares the input gradient too
+    g = monetlike.profile(model, x, cost="measured", repeat=1)
+    low_ckpt = solver.min_budget(g, "checkpoint", time_limit_s=30)
+    low_full = solver.min_budget(g, "full", time_limit_s=30)
+    assert low_full < low_ckpt
+    drops = [o for o in g.ops if o.kind == "Dropout"]
+    for backend in available_backends():
+        r = solver.solve(g, low_full, mode="full", backend=backend, time_limit_s=30)
+        names = {g.ops[o.id].impls[r.schedule.impl[o.id]].name for o in drops}
+        assert "dropout_mask" in names, (backend, names)
+        assert simulate(g, r.schedule).peak_bytes <= low_full
+    ref = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, r.schedule)
+    _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
 
 
 def test_impls_are_registered_and_checkpoint_mode_ignores_them():

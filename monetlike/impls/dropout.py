@@ -1,4 +1,9 @@
-"""dropout_regen: Dropout whose backward regenerates its mask from the saved RNG state.
+"""Dropout Impls: what the backward holds instead of the default's noise.
+
+- dropout_regen: the backward regenerates the mask from the saved RNG state.
+- dropout_mask: the backward holds a bool mask (1 byte per element).
+
+dropout_regen:
 
 The default holds the mask (CPU and meta: the scaled noise in the input's dtype; CUDA: a bool
 mask). This one holds the generator state from just before the forward drew its numbers (CPU, and
@@ -43,7 +48,38 @@ class DropoutRegen(torch.autograd.Function):
         return grad * noise, None
 
 
-def _match(gm, nodes):
+class DropoutMask(torch.autograd.Function):
+    """Dropout holding a bool mask, 1 byte per element, where the CPU default holds the scaled
+    noise in the input's dtype (4 bytes per element in fp32).
+
+    The forward is `native_dropout`: on the CPU it draws the same numbers from the generator as
+    `F.dropout` (noise = bernoulli(1 - p) / (1 - p), output = input * noise) and so returns the
+    same bits, and on CUDA it is what `F.dropout` calls. The backward must also give the
+    default's bits: on the CPU the default is `grad * noise`, and `(grad * mask) * s` with s the
+    noise's nonzero value (1 / (1 - p) rounded in the input's dtype, as the noise computes it) is
+    the same product element by element (grad * 1 is exact; a dropped element gives grad * 0,
+    sign and NaN included). On CUDA the default's backward is `native_dropout_backward`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, p):
+        y, mask = torch.native_dropout(x, p, True)
+        ctx.p = p
+        ctx.save_for_backward(mask)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        p = ctx.p
+        if grad.is_cuda:  # pragma: no cover - no GPU here; the default's own backward there
+            return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p)), None
+        scale = torch.ones((), dtype=grad.dtype, device=grad.device).div_(1.0 - p)
+        return (grad * mask).mul_(scale), None
+
+
+def _dropout_p(gm, nodes) -> "float | None":
+    """p of an Op that is one training-mode, out-of-place dropout with 0 < p < 1, else None."""
     if len(nodes) != 1:
         return None
     n = nodes[0]
@@ -66,13 +102,36 @@ def _match(gm, nodes):
         return None
     if not 0.0 < p < 1.0:
         return None
+    return p
+
+
+def _match_regen(gm, nodes):
+    p = _dropout_p(gm, nodes)
+    if p is None:
+        return None
 
     def run(interp, node, args, kwargs):
         x = args[0] if args else kwargs["input"]
         return DropoutRegen.apply(x, p)
 
-    return {n.name: run}
+    return {nodes[0].name: run}
 
 
-register(ImplSpec("dropout_regen", _match,
+def _match_mask(gm, nodes):
+    p = _dropout_p(gm, nodes)
+    if p is None:
+        return None
+
+    def run(interp, node, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        return DropoutMask.apply(x, p)
+
+    return {nodes[0].name: run}
+
+
+# Registration order is the order of an Op's extra Impls (part of the fingerprint): regen first,
+# as before the mask existed, so schedules solved then keep their Impl indices.
+register(ImplSpec("dropout_regen", _match_regen,
                   "Dropout regenerating its mask from the saved RNG state in the backward"))
+register(ImplSpec("dropout_mask", _match_mask,
+                  "Dropout holding a 1-byte bool mask instead of the noise in the input dtype"))
