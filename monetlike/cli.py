@@ -5,12 +5,18 @@
     monetlike backends
 
 Exit codes: 0 ok, 2 usage error (bad arguments, unparsable budget, unknown model), 1 failure (the
-solve or the run failed). Errors are one line on stderr; `--debug` shows the traceback.
+solve or the run failed), 130 interrupted (Ctrl-C). Errors are one line on stderr (argparse's own
+included: `_Parser.error`); `--debug` shows the traceback.
+
+A file never decides what code runs: a model is imported only from what the user typed (MODEL,
+`check --model`). The model a schedule records (`meta.model_spec`) is only shown as a hint.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -32,6 +38,47 @@ USAGE_ERRORS = (BudgetParseError, ModelSpecError, FormatError, BackendUnavailabl
 
 class UsageError(MonetlikeError, ValueError):
     """A bad combination of command-line arguments."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: argparse prints the whole usage block before its message,
+    which buries the one line that says what to fix."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive, finite number of seconds like 60, got {text!r}")
+    return value
+
+
+def _cost(text: str) -> str:
+    """'measured' or 'analytical:DEVICE', checked now and spelled canonically, so every later
+    test of the kind (the meta device for analytical profiles) sees one spelling."""
+    from .profile.costs import parse_cost
+
+    try:
+        kind, preset = parse_cost(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return "measured" if preset is None else f"analytical:{preset.name}"
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -73,10 +120,15 @@ def parse_bandwidth(text: str) -> float:
     return value
 
 
-def _check_writable(path: str | None) -> None:
-    """Fail before any work if the output cannot be written, so nothing is half-done."""
+def _check_writable(path: str | None, *inputs: str | None) -> None:
+    """Fail before any work if the output cannot be written, or would replace one of the
+    command's own input files, so nothing is half-done and no input is lost."""
     if path is None:
         return
+    for src in inputs:
+        if src and os.path.exists(src) and os.path.exists(path) and os.path.samefile(src, path):
+            raise UsageError(f"-o {path!r} is the input file {src!r}: writing the output there "
+                             f"would destroy the input; choose another -o")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} does not exist; "
@@ -84,6 +136,17 @@ def _check_writable(path: str | None) -> None:
     if not os.access(directory, os.W_OK):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} is not writable; "
                          f"choose another -o")
+
+
+# The input shape when neither --input-shape nor a graph or schedule gives one.
+DEFAULT_INPUT_SHAPE = (3, 224, 224)
+
+
+def _model_file(spec: str | None) -> str | None:
+    """The file part of a 'path/to/model.py:factory' MODEL (an input an -o must not replace)."""
+    if spec and ":" in spec:
+        return spec.rpartition(":")[0]
+    return None
 
 
 def example_inputs(batch: int, input_shape: Sequence[int], device: str = "cpu"):
@@ -103,13 +166,14 @@ def _profile_args(args):
     from .profile import profile
 
     model = build_model(args.model)
-    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost))
+    x = example_inputs(args.batch, args.input_shape or DEFAULT_INPUT_SHAPE,
+                       _profile_device(args.cost))
     return profile(model, x, cost=args.cost, optimizer=args.optimizer,
                    host_bandwidth=getattr(args, "host_bandwidth", None))
 
 
 def cmd_profile(args) -> int:
-    _check_writable(args.output)
+    _check_writable(args.output, _model_file(args.model))
     start = time.perf_counter()
     graph = _profile_args(args)
     seconds = time.perf_counter() - start
@@ -140,20 +204,22 @@ _NO_LINK = ("--offload needs the bandwidth of the device<->host link, and this g
 
 
 def cmd_solve(args) -> int:
-    import dataclasses
-
     import solver
 
-    _check_writable(args.output)
+    _check_writable(args.output, args.graph, _model_file(args.model))
     if args.offload and args.mode != "full":
         raise UsageError(f"--offload is a choice of --mode full, not of --mode {args.mode}")
     if args.graph:
         graph = solver.OpGraph.load(args.graph)
+        _check_graph_agrees(graph, args)
         if args.host_bandwidth is not None:  # a cost, not part of the fingerprint
             graph = dataclasses.replace(graph, host_bandwidth=args.host_bandwidth)
     else:
         if not args.model:
             raise UsageError("solve needs MODEL (with --batch) or --graph FILE")
+        if args.batch is None:
+            raise UsageError(f"solve {args.model} needs --batch N (the batch to plan for), or "
+                             f"--graph FILE from `monetlike profile`")
         if args.offload and args.host_bandwidth is None and \
                 not args.cost.strip().lower().startswith("analytical:"):
             raise UsageError(_NO_LINK)  # before profiling: the profile would have no link
@@ -161,9 +227,10 @@ def cmd_solve(args) -> int:
     if args.offload and graph.host_bandwidth is None:
         raise UsageError(_NO_LINK)
     try:
-        result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
-                              time_limit_s=args.time_limit, verbose=args.verbose,
-                              offload=args.offload)
+        with _native_stdout_to_stderr():
+            result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
+                                  time_limit_s=args.time_limit, verbose=args.verbose,
+                                  offload=args.offload)
     except ValueError as e:
         if isinstance(e, MonetlikeError):  # infeasible budget and the like keep their exit code
             raise
@@ -177,14 +244,51 @@ def cmd_solve(args) -> int:
         return 1
     if args.output:
         sched = result.schedule
-        if args.model:
-            import dataclasses
-
-            sched = dataclasses.replace(sched, meta={**sched.meta, "model_spec": args.model,
-                                                     "input_shape": list(args.input_shape)})
+        meta = {**sched.meta, "input_shape": list(_graph_input_shape(graph) or ())}
+        if args.model:  # a hint for `check` (module docstring), never imported from the file
+            meta["model_spec"] = args.model
+        sched = dataclasses.replace(sched, meta=meta)
         sched.save(args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _graph_input_shape(graph) -> tuple[int, ...] | None:
+    """The first input's shape after the batch dimension, as the graph records it."""
+    shapes = graph.summary().get("input_shapes") or []
+    return tuple(shapes[0][1:]) if shapes and shapes[0] else None
+
+
+def _check_graph_agrees(graph, args) -> None:
+    """`solve --graph` plans for the graph's own batch and input shape: a different --batch or
+    --input-shape is a contradiction, not a request (the graph cannot be re-shaped here)."""
+    shape = _graph_input_shape(graph)
+    if args.batch is not None and args.batch != graph.batch:
+        raise UsageError(f"--batch {args.batch} contradicts the graph {args.graph!r}, profiled at "
+                         f"batch {graph.batch}; drop --batch or profile again at that batch")
+    if args.input_shape is not None and shape is not None and tuple(args.input_shape) != shape:
+        raise UsageError(f"--input-shape {','.join(map(str, args.input_shape))} contradicts the "
+                         f"graph {args.graph!r}, profiled with input shape "
+                         f"{','.join(map(str, shape))}; drop --input-shape or profile again")
+
+
+@contextlib.contextmanager
+def _native_stdout_to_stderr():
+    """Send what native code prints on file descriptor 1 (HiGHS prints its banner there on
+    every solve, whatever its options) to stderr: stdout carries the command's answer only."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (an embedding host): nothing to redirect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def summary_table(graph, result, budget: int, base) -> str:
@@ -214,18 +318,47 @@ def cmd_backends(args) -> int:
     return 0
 
 
+def _hint(text) -> str:
+    """A string read from a file, safe to print in one ASCII line."""
+    text = str(text)[:200]
+    return text.encode("ascii", "backslashreplace").decode().replace("\n", " ")
+
+
+def _schedule_batch(sched, path: str) -> int:
+    batch = sched.graph_summary.get("batch")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        raise UsageError(f"{path}: graph_summary.batch: expected a positive integer, got "
+                         f"{_hint(repr(batch))}; pass --batch N or re-solve the schedule")
+    return batch
+
+
+def _schedule_input_shape(sched, path: str) -> tuple[int, ...]:
+    shapes = sched.graph_summary.get("input_shapes")
+    first = shapes[0] if isinstance(shapes, list) and shapes else None
+    if (not isinstance(first, list) or len(first) < 1
+            or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in first)):
+        raise UsageError(f"{path}: graph_summary.input_shapes[0]: expected a list of positive "
+                         f"integers, got {_hint(repr(first))}; pass --input-shape or re-solve")
+    return tuple(first[1:])
+
+
 def cmd_check(args) -> int:
     import solver
 
     from .check import check_schedule
 
     sched = solver.Schedule.load(args.schedule)
-    spec = args.model or sched.meta.get("model_spec")
-    if not spec:
-        raise UsageError(f"{args.schedule} does not record its model; pass --model MODEL")
-    batch = args.batch or sched.graph_summary.get("batch")
-    shape = args.input_shape or tuple(sched.meta.get("input_shape") or (3, 224, 224))
-    model = build_model(spec)
+    if not args.model:
+        # A file never decides what code runs (module docstring): the model it records is a hint.
+        recorded = sched.meta.get("model_spec")
+        hint = (f": this schedule was made for {_hint(recorded)}; if you trust that, run "
+                f"`monetlike check {args.schedule} --model {_hint(recorded)}`"
+                if isinstance(recorded, str) and recorded.strip() else "")
+        raise UsageError(f"check needs --model MODEL (a schedule file never chooses the code to "
+                         f"run){hint}")
+    batch = args.batch or _schedule_batch(sched, args.schedule)
+    shape = args.input_shape or _schedule_input_shape(sched, args.schedule)
+    model = build_model(args.model)
     report = check_schedule(sched, model, example_inputs(batch, shape))
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
     return 0 if getattr(report, "passed", True) else 1
@@ -255,7 +388,8 @@ def cmd_explain(args) -> int:
 
     _check_writable(args.plot)
     model = build_model(args.model)
-    ex = explain(model, example_inputs(args.batch, args.input_shape, _profile_device(args.cost)),
+    ex = explain(model, example_inputs(args.batch, args.input_shape or DEFAULT_INPUT_SHAPE,
+                                       _profile_device(args.cost)),
                  optimizer=args.optimizer, cost=args.cost)
     print(ex.report())
     if args.plot:
@@ -269,8 +403,14 @@ def cmd_pareto(args) -> int:
 
     _check_writable(args.plot)
     graph = _profile_args(args)
-    df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
+    with _native_stdout_to_stderr():
+        df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
     print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
+    if df["overhead_pct"].isna().all():
+        print(f"monetlike pareto: error: no method fits any of the budgets "
+              f"{', '.join(format_bytes(b) for b in args.budgets)}; raise --budgets (`monetlike "
+              f"solve` with one of them names the minimum feasible budget)", file=sys.stderr)
+        return 1
     if args.plot:
         plot_pareto(df, args.plot, f"{graph.model} batch {graph.batch} ({graph.cost_provenance})")
         print(f"wrote {args.plot}")
@@ -282,11 +422,13 @@ def cmd_maxbatch(args) -> int:
 
     from .maxbatch import max_batch
 
-    _check_writable(args.output)
+    _check_writable(args.output, _model_file(args.model))
     model = build_model(args.model)
-    found = max_batch(model, args.budget, args.input_shape, max_overhead=args.max_overhead,
-                      cost=args.cost, optimizer=args.optimizer, limit=args.limit,
-                      time_limit_s=args.time_limit)
+    with _native_stdout_to_stderr():
+        found = max_batch(model, args.budget, args.input_shape or DEFAULT_INPUT_SHAPE,
+                          max_overhead=args.max_overhead, cost=args.cost,
+                          optimizer=args.optimizer, limit=args.limit,
+                          time_limit_s=args.time_limit)
     base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
     print(f"largest batch that fits: {found.batch}")
     print(summary_table(found.graph, found.result, args.budget, base))
@@ -312,7 +454,11 @@ def _percent(text: str) -> float:
 
 
 def _budgets(text: str) -> list[int]:
-    return [_budget(t) for t in text.split(",") if t.strip()]
+    budgets = [_budget(t) for t in text.split(",") if t.strip()]
+    if not budgets:
+        raise argparse.ArgumentTypeError(
+            f"expected one or more comma-separated budgets like 5GiB,6GiB, got {text!r}")
+    return budgets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,10 +470,12 @@ def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
                    help="importable factory (torchvision.models.resnet50, pkg.mod:factory) or "
                         "path/to/file.py:factory")
     if batch:
-        p.add_argument("--batch", type=int, required=model_required, help="batch size")
-    p.add_argument("--input-shape", type=_shape, default=(3, 224, 224),
-                   help="input shape after the batch dimension, e.g. 3,224,224 (default)")
-    p.add_argument("--cost", default=default_cost,
+        p.add_argument("--batch", type=_positive_int, required=model_required,
+                       help="batch size")
+    p.add_argument("--input-shape", type=_shape, default=None,
+                   help="input shape after the batch dimension (default 3,224,224; `solve "
+                        "--graph` takes the graph's)")
+    p.add_argument("--cost", type=_cost, default=default_cost,
                    help="'measured' (time ops on this device) or 'analytical:DEVICE', e.g. "
                         "analytical:A100-40GB")
     p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
@@ -342,7 +490,7 @@ def _add_host_bandwidth(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="monetlike",
+    parser = _Parser(prog="monetlike",
                                      description="Fit PyTorch training into a memory budget at the "
                                                  "lowest recomputation cost.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -363,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: keep/recompute and operator implementations; checkpoint: "
                         "keep/recompute only")
     p.add_argument("--backend", default="highs", help="MILP backend (see `monetlike backends`)")
-    p.add_argument("--time-limit", type=float, default=600.0,
+    p.add_argument("--time-limit", type=_seconds, default=600.0,
                    help="seconds; the best schedule found by then is returned with its gap")
     p.add_argument("--verbose", action="store_true", help="show the solver's progress")
     _add_host_bandwidth(p)
@@ -379,8 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run a schedule here; compare memory, time and gradients "
                                      "with plain PyTorch")
     p.add_argument("schedule", help="schedule JSON written by `monetlike solve`")
-    p.add_argument("--model", help="model factory (default: the one recorded in the schedule)")
-    p.add_argument("--batch", type=int, help="batch (default: the schedule's)")
+    p.add_argument("--model", help="model factory to run the schedule on (required: a schedule "
+                                   "file never chooses the code to run; the one it records is "
+                                   "shown as a hint)")
+    p.add_argument("--batch", type=_positive_int, help="batch (default: the schedule's)")
     p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
                                                       "(default: the schedule's)")
     p.set_defaults(run=cmd_check)
@@ -392,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("name", help="entry name, e.g. resnet50_184_8GiB")
     z = zsub.add_parser("pick", help="the cheapest schedule that fits a budget")
     z.add_argument("--model", required=True, help="model name, e.g. resnet50")
-    z.add_argument("--batch", type=int, required=True, help="batch size")
+    z.add_argument("--batch", type=_positive_int, required=True, help="batch size")
     z.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
     z.add_argument("-o", "--output", help="write the picked schedule JSON here")
     p.set_defaults(run=cmd_zoo)
@@ -407,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_budgets, required=True,
                    help="comma-separated budgets, e.g. 5GiB,6GiB,8GiB")
     p.add_argument("--backend", default="highs", help="MILP backend")
-    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per solve")
+    p.add_argument("--time-limit", type=_seconds, default=120.0, help="seconds per solve")
     p.add_argument("--plot", help="write the curve as a PNG here")
     p.set_defaults(run=cmd_pareto)
 
@@ -415,8 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, batch=False, default_cost="analytical:A100-40GB")
     p.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
     p.add_argument("--max-overhead", type=_percent, help="largest acceptable overhead, e.g. 10%%")
-    p.add_argument("--limit", type=int, default=4096, help="largest batch to consider")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    p.add_argument("--limit", type=_positive_int, default=4096,
+                   help="largest batch to consider")
+    p.add_argument("--time-limit", type=_seconds, default=60.0, help="seconds per solve")
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.set_defaults(run=cmd_maxbatch)
     return parser
@@ -439,6 +590,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"monetlike {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        # Outputs are written atomically at the very end, so an interrupted run leaves any old
+        # file as it was.
+        print(f"monetlike {args.command}: interrupted; no output written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

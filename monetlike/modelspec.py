@@ -80,4 +80,10 @@ def build_model(spec: str, **kwargs):
     if name in ("googlenet", "inception_v3"):
         kwargs.setdefault("aux_logits", False)
         kwargs.setdefault("init_weights", False)
-    return factory(**kwargs)
+    model = factory(**kwargs)
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, expected a "
+                             f"torch.nn.Module; name the factory that builds the model ({_HELP})")
+    return model

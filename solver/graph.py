@@ -54,8 +54,10 @@ def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: boo
 
 def _float(d: Any, key: str, where: str) -> float:
     v = _get(d, key, where)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
-        raise FormatError(f"{where}.{key}: expected a non-negative number, got {v!r:.60}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 \
+            or v == float("inf"):
+        raise FormatError(f"{where}.{key}: expected a non-negative, finite number, got "
+                          f"{v!r:.60}")
     return float(v)
 
 
@@ -101,20 +103,44 @@ def _strs(d: Any, key: str, where: str) -> tuple[str, ...]:
 
 
 def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never a part."""
+    """Write `text` to `path` so that a reader sees the old file or the new one, never a part.
+
+    A symlink is written through: its target gets the new content and the link stays. The new
+    file keeps the mode of the file it replaces, or gets the umask's default for a new file
+    (mkstemp alone would make it 0600). Errors name `path`, never the temporary file."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
     try:
+        mode = os.stat(target).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(target), dir=directory)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
+    try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
         raise
+
+
+def _umask() -> int:
+    """The process umask (only readable by setting it: set and restore at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_json_file(path: "str | os.PathLike", what: str) -> Any:
@@ -128,6 +154,9 @@ def read_json_file(path: "str | os.PathLike", what: str) -> Any:
         raise FormatError(f"{what} file {os.fspath(path)!r} is not UTF-8 text: {e}") from None
     try:
         return json.loads(text)
+    except RecursionError:  # a hostile file nests arrays thousands deep
+        raise FormatError(f"{what} file {os.fspath(path)!r} nests JSON arrays or objects too "
+                          f"deeply to be a {what} written by monetlike; regenerate it") from None
     except json.JSONDecodeError as e:
         raise FormatError(
             f"{what} file {os.fspath(path)!r} is not valid JSON (truncated or corrupted?): {e}; "

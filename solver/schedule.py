@@ -17,6 +17,7 @@ through `SolveResult.success(...)` or `SolveResult.failure(...)`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,9 +125,10 @@ class Schedule:
             raise FormatError(f"{where}.meta: expected an object, got {type(meta).__name__}")
         peak = _int(d, "predicted_peak_bytes", where, optional=True)
         t = d.get("predicted_time")
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
-            raise FormatError(f"{where}.predicted_time: expected a non-negative number or null, "
-                              f"got {t!r:.60}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not math.isfinite(t) or t < 0):
+            raise FormatError(f"{where}.predicted_time: expected a non-negative, finite number "
+                              f"or null, got {t!r:.60}")
         return cls(
             fingerprint=_str(d, "fingerprint", where),
             graph_summary=summary,

@@ -17,13 +17,21 @@ def parse_bytes(budget: "int | float | str") -> int:
     if isinstance(budget, bool):
         raise BudgetParseError(f"expected a byte count or a string like '8GiB', got {budget!r}")
     if isinstance(budget, (int, float)):
-        if budget < 0 or budget != budget:
-            raise BudgetParseError(f"expected a non-negative byte count, got {budget!r}")
+        if budget < 0 or budget != budget or budget == float("inf"):
+            raise BudgetParseError(f"expected a non-negative, finite byte count, got {budget!r}")
         return int(budget)
     if not isinstance(budget, str):
         raise BudgetParseError(
             f"expected a byte count or a string like '8GiB', got {type(budget).__name__} {budget!r}")
     m = _PATTERN.match(budget)
+    if m and m.group(2).endswith("b") and "i" not in m.group(2).lower():
+        # A lower-case b is a bit in '8Gb' or '8mb' (and m is milli): guessing bytes could be off
+        # by a factor of 8, so ask. With an i ('8 gib') the binary prefix says bytes were meant.
+        num, prefix = m.group(1), m.group(2)[:-1].upper()
+        fix = (f"e.g. '{num}{prefix}B' (powers of 1000) or '{num}{prefix}iB' (powers of 1024)"
+               if prefix else f"e.g. '{num}B' or '{num}' for bytes")
+        raise BudgetParseError(f"ambiguous budget unit in {budget!r}: a lower-case 'b' means "
+                               f"bits; write bytes with a capital B, {fix}")
     if not m or m.group(2).upper() not in _UNITS:
         raise BudgetParseError(
             f"cannot parse budget {budget!r}: expected a non-negative number with an optional unit "

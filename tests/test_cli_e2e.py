@@ -25,7 +25,7 @@ def test_profile_solve_check(tmp_path, capsys):
     code, out, _ = _run(["solve", *MODEL, "--budget", "150MiB", "--time-limit", "20",
                          "-o", str(s)], capsys)
     assert code == 0 and json.loads(s.read_text())["meta"]["model_spec"] == "resnet18"
-    code, out, _ = _run(["check", str(s)], capsys)
+    code, out, _ = _run(["check", str(s), "--model", "resnet18"], capsys)
     assert code == 0 and "max |grad diff|" in out and "ok" in out
 
 

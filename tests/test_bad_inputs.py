@@ -1,0 +1,295 @@
+"""The bad-input catalogue (issue 23): hostile files, misuse and usage mistakes on the CLI and API.
+
+Each case asserts the exit code, the one-line message (what was expected, what was got, how to
+fix it) and that no file in the working directory changed. The model is a tiny MLP in a file, so
+each case runs in well under a second after the module's one profile and solve.
+"""
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from monetlike.cli import main
+
+TINY = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 2))
+
+def notamodel():
+    return 42
+"""
+
+# Written by the schedule's hostile model_spec if anything ever imported it.
+EVIL = """
+import pathlib
+pathlib.Path(__file__).with_name("RAN").write_text("the schedule file ran code")
+
+def build():
+    raise SystemExit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A directory with tiny.py, its graph g.json (batch 4, input 8) and a schedule s.json."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "tiny.py").write_text(TINY)
+    (d / "evil.py").write_text(EVIL)
+    model = f"{d / 'tiny.py'}:build"
+    assert main(["profile", model, "--batch", "4", "--input-shape", "8", "-o",
+                 str(d / "g.json")]) == 0
+    assert main(["solve", "--graph", str(d / "g.json"), "--budget", "1MiB", "-o",
+                 str(d / "s.json")]) == 0
+    return d
+
+
+def _snapshot(d):
+    out = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            st = os.lstat(p)
+            with open(p, "rb") as fh:
+                out[p] = (hashlib.sha256(fh.read()).hexdigest(), stat.S_IMODE(st.st_mode))
+    return out
+
+
+def _run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _variant(work, name, edit):
+    """A copy of s.json under another name, changed by `edit(dict)`."""
+    d = json.loads((work / "s.json").read_text())
+    edit(d)
+    p = work / name
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _deep(work):
+    p = work / "deep.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    return p
+
+
+def _set(path, value):
+    def edit(d):
+        node = d
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+    return edit
+
+
+TINY_ARGS = ["--batch", "4", "--input-shape", "8"]
+
+# (id, argv builder(work) -> argv, exit code, a piece of the one-line message)
+CASES = [
+    ("check-needs-model-and-never-runs-meta-spec",
+     lambda w: ["check", str(_variant(w, "sx.json", _set(["meta", "model_spec"], "sys:exit")))],
+     2, "check needs --model MODEL (a schedule file never chooses the code to run): this "
+        "schedule was made for sys:exit"),
+    ("check-never-imports-a-file-named-in-the-schedule",
+     lambda w: ["check", str(_variant(w, "ev.json", _set(["meta", "model_spec"],
+                                                         f"{w / 'evil.py'}:build")))],
+     2, "evil.py:build`"),
+    ("check-batch-0", lambda w: ["check", str(w / "s.json"), "--model",
+                                 f"{w / 'tiny.py'}:build", "--batch", "0"],
+     2, "argument --batch: expected a positive integer, got '0'"),
+    ("maxbatch-limit-0", lambda w: ["maxbatch", f"{w / 'tiny.py'}:build", "--input-shape", "8",
+                                    "--budget", "1MiB", "--limit", "0"],
+     2, "argument --limit: expected a positive integer, got '0'"),
+    ("solve-without-batch", lambda w: ["solve", f"{w / 'tiny.py'}:build", "--input-shape", "8",
+                                       "--budget", "1MiB"],
+     2, "needs --batch N"),
+    ("cost-fast", lambda w: ["solve", f"{w / 'tiny.py'}:build", *TINY_ARGS, "--budget", "1MiB",
+                             "--cost", "fast"],
+     2, "argument --cost: cost: expected 'measured' or 'analytical:<DEVICE>'"),
+    ("cost-unknown-device", lambda w: ["profile", f"{w / 'tiny.py'}:build", *TINY_ARGS,
+                                       "--cost", "Analytical:Z80"],
+     2, "unknown device 'Z80'"),
+    ("factory-returns-no-model", lambda w: ["profile", f"{w / 'tiny.py'}:notamodel", *TINY_ARGS],
+     2, "returned int, expected a torch.nn.Module"),
+    ("factory-missing", lambda w: ["profile", f"{w / 'tiny.py'}:nosuch", *TINY_ARGS],
+     2, "has no callable 'nosuch'"),
+    ("pareto-empty-budgets", lambda w: ["pareto", f"{w / 'tiny.py'}:build", *TINY_ARGS,
+                                        "--budgets", ","],
+     2, "expected one or more comma-separated budgets like 5GiB,6GiB, got ','"),
+    ("time-limit-inf", lambda w: ["solve", "--graph", str(w / "g.json"), "--budget", "1MiB",
+                                  "--time-limit", "inf"],
+     2, "expected a positive, finite number of seconds like 60, got 'inf'"),
+    ("time-limit-0", lambda w: ["solve", "--graph", str(w / "g.json"), "--budget", "1MiB",
+                                "--time-limit", "0"],
+     2, "got '0'"),
+    ("budget-bits-Gb", lambda w: ["solve", "--graph", str(w / "g.json"), "--budget", "8Gb"],
+     2, "ambiguous budget unit in '8Gb': a lower-case 'b' means bits"),
+    ("budget-bits-mb", lambda w: ["solve", "--graph", str(w / "g.json"), "--budget", "8mb"],
+     2, "e.g. '8MB' (powers of 1000) or '8MiB' (powers of 1024)"),
+    ("budget-negative", lambda w: ["solve", "--graph", str(w / "g.json"), "--budget=-1GiB"],
+     2, "cannot parse budget '-1GiB'"),
+    ("nan-predicted-time",
+     lambda w: ["check", str(_variant(w, "nan.json", _set(["predicted_time"], float("nan")))),
+                "--model", f"{w / 'tiny.py'}:build"],
+     2, "predicted_time: expected a non-negative, finite number or null, got nan"),
+    ("deep-json", lambda w: ["check", str(_deep(w)), "--model", f"{w / 'tiny.py'}:build"],
+     2, "nests JSON arrays or objects too deeply"),
+    ("summary-batch-string",
+     lambda w: ["check", str(_variant(w, "b4.json", _set(["graph_summary", "batch"], "4"))),
+                "--model", f"{w / 'tiny.py'}:build"],
+     2, "graph_summary.batch: expected a positive integer, got '4'; pass --batch N"),
+    ("solve-output-is-its-input-graph",
+     lambda w: ["solve", "--graph", str(w / "g.json"), "--budget", "1MiB", "-o",
+                str(w / "g.json")],
+     2, "is the input file"),
+    ("profile-output-is-the-model-file",
+     lambda w: ["profile", f"{w / 'tiny.py'}:build", *TINY_ARGS, "-o", str(w / "tiny.py")],
+     2, "would destroy the input; choose another -o"),
+    ("solve-graph-with-other-batch",
+     lambda w: ["solve", "--graph", str(w / "g.json"), "--batch", "8", "--budget", "1MiB"],
+     2, "--batch 8 contradicts the graph"),
+    ("solve-graph-with-other-shape",
+     lambda w: ["solve", "--graph", str(w / "g.json"), "--input-shape", "16", "--budget", "1MiB"],
+     2, "--input-shape 16 contradicts the graph"),
+    ("graph-infinite-op-time",
+     lambda w: ["solve", "--graph", str(_graph_variant(w, "inf.json", float("inf"))),
+                "--budget", "1MiB"],
+     2, "fwd_time: expected a non-negative, finite number, got inf"),
+    ("schedule-is-not-json", lambda w: ["check", str(_text(w, "t.json", '{"format": ')),
+                                        "--model", f"{w / 'tiny.py'}:build"],
+     2, "is not valid JSON (truncated or corrupted?)"),
+    ("schedule-of-another-kind", lambda w: ["check", str(w / "g.json"), "--model",
+                                            f"{w / 'tiny.py'}:build"],
+     2, "schedule.format: expected 'monetlike.schedule'"),
+    ("zoo-pick-batch-0", lambda w: ["zoo", "pick", "--model", "resnet50", "--batch", "0",
+                                    "--budget", "8GiB"],
+     2, "argument --batch: expected a positive integer, got '0'"),
+]
+
+
+def _graph_variant(work, name, fwd_time):
+    d = json.loads((work / "g.json").read_text())
+    d["ops"][0]["impls"][0]["fwd_time"] = fwd_time
+    p = work / name
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _text(work, name, text):
+    p = work / name
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("argv,code,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_changes_nothing(work, capsys, argv, code, message):
+    argv = argv(work)  # builds any hostile file first, then the snapshot
+    before = _snapshot(work)
+    got, out, err = _run(argv, capsys)
+    assert got == code, err
+    assert err.count("\n") == 1, err
+    assert message in err, err
+    assert "Traceback" not in err and ".tmp-" not in err
+    assert _snapshot(work) == before
+    assert not (work / "RAN").exists()
+
+
+def test_api_raises_the_package_errors():
+    import torch
+
+    import monetlike
+    from solver.errors import BudgetParseError, MonetlikeError
+
+    model = torch.nn.Linear(4, 2)
+    for bad in (float("inf"), "8Gb", -1):
+        with pytest.raises(BudgetParseError) as e:
+            monetlike.optimize(model, torch.randn(2, 4), budget=bad)
+        assert isinstance(e.value, MonetlikeError)
+
+
+def test_solve_records_the_graphs_own_shape(work):
+    s = json.loads((work / "s.json").read_text())
+    assert s["meta"]["input_shape"] == [8] and s["graph_summary"]["batch"] == 4
+    assert "model_spec" not in s["meta"]  # solved from --graph: no model was named
+
+
+def test_outputs_respect_the_umask_and_write_through_symlinks(work, capsys):
+    target = work / "real.json"
+    target.write_text("old")
+    link = work / "link.json"
+    link.symlink_to(target)
+    old = os.umask(0o027)
+    try:
+        fresh = work / "fresh.json"
+        assert main(["solve", "--graph", str(work / "g.json"), "--budget", "1MiB", "-o",
+                     str(fresh)]) == 0
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o640
+        os.chmod(target, 0o604)
+        assert main(["solve", "--graph", str(work / "g.json"), "--budget", "1MiB", "-o",
+                     str(link)]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads(target.read_text())["format"] == "monetlike.schedule"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o604  # the replaced file's mode is kept
+    assert not [p for p in os.listdir(work) if p.startswith(".tmp-")]
+
+
+def test_ctrl_c_during_a_solve_is_one_line_rc_130_and_keeps_the_old_file(work, capsys,
+                                                                         monkeypatch):
+    import solver
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(solver, "solve", interrupted)
+    before = _snapshot(work)
+    code, out, err = _run(["solve", "--graph", str(work / "g.json"), "--budget", "1MiB", "-o",
+                           str(work / "s.json")], capsys)
+    assert code == 130
+    assert err == "monetlike solve: interrupted; no output written\n"
+    assert _snapshot(work) == before
+
+
+def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
+    from solver.graph import atomic_write_text
+
+    p = tmp_path / "a.json"
+    p.write_text("old")
+
+    def boom(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(p, "new")
+    assert p.read_text() == "old" and os.listdir(tmp_path) == ["a.json"]
+
+
+def test_highs_banner_is_not_on_stdout(work):
+    r = subprocess.run([sys.executable, "-m", "monetlike.cli", "solve", "--graph",
+                        str(work / "g.json"), "--budget", "1MiB"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr
+    assert "HiGHS" not in r.stdout and "predicted peak" in r.stdout
+
+
+def test_pareto_with_no_feasible_budget_fails(work, capsys):
+    code, out, err = _run(["pareto", f"{work / 'tiny.py'}:build", *TINY_ARGS, "--cost",
+                           "measured", "--budgets", "1KiB", "--time-limit", "5"], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "no method fits any of the budgets 1.00 KiB" in err
