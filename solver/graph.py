@@ -102,6 +102,27 @@ def _strs(d: Any, key: str, where: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def fingerprint_of(structure: dict) -> str:
+    """The 16-hex-digit hash of a fingerprint structure (`OpGraph.fingerprint_structure`)."""
+    blob = json.dumps(structure, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _params(d: dict, where: str) -> tuple:
+    """`graph.params`: [name, shape, dtype, requires_grad] rows; absent in older graphs."""
+    if "params" not in d:
+        return ()
+    out = []
+    for i, row in enumerate(_list(d, "params", where)):
+        w = f"{where}.params[{i}]"
+        if (not isinstance(row, list) or len(row) != 4 or not isinstance(row[0], str)
+                or not isinstance(row[2], str) or not isinstance(row[3], bool)):
+            raise FormatError(f"{w}: expected [name, shape, dtype, requires_grad], got "
+                              f"{row!r:.80}")
+        out.append((row[0], _ints({"shape": row[1]}, "shape", w), row[2], row[3]))
+    return tuple(out)
+
+
 def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
     """Write `text` to `path` so that a reader sees the old file or the new one, never a part.
 
@@ -353,6 +374,11 @@ class OpGraph:
     """Bytes per second of the device<->host link (pinned memory), measured or configured; the
     cost of offloading a Value to host memory (docs/execution-model.md section 3). None: no link
     known (a CPU profile), so offload is not available. A cost: not fingerprinted."""
+    params: tuple[tuple[str, tuple[int, ...], str, bool], ...] = ()
+    """(name, shape, dtype, requires_grad) of every parameter and buffer, in the model's
+    named_parameters() then named_buffers() order. Fingerprinted: a layer's weight shape changes
+    its workspace and gradient memory even where every activation keeps its shape. Empty in
+    graphs profiled before it was recorded."""
 
     # -- derived views ----------------------------------------------------------------------
     @property
@@ -376,8 +402,13 @@ class OpGraph:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Hash of ops, shapes, dtypes, batch, requires_grad and Impl set (not of costs), so a
-        schedule solved from one device's costs runs on any device with the same structure."""
+        """Hash of ops, shapes, dtypes, batch, requires_grad, Impl set, and the shapes and dtypes
+        of parameters and buffers (not of costs), so a schedule solved from one device's costs
+        runs on any device with the same structure."""
+        return fingerprint_of(self.fingerprint_structure())
+
+    def fingerprint_structure(self) -> dict:
+        """What the fingerprint hashes (scripts/restamp_zoo.py compares its parts)."""
         structure = {
             "schema": self.schema_version,
             "batch": self.batch,
@@ -390,14 +421,33 @@ class OpGraph:
             "backward_order": list(self.backward_order),
             "outputs": list(self.outputs),
         }
-        blob = json.dumps(structure, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        if self.params:  # graphs without the record keep the fingerprint they were solved with
+            structure["params"] = [[n, list(shape), dtype, rg]
+                                   for n, shape, dtype, rg in self.params]
+        return structure
 
     def describe_difference(self, other_fingerprint_summary: dict) -> str:
-        """Say what differs between this graph and a schedule's recorded graph summary."""
+        """Say what differs between this graph and a schedule's recorded graph summary: each
+        differing fact, and for lists (inputs, parameters) the first entry that differs."""
         mine = self.summary()
-        diffs = [f"{k}: schedule has {other_fingerprint_summary.get(k)!r}, model has {mine[k]!r}"
-                 for k in mine if other_fingerprint_summary.get(k) != mine[k]]
+        theirs = other_fingerprint_summary
+        diffs = []
+        for k in mine:
+            a, b = theirs.get(k), mine[k]
+            if a == b:
+                continue
+            if k == "params" and a is None:
+                diffs.append("the schedule records no parameter shapes (made by an older "
+                             "monetlike); solve it again")
+                continue
+            if isinstance(a, list) and isinstance(b, list):
+                i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                if i < min(len(a), len(b)):
+                    diffs.append(f"{k}[{i}]: schedule has {a[i]!r}, model has {b[i]!r}")
+                else:
+                    diffs.append(f"{k}: schedule has {len(a)} entries, model has {len(b)}")
+                continue
+            diffs.append(f"{k}: schedule has {a!r}, model has {b!r}")
         return "; ".join(diffs) if diffs else "same model, batch and sizes, but different op structure"
 
     def summary(self) -> dict:
@@ -408,7 +458,12 @@ class OpGraph:
             "batch": self.batch,
             "input_shapes": [list(v.shape) for v in inputs],
             "input_dtypes": [v.dtype for v in inputs],
+            "input_requires_grad": [v.requires_grad for v in inputs],
             "num_ops": len(self.ops),
+            # One short string per parameter or buffer: readable in a mismatch message and one
+            # line each in a schedule file.
+            "params": [f"{n} {'x'.join(map(str, shape)) or 'scalar'} {dtype}"
+                       f"{' requires_grad' if rg else ''}" for n, shape, dtype, rg in self.params],
         }
 
     # -- checks and (de)serialisation -------------------------------------------------------
@@ -508,6 +563,7 @@ class OpGraph:
             "meta": self.meta,
             "values": [v.to_dict() for v in self.values],
             "ops": [o.to_dict() for o in self.ops],
+            "params": [[n, list(shape), dtype, rg] for n, shape, dtype, rg in self.params],
         }
 
     @classmethod
@@ -547,6 +603,7 @@ class OpGraph:
             input_bytes=_int(d, "input_bytes", where),
             cost_provenance=_str(d, "cost_provenance", where),
             meta=meta,
+            params=_params(d, where),
         )
 
     def save(self, path: "str | os.PathLike") -> None:

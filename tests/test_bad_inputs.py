@@ -293,3 +293,76 @@ def test_pareto_with_no_feasible_budget_fails(work, capsys):
                            "measured", "--budgets", "1KiB", "--time-limit", "5"], capsys)
     assert code == 1 and err.count("\n") == 1
     assert "no method fits any of the budgets 1.00 KiB" in err
+
+
+# -- the fingerprint covers what the memory model depends on -----------------------------------
+def _conv_net(k: int, dtype=None):
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 8, k, padding=k // 2), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4))
+    return net if dtype is None else net.to(dtype)
+
+
+def _schedule_for(model, x):
+    import solver
+    from monetlike.profile import profile
+
+    g = profile(model, x, cost="analytical:A100-40GB")
+    return g, solver.store_all_schedule(g)
+
+
+@pytest.mark.parametrize("change,expected", [
+    ("kernel", "params[2]: schedule has '2.weight 8x8x3x3 float32 requires_grad', model has "
+               "'2.weight 8x8x7x7 float32 requires_grad'"),
+    ("double", "input_dtypes[0]: schedule has 'float32', model has 'float64'; params[0]: "
+               "schedule has '0.weight 8x3x3x3 float32 requires_grad', model has "
+               "'0.weight 8x3x3x3 float64 requires_grad'"),
+    ("requires_grad", "input_requires_grad[0]: schedule has False, model has True"),
+    ("frozen", "params[0]: schedule has '0.weight 8x3x3x3 float32 requires_grad', model has "
+               "'0.weight 8x3x3x3 float32'"),
+])
+def test_a_mismatch_names_the_first_difference(change, expected):
+    import torch
+
+    import monetlike
+    from solver.errors import ScheduleMismatchError
+
+    x = torch.randn(2, 3, 8, 8)
+    g, sched = _schedule_for(_conv_net(3), x)
+    model = _conv_net(7 if change == "kernel" else 3,
+                      torch.float64 if change == "double" else None)
+    if change == "double":
+        x = x.double()
+    if change == "requires_grad":
+        x = x.requires_grad_()
+    if change == "frozen":
+        model[0].weight.requires_grad_(False)
+    g2, _ = _schedule_for(model, x)
+    assert g2.fingerprint != g.fingerprint
+    if change == "kernel":  # every activation keeps its shape: only the parameters tell
+        assert [v.shape for v in g2.values] == [v.shape for v in g.values]
+    w = monetlike.ScheduleWrapper(model, sched)
+    with pytest.raises(ScheduleMismatchError) as e:
+        w(x)
+    assert expected in str(e.value)
+
+
+def test_params_round_trip_and_old_graphs_keep_their_fingerprint():
+    import torch
+
+    import solver
+
+    g, _ = _schedule_for(_conv_net(3), torch.randn(2, 3, 8, 8))
+    assert g.params[2] == ("2.weight", (8, 8, 3, 3), "float32", True)
+    again = solver.OpGraph.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert again.params == g.params and again.fingerprint == g.fingerprint
+    old = g.to_dict()
+    del old["params"]  # a graph profiled before parameters were recorded
+    from solver.graph import fingerprint_of
+
+    structure = g.fingerprint_structure()
+    del structure["params"]
+    assert solver.OpGraph.from_dict(old).fingerprint == fingerprint_of(structure)

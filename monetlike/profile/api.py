@@ -258,7 +258,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                              bwd_times=bwd_times, param_bytes=param_bytes,
                              optimizer_bytes=opt_mult * trainable, input_bytes=input_bytes,
                              provenance=provenance, alternatives=alternatives,
-                             host_bandwidth=host_bandwidth, meta={
+                             host_bandwidth=host_bandwidth, params=_param_records(model),
+                             meta={
                                  "torch_version": torch.__version__,
                                  "profile_seconds": round(time.perf_counter() - t_start, 3),
                                  "optimizer": optimizer,
@@ -275,6 +276,14 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     finally:
         _restore_rng(rng)
     return graph
+
+
+def _param_records(model: torch.nn.Module) -> tuple:
+    """(name, shape, dtype, requires_grad) of each parameter and buffer: part of the graph's
+    fingerprint (OpGraph.params), read from the user's model, which the profile leaves alone."""
+    rows = [(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), bool(t.requires_grad))
+            for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    return tuple(rows)
 
 
 def _host_bandwidth(kind: str, preset, device: torch.device) -> float | None:
@@ -315,7 +324,7 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                  fwd_times: dict, bwd_times: dict, param_bytes: int, optimizer_bytes: int,
                  input_bytes: int, provenance: str, meta: dict,
                  alternatives: dict | None = None,
-                 host_bandwidth: float | None = None) -> OpGraph:
+                 host_bandwidth: float | None = None, params: tuple = ()) -> OpGraph:
     order = run.topological_order()
     new_gid = {gid: i for i, gid in enumerate(order)}
     # Value ids: graph inputs first (placeholder order), then each Op's outputs in Op order.
@@ -369,4 +378,4 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                    outputs=tuple(new_tid[t] for t in run.output_tids),
                    param_bytes=int(param_bytes), optimizer_bytes=int(optimizer_bytes),
                    input_bytes=int(input_bytes), cost_provenance=provenance, meta=meta,
-                   host_bandwidth=host_bandwidth)
+                   host_bandwidth=host_bandwidth, params=params)
