@@ -203,8 +203,6 @@ CASES = {
     "maxpool_function": (lambda: FnPool(), (2, 3, 7, 9), "maxpool_compact"),
     "dropout_module": (lambda: Drop(), (8, 16), "dropout_regen"),
     "dropout_function": (lambda: Drop(functional=True), (8, 16), "dropout_regen"),
-    "dropout_mask_module": (lambda: Drop(), (8, 16), "dropout_mask"),
-    "dropout_mask_function": (lambda: Drop(functional=True), (8, 16), "dropout_mask"),
 }
 
 
@@ -518,10 +516,28 @@ def test_declared_bytes_dropout_regen():
     from monetlike.impls.dropout import DropoutMask
 
     assert _bytes_held(lambda t: DropoutMask.apply(t, 0.3), z) == 8 * 32
-    # On a GPU profile the default holds a bool mask (1 byte per element), as dropout_mask does.
+    # On a GPU profile the default holds a bool mask (1 byte per element), as dropout_mask would:
+    # it is not offered there (ImplSpec.devices), so GPU graphs keep their columns and
+    # fingerprints.
     ga = monetlike.profile(model, x, cost=A100)
     da = next(o for o in ga.ops if o.kind == "Dropout")
-    assert [im.internal_bytes for im in da.impls] == [8 * 32, rng, 8 * 32]
+    assert [(im.name, im.internal_bytes) for im in da.impls] == [("default", 8 * 32),
+                                                                 ("dropout_regen", rng)]
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "function"])
+def test_dropout_mask_exact_through_runtime(functional):
+    """As test_impl_exact_through_runtime, on a CPU profile (the only one offering the mask)."""
+    torch.manual_seed(0)
+    model = Drop(functional=functional).train()
+    x = torch.randn(8, 16).requires_grad_()
+    graph = monetlike.profile(model, x, cost="measured", repeat=1)
+    schedule, picked = _with_impl(graph, "dropout_mask")
+    assert [graph.ops[j].kind for j in picked] == ["Dropout" if not functional else "dropout"]
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule)
+    for seed in (1, 2):
+        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -133,5 +133,7 @@ def _match_mask(gm, nodes):
 # as before the mask existed, so schedules solved then keep their Impl indices.
 register(ImplSpec("dropout_regen", _match_regen,
                   "Dropout regenerating its mask from the saved RNG state in the backward"))
+# Offered on CPU profiles only: CUDA's dropout already holds a bool mask.
 register(ImplSpec("dropout_mask", _match_mask,
-                  "Dropout holding a 1-byte bool mask instead of the noise in the input dtype"))
+                  "Dropout holding a 1-byte bool mask instead of the noise in the input dtype",
+                  devices=frozenset({"cpu"})))

@@ -31,15 +31,17 @@ class SubstitutingTimingRun(SubstitutingMixin, TimingRun):
     pass
 
 
-def candidates(gm, run: ProfileRun) -> dict[int, list]:
-    """Main-run group id -> [(ImplSpec, replacements)] for every group some Impl applies to."""
+def candidates(gm, run: ProfileRun, target: str) -> dict[int, list]:
+    """Main-run group id -> [(ImplSpec, replacements)] for every group some Impl applies to, on
+    a profile whose target device type is `target` (`ImplSpec.devices`)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = {}
     for g in run.groups:
         if not g.ran_backward or any(name not in nodes for name in g.nodes):
             continue
         found = [(spec, subs) for spec, subs in matches(gm, [nodes[name] for name in g.nodes])
-                 if spec.overwrites is None]  # in-place ones: inplace_alternatives
+                 if spec.overwrites is None  # in-place ones: inplace_alternatives
+                 and (spec.devices is None or target in spec.devices)]
         if found:
             out[g.gid] = found
     return out
@@ -47,9 +49,15 @@ def candidates(gm, run: ProfileRun) -> dict[int, list]:
 
 def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, preset, device,
                          repeat: int, note: str, context,
-                         clock: str = "wall") -> dict[int, list[dict]]:
-    """Main-run group id -> list of measured Impls (dicts with main-run value tids)."""
-    cands = candidates(gm, run)
+                         clock: str = "wall", target: str | None = None
+                         ) -> dict[int, list[dict]]:
+    """Main-run group id -> list of measured Impls (dicts with main-run value tids).
+
+    target: the device type whose Impls are offered; None: the measured device, or a GPU for an
+    analytical profile (it plans for a GPU preset whatever device it runs on)."""
+    if target is None:
+        target = torch.device(device).type if measured else "cuda"
+    cands = candidates(gm, run, target)
     if not cands:
         return {}
     main_tid = {(v.name, v.index): v.tid for v in run.values}

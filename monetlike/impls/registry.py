@@ -33,6 +33,11 @@ class ImplSpec:
     profiler decides where that is legal and records the Value (`Impl.overwrites`); such Impls
     are not measured in the substituted profiling steps (run in place, the Op would make no
     Value of its own there) but by `profiling.inplace_alternatives`."""
+    devices: "frozenset[str] | None" = None
+    """Device types of the profiled target ('cpu', 'cuda'; an analytical profile targets a GPU)
+    on which the Impl is offered; None: all. An Impl that only helps where the default's
+    kernel differs (dropout_mask: CUDA's dropout already holds a bool mask) would otherwise add
+    a column the MILP cannot use, and change the fingerprint of every graph it matches."""
 
 
 _REGISTRY: dict[str, ImplSpec] = {}

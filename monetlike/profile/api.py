@@ -149,7 +149,8 @@ def _progress(total: int):
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
             leaf_modules: Iterable = (), impls: bool = True,
-            host_bandwidth: float | None = None, clock: str = "wall") -> OpGraph:
+            host_bandwidth: float | None = None, clock: str = "wall",
+            impl_target: str | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -168,6 +169,10 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     clock: for measured CPU costs, "wall" (the default) or "thread": the calling thread's CPU
         time, which other processes on a shared machine do not inflate; it needs
         torch.set_num_threads(1). Ignored for analytical costs.
+    impl_target: the device type ('cpu' or 'cuda') whose Impl set to offer (ImplSpec.devices);
+        None: the profile's own target (the measured device; a GPU for analytical costs). The
+        runtime's structure check re-profiles on the meta device and passes the device the
+        schedule was measured on, so that both graphs have the same Impls.
     """
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
@@ -234,7 +239,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
 
                 alternatives = measure_alternatives(
                     gm, work, xs, run, measured=kind == "measured", preset=preset,
-                    device=device, repeat=repeat, note=note, clock=clock,
+                    device=device, repeat=repeat, note=note, clock=clock, target=impl_target,
                     context=_GpuLikeDropout if kind == "analytical" else contextlib.nullcontext)
                 from ..impls.profiling import inplace_alternatives
 

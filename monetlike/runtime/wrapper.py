@@ -281,6 +281,8 @@ class ScheduleWrapper(torch.nn.Module):
         from ..profile import profile
 
         tensors = tuple(x for x in inputs)
+        # The Impls on offer depend on the device the schedule was profiled for (ImplSpec.devices).
+        target = _impl_target(self._schedule.cost_provenance)
         autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                                         and torch.is_autocast_enabled("cuda"))
         if not autocast:
@@ -288,7 +290,7 @@ class ScheduleWrapper(torch.nn.Module):
             # structure of a measured one without touching real data.
             try:
                 return profile(self._model, tensors, cost="analytical:A100-40GB",
-                               leaf_modules=self._leaf_modules)
+                               leaf_modules=self._leaf_modules, impl_target=target)
             except Exception:  # data-dependent ops cannot run on meta; try for real below
                 pass
         # Autocast does not apply to meta tensors, so under autocast (or when the meta run
@@ -303,7 +305,7 @@ class ScheduleWrapper(torch.nn.Module):
                     stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
                                                        cache_enabled=False))
             return profile(self._model, tensors, cost="measured", repeat=1,
-                           leaf_modules=self._leaf_modules)
+                           leaf_modules=self._leaf_modules, impl_target=target)
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
@@ -344,3 +346,10 @@ def _graph_fits(graph: OpGraph, inputs: tuple) -> bool:
     shapes = [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
     dtypes = [str(x.dtype).replace("torch.", "") for x in inputs if isinstance(x, torch.Tensor)]
     return summary["input_shapes"] == shapes and summary["input_dtypes"] == dtypes
+
+
+def _impl_target(cost_provenance: str) -> str:
+    """The device type a schedule's graph was profiled for: 'measured:cpu' -> 'cpu',
+    'measured:cuda:0' -> 'cuda', 'analytical:<GPU preset>' (or unknown) -> 'cuda'."""
+    kind, _, rest = cost_provenance.partition(":")
+    return rest.split(":")[0] if kind == "measured" and rest else "cuda"
