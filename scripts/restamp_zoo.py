@@ -59,7 +59,11 @@ def restamp(folder: str = OUT, *, write: bool = True) -> tuple[list[str], list[s
         path = os.path.join(folder, f"{e['name']}.json")
         sched = Schedule.load(path)
         if sched.fingerprint == g.fingerprint == e["fingerprint"]:
-            lines.append(f"{e['name']}: already {g.fingerprint}")
+            if sched.graph_summary != g.summary():  # the summary gained a fact: record it
+                schedules[path] = dataclasses.replace(sched, graph_summary=g.summary())
+                lines.append(f"{e['name']}: fingerprint {g.fingerprint}, summary updated")
+            else:
+                lines.append(f"{e['name']}: already {g.fingerprint}")
             continue
         if not (fingerprint_of(old_kind) == e["fingerprint"] == sched.fingerprint):
             refused.append(e["name"])

@@ -407,6 +407,18 @@ class OpGraph:
         runs on any device with the same structure."""
         return fingerprint_of(self.fingerprint_structure())
 
+    @cached_property
+    def shape_free_fingerprint(self) -> str:
+        """The fingerprint without the batch and the Values' shapes and bytes: equal for the same
+        model run at another batch or sequence length, where each Op, Value and backward stage
+        corresponds one to one (the runtime runs a schedule at such smaller shapes; see NOTE
+        [Smaller shapes] in monetlike/runtime/wrapper.py)."""
+        structure = self.fingerprint_structure()
+        del structure["batch"]
+        structure["values"] = [[v.name, v.index, v.dtype, v.producer, v.requires_grad]
+                               for v in self.values]
+        return fingerprint_of(structure)
+
     def fingerprint_structure(self) -> dict:
         """What the fingerprint hashes (scripts/restamp_zoo.py compares its parts)."""
         structure = {
@@ -434,7 +446,8 @@ class OpGraph:
         diffs = []
         for k in mine:
             a, b = theirs.get(k), mine[k]
-            if a == b:
+            # A hash says nothing in words; optimizer state is not part of the structure.
+            if a == b or k in ("shape_free_fingerprint", "optimizer_bytes"):
                 continue
             if k == "params" and a is None:
                 diffs.append("the schedule records no parameter shapes (made by an older "
@@ -460,6 +473,10 @@ class OpGraph:
             "input_dtypes": [v.dtype for v in inputs],
             "input_requires_grad": [v.requires_grad for v in inputs],
             "num_ops": len(self.ops),
+            "shape_free_fingerprint": self.shape_free_fingerprint,
+            # Not fingerprinted (the optimizer is not part of the structure): the runtime adds it
+            # to the fixed memory of a smaller shape's graph (NOTE [Smaller shapes]).
+            "optimizer_bytes": self.optimizer_bytes,
             # One short string per parameter or buffer: readable in a mismatch message and one
             # line each in a schedule file.
             "params": [f"{n} {'x'.join(map(str, shape)) or 'scalar'} {dtype}"

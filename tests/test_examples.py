@@ -26,7 +26,7 @@ def test_training_example_trains_within_budget(capsys):
     out = _example("training").main(["--model", "resnet18", "--batch", "16", "--image-size", "32",
                                      "--budget", "200MiB", "--steps", "2"])
     assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
-    assert "measured peak of one step" in capsys.readouterr().out
+    assert "step 1: batch  16" in capsys.readouterr().out  # one line per step, with its peak
 
 
 def test_imagenet_example_runs_plain_and_with_a_schedule(tmp_path):

@@ -18,6 +18,20 @@ cannot run, e.g. under autocast) and compares fingerprints. A difference raises
 ScheduleMismatchError naming what differs; a wrong schedule never runs. The verdict is cached per
 signature, so later steps pay a dictionary lookup.
 
+NOTE [Smaller shapes]
+A training loop meets shapes smaller than the one solved for: the last batch of an epoch without
+drop_last, shorter sequences. When the structure profile of such a call differs from the
+schedule's graph only in the batch and the Values' sizes (equal `OpGraph.shape_free_fingerprint`,
+which the schedule's graph summary records) and no input dimension is larger than the one solved
+for, the same decisions (Impls, kept Values, recomputations, drops: all named by Op and Value id,
+which correspond one to one) are rebound to the new graph, and the simulator replays them on it:
+the call runs only if the replayed peak is within the schedule's budget (or, with no budget, its
+predicted peak). So each new shape is proven with the simulator, once, and cached with the
+signature; nothing is solved again. A larger shape, or a proof that fails, raises
+ScheduleMismatchError suggesting `monetlike.optimize` (which solves per shape) or `monetlike
+maxbatch`. A smaller shape at which the traced structure itself changes (a sequence of length
+one, where a reduction over it needs no kernel) is another graph and refused as such.
+
 A schedule that offloads Values to host memory (`schedule.offload`) runs on CUDA only
 (offload.py). It is refused when the wrapper is built if CUDA is not available, and when the plan
 for an input signature is made if the model's tensors or the inputs are not on a CUDA device:
@@ -103,6 +117,9 @@ class ScheduleWrapper(torch.nn.Module):
         self._schedule = schedule
         self._leaf_modules = _resolve_leaf_modules(leaf_modules)
         self._given_graph = graph
+        # The solved graph's optimizer state, for schedules whose summary does not record it
+        # (NOTE [Smaller shapes]).
+        self._optimizer_bytes = None if graph is None else graph.optimizer_bytes
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
         self._placeholders = None
@@ -176,6 +193,12 @@ class ScheduleWrapper(torch.nn.Module):
         structure if this input signature is new); raises ScheduleMismatchError like a call."""
         inputs = self._positional(args, kwargs)
         return self._entry_for(inputs).plan.graph
+
+    def schedule_for(self, *args, **kwargs) -> Schedule:
+        """The schedule this wrapper runs for inputs like these: its own, or its decisions
+        rebound to a smaller shape with the simulator's peak and time (NOTE [Smaller shapes])."""
+        inputs = self._positional(args, kwargs)
+        return self._entry_for(inputs).plan.schedule
 
     # -- the step ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -257,6 +280,9 @@ class ScheduleWrapper(torch.nn.Module):
         if graph is None or not _graph_fits(graph, inputs):
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
+        if graph.fingerprint != schedule.fingerprint and _same_but_smaller(graph, schedule):
+            graph, schedule = _rebind(graph, schedule,  # NOTE [Smaller shapes]
+                                      getattr(self, "_optimizer_bytes", None))
         if graph.fingerprint != schedule.fingerprint:
             raise ScheduleMismatchError(
                 f"ScheduleWrapper: the schedule was solved for another graph: "
@@ -339,6 +365,64 @@ def _resolve_leaf_modules(leaf_modules) -> list:
                 continue
         out.append(m)
     return out
+
+
+def _same_but_smaller(graph: OpGraph, schedule: Schedule) -> bool:
+    """The call's graph is the schedule's at a smaller batch or sequence length (NOTE [Smaller
+    shapes]); raises ScheduleMismatchError when it is the same structure at a larger shape."""
+    summary = schedule.graph_summary
+    if summary.get("shape_free_fingerprint") != graph.shape_free_fingerprint:
+        return False
+    solved, now = summary.get("input_shapes"), graph.summary()["input_shapes"]
+    if not isinstance(solved, list) or len(solved) != len(now) or any(
+            not isinstance(a, list) or len(a) != len(b) for a, b in zip(solved, now)):
+        return False
+    larger = [(a, b) for a, b in zip(solved, now) if any(y > x for x, y in zip(a, b))]
+    if larger:
+        a, b = larger[0]
+        raise ScheduleMismatchError(
+            f"ScheduleWrapper: input shape {b} is larger than the {a} this schedule was solved "
+            f"for (it runs any shape up to that one); solve for the larger shape with "
+            f"monetlike.optimize(model, x, budget=...), or find the largest batch that fits the "
+            f"budget with `monetlike maxbatch`")
+    return True
+
+
+def _rebind(graph: OpGraph, schedule: Schedule,
+            optimizer_bytes: int | None) -> tuple[OpGraph, Schedule]:
+    """The schedule's decisions on the smaller graph, proven within budget by the simulator.
+
+    The structure profile counts no optimizer state: the solved graph's (its summary records it)
+    is added to the fixed memory, so the proof covers the same step the budget did. The
+    predicted time is left out: the structure profile's costs are not the schedule's."""
+    import dataclasses
+
+    from solver.simulate import simulate
+    from solver.units import format_bytes
+
+    optimizer_bytes = schedule.graph_summary.get("optimizer_bytes", optimizer_bytes)
+    if isinstance(optimizer_bytes, int) and not isinstance(optimizer_bytes, bool) \
+            and optimizer_bytes >= 0:
+        graph = dataclasses.replace(graph, optimizer_bytes=optimizer_bytes)
+    else:
+        raise ScheduleMismatchError(
+            "ScheduleWrapper: this schedule does not record its optimizer state "
+            "(graph_summary.optimizer_bytes; made by an older monetlike), so it cannot be proven "
+            "within budget at a smaller shape; solve it again, or solve for this shape with "
+            "monetlike.optimize(model, x, budget=...)")
+    rebound = dataclasses.replace(schedule, fingerprint=graph.fingerprint,
+                                  graph_summary=graph.summary(), predicted_peak_bytes=None,
+                                  predicted_time=None)
+    timeline = simulate(graph, rebound)  # raises ScheduleError if a decision is invalid here
+    limit = schedule.budget_bytes if schedule.budget_bytes is not None \
+        else schedule.predicted_peak_bytes
+    if limit is not None and timeline.peak_bytes > limit:
+        raise ScheduleMismatchError(
+            f"ScheduleWrapper: at input shapes {graph.summary()['input_shapes']} this schedule "
+            f"would peak at {format_bytes(timeline.peak_bytes)}, above the "
+            f"{format_bytes(limit)} it was solved for; solve for this shape with "
+            f"monetlike.optimize(model, x, budget=...)")
+    return graph, dataclasses.replace(rebound, predicted_peak_bytes=timeline.peak_bytes)
 
 
 def _graph_fits(graph: OpGraph, inputs: tuple) -> bool:

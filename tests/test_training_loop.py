@@ -1,0 +1,126 @@
+"""The real training loop (issue 23): a last partial batch and shorter sequences just work.
+
+A wrapper solved for one shape runs any smaller batch or sequence length: the schedule's
+decisions are rebound to the smaller graph and proven within budget by the simulator (NOTE
+[Smaller shapes] in monetlike/runtime/wrapper.py). Gradients equal plain PyTorch at every shape;
+a larger shape is refused with the way out.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import monetlike
+import solver
+from monetlike.models import transformer_block
+from monetlike.profile import profile
+from solver.errors import ScheduleMismatchError
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+
+def _tight(model, x):
+    """A budget that makes the solver recompute: the midpoint between store-all and the least
+    budget `min_budget` certifies."""
+    g = profile(model, x, cost="analytical:A100-40GB")
+    top = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    low = solver.min_budget(g)
+    return (top + low) // 2
+
+
+def _step(module, x, seed=0):
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (out * out.detach().sign()).sum().backward()
+    return out.detach(), x.grad
+
+
+def _assert_same_step(model, wrapped, x):
+    plain = copy.deepcopy(model)
+    for p in (*plain.parameters(), *model.parameters()):
+        p.grad = None
+    out_p, gx_p = _step(plain, x)
+    out_w, gx_w = _step(wrapped, x)
+    assert torch.equal(out_p, out_w) and torch.equal(gx_p, gx_w)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(plain.buffers(), model.buffers()):
+        assert torch.equal(a, b)  # BatchNorm running statistics updated once, alike
+
+
+def test_last_partial_batch_runs_within_budget_with_exact_gradients(tmp_path):
+    model = _cnn()
+    x8 = torch.randn(8, 3, 16, 16).requires_grad_()
+    budget = _tight(model, x8)
+    w = monetlike.optimize(model, x8, budget=budget, cost="analytical:A100-40GB",
+                           cache_dir=tmp_path, time_limit_s=30)
+    solved = w.schedule
+    assert any(s.recompute for s in solved.stages)  # the budget forces recomputation
+    for batch in (8, 5, 1 + 1):  # BatchNorm needs more than one sample in training
+        x = torch.randn(batch, 3, 16, 16)
+        _assert_same_step(model, w, x)
+        sched = w.schedule_for(x.requires_grad_())
+        assert sched.budget_bytes == budget
+        assert sched.predicted_peak_bytes <= budget
+        # The same decisions, rebound: only the fingerprint and predictions change.
+        assert (sched.impl, sched.forward_keep, sched.stages) == \
+            (solved.impl, solved.forward_keep, solved.stages)
+        g = w.graph_for(x)
+        assert g.batch == batch
+        assert solver.simulate(g, sched).peak_bytes == sched.predicted_peak_bytes
+    assert w.schedule_for(torch.randn(5, 3, 16, 16).requires_grad_()).predicted_peak_bytes < \
+        w.schedule_for(x8).predicted_peak_bytes
+
+
+def test_a_larger_batch_is_refused_with_the_way_out(tmp_path):
+    model = _cnn()
+    x8 = torch.randn(8, 3, 16, 16).requires_grad_()
+    w = monetlike.optimize(model, x8, budget=_tight(model, x8), cost="analytical:A100-40GB",
+                           cache_dir=tmp_path, time_limit_s=30)
+    with pytest.raises(ScheduleMismatchError) as e:
+        w(torch.randn(9, 3, 16, 16).requires_grad_())
+    msg = str(e.value)
+    assert "input shape [9, 3, 16, 16] is larger than the [8, 3, 16, 16] this schedule was " \
+           "solved for" in msg
+    assert "monetlike.optimize" in msg and "monetlike maxbatch" in msg
+
+
+def test_shorter_sequences_run_with_exact_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = transformer_block(dim=32, heads=2, dropout=0.0)
+    x = torch.randn(4, 16, 32).requires_grad_()
+    w = monetlike.optimize(model, x, budget=_tight(model, x), cost="analytical:A100-40GB",
+                           cache_dir=tmp_path, time_limit_s=30)
+    for shape in ((4, 9, 32), (3, 16, 32), (2, 5, 32)):
+        xs = torch.randn(*shape)
+        _assert_same_step(model, w, xs)
+        assert w.schedule_for(xs.requires_grad_()).predicted_peak_bytes <= w.schedule.budget_bytes
+    with pytest.raises(ScheduleMismatchError, match="is larger than"):
+        w(torch.randn(4, 17, 32).requires_grad_())
+
+
+def test_training_example_runs_an_epoch_with_a_partial_last_batch(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "training.py")
+    spec = importlib.util.spec_from_file_location("example_training", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--model", "resnet18", "--batch", "8", "--samples", "20", "--image-size",
+                    "32", "--budget", "200MiB"])
+    assert out["batches"] == [8, 8, 4]
+    assert all(p <= 200 * 2**20 for p in out["predicted"])
+    assert out["predicted"][2] < out["predicted"][1]
+    printed = capsys.readouterr().out
+    assert "step 2: batch   4" in printed and "measured peak" in printed
