@@ -38,7 +38,7 @@ def _tight(model, x):
 
 def _step(module, x, seed=0):
     torch.manual_seed(seed)
-    x = x.clone().requires_grad_()
+    x = x.detach().clone().requires_grad_()
     out = module(x)
     (out * out.detach().sign()).sum().backward()
     return out.detach(), x.grad
@@ -124,3 +124,29 @@ def test_training_example_runs_an_epoch_with_a_partial_last_batch(capsys):
     assert out["predicted"][2] < out["predicted"][1]
     printed = capsys.readouterr().out
     assert "step 2: batch   4" in printed and "measured peak" in printed
+
+
+class _Sdpa(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_the_step_by_step_path_runs_its_own_schedule_on_attention():
+    # profile (measured costs) -> solver.solve -> ScheduleWrapper: the wrapper's meta-device
+    # structure profile captures another graph for scaled_dot_product_attention than the CPU
+    # does; it asks the CPU before refusing (issue 23, case 8).
+    torch.manual_seed(0)
+    model = _Sdpa()
+    x = torch.randn(2, 8, 16).requires_grad_()  # as _step calls it
+    g = monetlike.profile(model, x)
+    meta = profile(model, x, cost="analytical:A100-40GB")
+    assert meta.fingerprint != g.fingerprint  # the case this test is about
+    w = monetlike.ScheduleWrapper(model, solver.solve(g, budget=10**9).schedule)
+    _assert_same_step(model, w, x)
+    _assert_same_step(model, w, torch.randn(2, 5, 16))  # and a shorter sequence

@@ -280,10 +280,17 @@ class ScheduleWrapper(torch.nn.Module):
         if graph is None or not _graph_fits(graph, inputs):
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
-        if graph.fingerprint != schedule.fingerprint and _same_but_smaller(graph, schedule):
-            graph, schedule = _rebind(graph, schedule,  # NOTE [Smaller shapes]
-                                      getattr(self, "_optimizer_bytes", None))
-        if graph.fingerprint != schedule.fingerprint:
+        matched = self._match(graph, schedule)
+        if matched is None and graph.cost_provenance.startswith("analytical:") \
+                and schedule.cost_provenance.startswith("measured:"):
+            # The meta device can capture another graph than the device the schedule was
+            # measured on (scaled_dot_product_attention picks its kernel, and so what it saves,
+            # by device): ask that device before refusing.
+            graph = self._profile_structure(inputs, measured=True)
+            matched = self._match(graph, schedule)
+        if matched is not None:
+            graph, schedule = matched
+        else:
             raise ScheduleMismatchError(
                 f"ScheduleWrapper: the schedule was solved for another graph: "
                 f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
@@ -294,6 +301,15 @@ class ScheduleWrapper(torch.nn.Module):
         plan = build_plan(graph, schedule, self._traced())
         return _Entry(plan, ScheduledForward(plan, self._model))
 
+    def _match(self, graph: OpGraph, schedule: Schedule):
+        """(graph, schedule) to run when the schedule fits this call's graph as it is or rebound
+        to a smaller shape (NOTE [Smaller shapes]); None when it is for another graph."""
+        if graph.fingerprint == schedule.fingerprint:
+            return graph, schedule
+        if _same_but_smaller(graph, schedule):
+            return _rebind(graph, schedule, getattr(self, "_optimizer_bytes", None))
+        return None
+
     def _traced(self):
         if self._gm is None:
             from ..trace import trace
@@ -303,7 +319,7 @@ class ScheduleWrapper(torch.nn.Module):
             object.__setattr__(self, "_gm", trace(self._model, self._leaf_modules))
         return self._gm
 
-    def _profile_structure(self, inputs: tuple) -> OpGraph:
+    def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:
         from ..profile import profile
 
         tensors = tuple(x for x in inputs)
@@ -311,7 +327,7 @@ class ScheduleWrapper(torch.nn.Module):
         target = _impl_target(self._schedule.cost_provenance)
         autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                                         and torch.is_autocast_enabled("cuda"))
-        if not autocast:
+        if not autocast and not measured:
             # Fingerprints exclude costs: the analytical profile on the meta device gives the
             # structure of a measured one without touching real data.
             try:
