@@ -573,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    """An error's first line (fx and torch append notes on further lines; --debug shows all)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -583,12 +589,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, *USAGE_ERRORS) as e:
         if args.debug:
             raise
-        print(f"monetlike {args.command}: error: {e}", file=sys.stderr)
+        print(f"monetlike {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (InfeasibleBudgetError, MonetlikeError, NotImplementedError, OSError) as e:
         if args.debug:
             raise
-        print(f"monetlike {args.command}: error: {e}", file=sys.stderr)
+        print(f"monetlike {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if args.debug:

@@ -58,12 +58,20 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int], *,
         plans[b] = (r, graph, overhead)
         return True
 
-    if not plan(1):
+    first = 1
+    try:
+        fits = plan(1)
+    except Exception as e:  # noqa: BLE001 - only batch 1, and only to try batch 2
+        # BatchNorm in training needs more than one value per channel: such a model cannot run
+        # at batch 1 at all, so the search starts at 2 (a failure there is raised as it is).
+        tried[1] = f"cannot run: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        first, fits = 2, plan(2)
+    if not fits:
         raise solver.InfeasibleBudgetError(
-            f"even batch 1 does not fit {format_bytes(budget)}"
+            f"even batch {first} does not fit {format_bytes(budget)}"
             f"{'' if max_overhead is None else f' within {100 * max_overhead:.0f}% overhead'} "
-            f"({tried[1]}); raise the budget", budget=budget)
-    lo, hi = 1, 2
+            f"({tried[first]}); raise the budget", budget=budget)
+    lo, hi = first, 2 * first
     while hi <= limit and plan(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -74,12 +75,18 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
     key = _cache_key(graph, budget_bytes, solve_kwargs)
     path = os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-{key}.json")
     if os.path.exists(path):
+        # A bad entry (truncated, another version, edited by hand) is solved again and
+        # overwritten; the warning names it, so a cache that keeps going bad can be found.
         try:
             cached = Schedule.load(path)
             if cached.fingerprint == graph.fingerprint:
                 return cached
-        except FormatError:
-            pass  # truncated or from another version: solve again and overwrite
+            problem = (f"it holds a schedule for another graph (fingerprint "
+                       f"{cached.fingerprint}, expected {graph.fingerprint})")
+        except FormatError as e:
+            problem = str(e)
+        warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
+                      f"again and overwriting it", UserWarning, stacklevel=3)
     result = _solve(graph, budget_bytes, **solve_kwargs)
     if not result.ok:
         message = (f"no schedule for {graph.model} batch {graph.batch} within "

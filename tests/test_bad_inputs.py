@@ -366,3 +366,29 @@ def test_params_round_trip_and_old_graphs_keep_their_fingerprint():
     structure = g.fingerprint_structure()
     del structure["params"]
     assert solver.OpGraph.from_dict(old).fingerprint == fingerprint_of(structure)
+
+
+BN_MODEL = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(4),
+                         nn.Linear(4, 2))
+"""
+
+
+def test_maxbatch_on_batchnorm_starts_at_two(tmp_path, capsys):
+    # BatchNorm1d after pooling cannot train at batch 1: the search starts at 2 instead of failing.
+    (tmp_path / "bn.py").write_text(BN_MODEL)
+    code, out, err = _run(["maxbatch", f"{tmp_path / 'bn.py'}:build", "--input-shape", "3,8,8",
+                           "--budget", "1GiB", "--limit", "5", "--time-limit", "5"], capsys)
+    assert code == 0, err
+    assert "largest batch that fits: 5" in out
+    from monetlike.maxbatch import max_batch
+    from monetlike.modelspec import build_model
+
+    r = max_batch(build_model(f"{tmp_path / 'bn.py'}:build"), "1GiB", (3, 8, 8), limit=5,
+                  time_limit_s=5)
+    assert r.batch == 5 and sorted(r.tried) == [1, 2, 4, 5]
+    assert r.tried[1].startswith("cannot run: ") and "more than 1 value per channel" in r.tried[1]

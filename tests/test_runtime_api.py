@@ -100,8 +100,10 @@ def test_optimize_caches_schedules_on_disk(tmp_path, monkeypatch):
     # A truncated cache file is solved again and rewritten.
     path = tmp_path / files[0]
     path.write_text(path.read_text()[:50])
-    w = monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB",
-                           cache_dir=tmp_path)
+    with pytest.warns(UserWarning, match=f"ignoring cache entry {path}: schedule file .* is not "
+                                         f"valid JSON"):
+        w = monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB",
+                               cache_dir=tmp_path)
     assert fake.calls == 3
     json.loads(path.read_text())
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, w.schedule), (x,), steps=1)
