@@ -392,3 +392,33 @@ def test_maxbatch_on_batchnorm_starts_at_two(tmp_path, capsys):
                   time_limit_s=5)
     assert r.batch == 5 and sorted(r.tried) == [1, 2, 4, 5]
     assert r.tried[1].startswith("cannot run: ") and "more than 1 value per channel" in r.tried[1]
+
+
+SLOW_SOLVE = """
+import os, signal, sys, threading, time
+import solver
+
+def slow(*args, **kwargs):  # a solve that would run for a minute; Ctrl-C comes after 0.5 s
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    time.sleep(60)
+
+solver.solve = slow
+from monetlike.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
+    import time
+
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SOLVE)
+    before = _snapshot(work)
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, str(script), "solve", "--graph", str(work / "g.json"),
+                        "--budget", "1MiB", "-o", str(work / "s.json")], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=60)
+    assert r.returncode == 130
+    assert r.stderr == "monetlike solve: interrupted; no output written\n"
+    assert time.monotonic() - start < 30  # not the minute the solve would take
+    assert _snapshot(work) == before
