@@ -411,7 +411,15 @@ def cmd_check(args) -> int:
     batch = args.batch or _schedule_batch(sched, args.schedule)
     shape = args.input_shape or _schedule_input_shape(sched, args.schedule)
     model = build_model(args.model)
-    report = check_schedule(sched, model, example_inputs(batch, shape))
+    try:
+        report = check_schedule(sched, model, example_inputs(batch, shape))
+    except MonetlikeError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        # The model itself failed on the example input: a wrong --model or --input-shape.
+        raise UsageError(f"{args.model} failed on an input of shape {[batch, *shape]}: "
+                         f"{type(e).__name__}: {_one_line(e)}; pass the --model the schedule "
+                         f"was made for and its --input-shape") from e
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
     return 0 if getattr(report, "passed", True) else 1
 

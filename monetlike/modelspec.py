@@ -80,7 +80,11 @@ def build_model(spec: str, **kwargs):
     if name in ("googlenet", "inception_v3"):
         kwargs.setdefault("aux_logits", False)
         kwargs.setdefault("init_weights", False)
-    model = factory(**kwargs)
+    try:
+        model = factory(**kwargs)
+    except SystemExit as e:  # 'sys:exit' would end the command silently with rc 0, read as a pass
+        raise ModelSpecError(f"{spec!r} exited (SystemExit {e.code!r}) instead of returning a "
+                             f"model; {_HELP}") from None
     import torch
 
     if not isinstance(model, torch.nn.Module):

@@ -173,6 +173,9 @@ def read_json_file(path: "str | os.PathLike", what: str) -> Any:
         raise FormatError(f"{what} file {os.fspath(path)!r} does not exist") from None
     except UnicodeDecodeError as e:
         raise FormatError(f"{what} file {os.fspath(path)!r} is not UTF-8 text: {e}") from None
+    except OSError as e:  # a directory, no permission: cannot be the file meant
+        raise FormatError(f"{what} file {os.fspath(path)!r} cannot be read: {e.strerror}; pass "
+                          f"the path of a {what} JSON file") from None
     try:
         return json.loads(text)
     except RecursionError:  # a hostile file nests arrays thousands deep
