@@ -227,7 +227,7 @@ def cmd_solve(args) -> int:
     if args.offload and graph.host_bandwidth is None:
         raise UsageError(_NO_LINK)
     try:
-        with _solving("solve"):
+        with interruptible("monetlike solve"):
             result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
                                   time_limit_s=args.time_limit, verbose=args.verbose,
                                   offload=args.offload)
@@ -272,15 +272,16 @@ def _check_graph_agrees(graph, args) -> None:
                          f"{','.join(map(str, shape))}; drop --input-shape or profile again")
 
 
-def _exit_interrupted(command: str) -> None:
-    sys.stderr.write(f"monetlike {command}: interrupted; no output written\n")
+def _exit_interrupted(command: str, outcome: str) -> None:
+    sys.stderr.write(f"{command}: interrupted; {outcome}\n")
     sys.stderr.flush()
     os._exit(130)
 
 
 @contextlib.contextmanager
-def _solving(command: str):
-    """Around a long solve: native stdout to stderr, and Ctrl-C stops the process at once.
+def interruptible(command: str, outcome: str = "no output written"):
+    """Around a long solve: native stdout to stderr, and Ctrl-C stops the process at once with
+    the one line "COMMAND: interrupted; OUTCOME" and exit code 130 (scripts/build_zoo.py too).
 
     At once, not at the solver's next return: HiGHS swallows a KeyboardInterrupt raised in its
     callbacks and runs on to its time limit (measured: a GoogLeNet solve given SIGINT after 40 s
@@ -305,7 +306,7 @@ def _solving(command: str):
             if not data:  # the write end closed: the solve is over
                 return
             if signal.SIGINT in data:
-                _exit_interrupted(command)
+                _exit_interrupted(command, outcome)
 
     # The Python-level handler does nothing: the watcher alone ends the process (one message),
     # and it also sees a Ctrl-C that lands just as the solve returns (read before the close).
@@ -463,7 +464,7 @@ def cmd_pareto(args) -> int:
 
     _check_writable(args.plot)
     graph = _profile_args(args)
-    with _solving("pareto"):
+    with interruptible("monetlike pareto"):
         df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
     print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
     if df["overhead_pct"].isna().all():
@@ -484,7 +485,7 @@ def cmd_maxbatch(args) -> int:
 
     _check_writable(args.output, _model_file(args.model))
     model = build_model(args.model)
-    with _solving("maxbatch"):
+    with interruptible("monetlike maxbatch"):
         found = max_batch(model, args.budget, args.input_shape or DEFAULT_INPUT_SHAPE,
                           max_overhead=args.max_overhead, cost=args.cost,
                           optimizer=args.optimizer, limit=args.limit,

@@ -124,7 +124,12 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     budgets = [int(b.lower().replace("gib", "")) for b in args.budgets.split(",") if b]
-    build(names, budgets, args.cost, args.time_limit, args.backend, force=args.force)
+    from monetlike.cli import interruptible
+
+    # Ctrl-C ends the build at once (HiGHS would run on to its time limit): every entry is
+    # written, with the index, as it is finished, so those made so far stay.
+    with interruptible("build_zoo", "entries finished so far are kept"):
+        build(names, budgets, args.cost, args.time_limit, args.backend, force=args.force)
 
 
 if __name__ == "__main__":
