@@ -11,7 +11,8 @@ would run its hooks once on fx proxies at trace time and then never again, so it
 its hooks run for real (and its Op is marked recompute-unsafe).
 
 When symbolic tracing fails we raise TraceError naming the module being traced, the user code line
-and the ways out. There is no torch.export fallback yet.
+and the ways out. `monetlike.capture` falls back to torch.export (non-strict) in that case when
+`capture="auto"` (the profiler's default).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {name}{where}{at}: "
             f"{type(e).__name__}: {e}. Ways out: {leaf}, or remove the data-dependent Python "
-            f"control flow on tensor values there (torch.where instead of `if`). A torch.export "
-            f"fallback is not implemented.") from e
+            f"control flow on tensor values there (torch.where instead of `if`), or capture the "
+            f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
+            f"of capture='auto')") from e
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return gm

@@ -18,15 +18,17 @@ import copy
 import sys
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from solver.graph import Impl, Op, OpGraph, Value
 
-from ..trace import trace
+from ..capture import capture as capture_graph
+from ..capture import check_capture, split_example
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .interpreter import ProfileError, ProfileRun, TimingRun
@@ -150,7 +152,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             optimizer: str | None = None, repeat: int = 5,
             leaf_modules: Iterable = (), impls: bool = True,
             host_bandwidth: float | None = None, clock: str = "wall",
-            impl_target: str | None = None) -> OpGraph:
+            impl_target: str | None = None, capture: str = "auto") -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -173,14 +175,25 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         None: the profile's own target (the measured device; a GPU for analytical costs). The
         runtime's structure check re-profiles on the meta device and passes the device the
         schedule was measured on, so that both graphs have the same Impls.
+    capture: "auto" (torch.fx symbolic tracing, torch.export when fx fails), "fx" or "export"
+        (monetlike.capture); `meta["capture"]` records which one made the graph. A mapping of
+        keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels) is accepted as
+        `example_inputs`.
     """
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
         host_bandwidth = check_host_bandwidth(host_bandwidth)
     opt_mult = _optimizer_multiplier(optimizer)
-    inputs = _as_inputs(example_inputs)
+    check_capture(capture)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, Mapping):
+        call_args, call_kwargs = split_example(model, example_inputs)
+        inputs = _as_inputs(tuple(t for t in tree_leaves(call_kwargs)
+                                  if isinstance(t, torch.Tensor)) or example_inputs)
+    else:
+        inputs = _as_inputs(example_inputs)
+        call_args, call_kwargs = inputs, {}
     if kind == "measured" and (not isinstance(repeat, int) or repeat < 1):
         raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
     leaf_modules = list(leaf_modules)
@@ -190,8 +203,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     try:
         if kind == "analytical":
             work = _meta_copy(model)
-            xs = tuple(torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
-                       for x in inputs)
+            to_input = (lambda x: torch.empty_like(x, device="meta")
+                        .requires_grad_(x.requires_grad))
             device = torch.device("meta")
             note = (" on the meta device (analytical costs); data-dependent ops cannot run there, "
                     "use cost='measured'")
@@ -208,13 +221,16 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                     f"could not copy {type(model).__name__} with copy.deepcopy ({type(e).__name__}: "
                     f"{e}); the profiler never runs the user's own model. Make the model "
                     f"deep-copyable, or use cost='analytical:<DEVICE>'") from e
-            xs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
+            to_input = (lambda x: x.detach().clone().requires_grad_(x.requires_grad))
             device = _model_device(model, inputs)
             clock = check_clock(clock, device)
             note = ""
         for p in work.parameters():
             p.grad = None  # a step starts from zero_grad(set_to_none=True)
-        gm = trace(work, leaf_modules)
+        call_args, call_kwargs = tree_map_only(torch.Tensor, to_input, (call_args, call_kwargs))
+        gm, xs = capture_graph(work, call_args, call_kwargs, mode=capture,
+                               leaf_modules=leaf_modules)
+        xs = tuple(xs)
         n_nodes = len(gm.graph.nodes)
         bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
         try:
@@ -277,6 +293,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                                   f"{m.__module__}.{m.__qualname__}"
                                                   for m in leaf_modules],
                                  "training": bool(model.training),
+                                 "capture": gm.meta["capture"],
                              })
     finally:
         _restore_rng(rng)

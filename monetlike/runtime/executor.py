@@ -628,10 +628,27 @@ def _live_forward(gm: fx.GraphModule, root: torch.nn.Module):
                     obj = getattr(obj, atom)
             except AttributeError:
                 return None
-    code = gm.graph.python_code(root_module="self")
+    codegen = gm.graph._codegen
+    pytree_io = isinstance(codegen, fx.graph._PyTreeCodeGen)
+    if pytree_io:
+        # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs
+        # (a ModelOutput) with specs kept on the GraphModule, which the live model does not
+        # have: generate the flat code and do both here.
+        gm.graph._codegen = fx.graph.CodeGen()
+    try:
+        code = gm.graph.python_code(root_module="self")
+    finally:
+        gm.graph._codegen = codegen
     scope = dict(code.globals)
     exec(compile(code.src, "<monetlike store-all forward>", "exec"), scope)  # fx's own codegen
-    return scope["forward"]
+    flat_forward = scope["forward"]
+    if not pytree_io:
+        return flat_forward
+
+    def forward(root, *args):
+        return codegen.process_outputs(flat_forward(root, *codegen.process_inputs(*args)))
+
+    return forward
 
 
 def _forget(vkey: dict, v: int, key: int, _ref) -> None:

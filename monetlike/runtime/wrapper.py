@@ -52,6 +52,7 @@ from solver.errors import ScheduleError, ScheduleMismatchError
 from solver.graph import OpGraph
 from solver.schedule import Schedule
 
+from ..capture import FlatInputs, call_spec, check_capture, example_of, export_graph
 from .executor import ScheduledForward, StepState
 from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
@@ -80,10 +81,14 @@ class ScheduleWrapper(torch.nn.Module):
         does); it saves the structure profile of the first call.
     leaf_modules: as passed to monetlike.profile when the graph was made (default: the names the
         schedule's metadata records); the runtime must trace the model the same way.
+    capture: "auto", "fx" or "export" (monetlike.capture), as the graph was captured (default:
+        the graph's `meta["capture"]`, else "auto"). An exported graph is specialised to its
+        input shapes and constants, so it is captured again for each new input signature.
     """
 
     def __init__(self, model: torch.nn.Module, schedule: "Schedule | str | os.PathLike", *,
-                 graph: OpGraph | None = None, leaf_modules: Iterable | None = None):
+                 graph: OpGraph | None = None, leaf_modules: Iterable | None = None,
+                 capture: str | None = None):
         super().__init__()
         if isinstance(model, ScheduleWrapper):
             raise TypeError("ScheduleWrapper: the model is already wrapped")
@@ -116,6 +121,9 @@ class ScheduleWrapper(torch.nn.Module):
         self.training = model.training
         self._schedule = schedule
         self._leaf_modules = _resolve_leaf_modules(leaf_modules)
+        self._capture = check_capture(capture or (graph.meta.get("capture") if graph is not None
+                                                  else None)
+                                      or schedule.meta.get("capture") or "auto")
         self._given_graph = graph
         # The solved graph's optimizer state, for schedules whose summary does not record it
         # (NOTE [Smaller shapes]).
@@ -228,6 +236,8 @@ class ScheduleWrapper(torch.nn.Module):
         return out
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        if self._exported():
+            return call_spec(self._model, args, kwargs)  # FlatInputs (monetlike.capture)
         names = self._placeholders
         if names is None:
             names = [n.target for n in self._traced().graph.nodes if n.op == "placeholder"]
@@ -248,6 +258,8 @@ class ScheduleWrapper(torch.nn.Module):
                 parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
             else:
                 parts.append(("const", repr(x)))
+        if isinstance(inputs, FlatInputs):  # an exported graph bakes in the call's constants
+            parts.append(("call", inputs.spec.key))
         autocast = [torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")]
         if torch.cuda.is_available():
             autocast += [torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
@@ -298,7 +310,7 @@ class ScheduleWrapper(torch.nn.Module):
                 f"model, batch and shapes, the structure depends on which inputs and parameters "
                 f"require grad, train/eval mode, autocast and leaf_modules); solve a schedule "
                 f"for this model, batch and input shape (monetlike.optimize does it in one call)")
-        plan = build_plan(graph, schedule, self._traced())
+        plan = build_plan(graph, schedule, self._traced(inputs))
         return _Entry(plan, ScheduledForward(plan, self._model))
 
     def _match(self, graph: OpGraph, schedule: Schedule):
@@ -310,7 +322,24 @@ class ScheduleWrapper(torch.nn.Module):
             return _rebind(graph, schedule, getattr(self, "_optimizer_bytes", None))
         return None
 
-    def _traced(self):
+    def _exported(self) -> bool:
+        """Whether this model runs through torch.export (capture "export", or "auto" where fx
+        symbolic tracing fails)."""
+        if self._capture == "auto":
+            from ..trace import TraceError
+
+            try:
+                self._traced()
+                self._capture = "fx"
+            except TraceError:
+                self._capture = "export"
+        return self._capture == "export"
+
+    def _traced(self, inputs: tuple | None = None):
+        if isinstance(inputs, FlatInputs):
+            # Specialised to these shapes and constants: captured per input signature (the
+            # plan built on it is cached with the signature).
+            return export_graph(self._model, inputs)
         if self._gm is None:
             from ..trace import trace
 
@@ -322,7 +351,7 @@ class ScheduleWrapper(torch.nn.Module):
     def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:
         from ..profile import profile
 
-        tensors = tuple(x for x in inputs)
+        tensors = example_of(inputs)
         # The Impls on offer depend on the device the schedule was profiled for (ImplSpec.devices).
         target = _impl_target(self._schedule.cost_provenance)
         autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
@@ -332,7 +361,8 @@ class ScheduleWrapper(torch.nn.Module):
             # structure of a measured one without touching real data.
             try:
                 return profile(self._model, tensors, cost="analytical:A100-40GB",
-                               leaf_modules=self._leaf_modules, impl_target=target)
+                               leaf_modules=self._leaf_modules, impl_target=target,
+                               capture=self._capture)
             except Exception:  # data-dependent ops cannot run on meta; try for real below
                 pass
         # Autocast does not apply to meta tensors, so under autocast (or when the meta run
@@ -347,7 +377,8 @@ class ScheduleWrapper(torch.nn.Module):
                     stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
                                                        cache_enabled=False))
             return profile(self._model, tensors, cost="measured", repeat=1,
-                           leaf_modules=self._leaf_modules, impl_target=target)
+                           leaf_modules=self._leaf_modules, impl_target=target,
+                           capture=self._capture)
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:

@@ -1,0 +1,304 @@
+"""Capture front ends: model and example inputs -> the GraphModule every other part refers to.
+
+Two ways to turn a model into an fx graph, chosen by `capture=`:
+- "fx": torch.fx symbolic tracing (monetlike.trace), module-level ops, no inputs needed;
+- "export": torch.export.export(..., strict=False), then `ep.module()`: ATen-level ops (matmuls,
+  softmax, dropout, layer norms, rotary embedding, scaled_dot_product_attention each their own
+  node), which is what models written for today's libraries (Hugging Face transformers) need: fx
+  cannot trace them (data-dependent Python, iteration over proxies);
+- "auto" (the default): fx first, export when fx fails. `gm.meta["capture"]` says which was used;
+  the profiler records it in `OpGraph.meta["capture"]` so the runtime captures the same way.
+
+Both give the same contract: a GraphModule whose placeholders are the call's tensor inputs in a
+fixed order (`CallSpec.flat`), whose get_attr targets are the model's own parameter and buffer
+names (so the runtime fetches the user's live parameters: tied weights stay one parameter, an
+optimizer built before wrapping keeps working), and whose outputs come back in the model's own
+structure (a Hugging Face `ModelOutput` with `.loss` and `.logits`).
+
+NOTE [Export inputs]
+An exported graph is specialised to its example call: shapes are static and non-tensor inputs
+(`use_cache=False`) are baked in. So the inputs are put in one canonical form first (every
+argument by keyword, in the order of `forward`'s signature; extra `**kwargs` sorted by name):
+the same call written positionally or with keywords in another order gives the same graph. The
+non-tensor leaves are constants of the graph; `CallSpec.key` holds them, so a call with other
+constants is another graph, never a silent reuse. Tensors given twice (`labels=input_ids`) are
+captured as distinct inputs (export would fold them into one placeholder, and a later call with
+distinct tensors would then read the wrong one).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .trace import TraceError, trace
+
+__all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
+           "example_of", "export_graph", "split_example"]
+
+CAPTURES = ("auto", "fx", "export")
+
+
+def check_capture(capture: str) -> str:
+    if capture not in CAPTURES:
+        raise ValueError(f"capture: expected one of {', '.join(map(repr, CAPTURES))}, got "
+                         f"{capture!r}")
+    return capture
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """How a call's (args, kwargs) map to the graph's flat tensor inputs and back."""
+
+    treespec: Any
+    """pytree spec of the canonical (args, kwargs)."""
+    consts: tuple
+    """(leaf position, value) of each non-tensor leaf: constants of the exported graph."""
+    n_leaves: int
+
+    @property
+    def key(self) -> tuple:
+        """Hashable: equal for calls that give the same graph up to tensor shapes."""
+        return (str(self.treespec), tuple((i, repr(v)) for i, v in self.consts))
+
+    def rebuild(self, tensors: Iterable) -> tuple[tuple, dict]:
+        """(args, kwargs) from the flat tensors (in `flat` order) and the constants."""
+        it = iter(tensors)
+        consts = dict(self.consts)
+        leaves = [consts[i] if i in consts else next(it) for i in range(self.n_leaves)]
+        return pytree.tree_unflatten(leaves, self.treespec)
+
+
+class FlatInputs(tuple):
+    """The graph's tensor inputs in placeholder order, with the CallSpec they came from."""
+
+    spec: CallSpec
+
+    def __new__(cls, tensors: Iterable, spec: CallSpec):
+        self = super().__new__(cls, tuple(tensors))
+        self.spec = spec
+        return self
+
+
+def _canonical(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """NOTE [Export inputs]: every argument by keyword, in the signature's order."""
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{type(model).__name__}.forward does not accept these inputs: {e}") \
+            from None
+    pos: tuple = ()
+    out: dict = {}
+    for name, p in sig.parameters.items():
+        if name not in bound.arguments:
+            continue
+        v = bound.arguments[name]
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            # Keywords cannot follow *args' values: keep the call positional as written.
+            return tuple(args), dict(kwargs)
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            for k in sorted(v):
+                out[k] = v[k]
+        elif p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            pos += (v,)
+        else:
+            out[name] = v
+    return pos, out
+
+
+def call_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> FlatInputs:
+    """The call's tensor leaves in graph order (canonical form, NOTE [Export inputs])."""
+    cargs, ckwargs = _canonical(model, tuple(args), dict(kwargs))
+    leaves, treespec = pytree.tree_flatten((cargs, ckwargs))
+    tensors, consts = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        else:
+            consts.append((i, leaf))
+    if not tensors:
+        raise ValueError(f"{type(model).__name__}: the call has no tensor inputs; expected at "
+                         f"least one (input_ids, pixel_values, x, ...)")
+    return FlatInputs(tensors, CallSpec(treespec, tuple(consts), len(leaves)))
+
+
+def example_of(inputs: tuple) -> Any:
+    """The example `monetlike.profile` takes for a call given as the runtime's inputs: the flat
+    tuple itself (fx), or the keyword mapping it came from (export)."""
+    if not isinstance(inputs, FlatInputs):
+        return tuple(inputs)
+    args, kwargs = inputs.spec.rebuild(inputs)
+    if args:
+        raise NotImplementedError(
+            "monetlike.capture: a call with positional-only or *args inputs cannot be profiled "
+            "again from the runtime's inputs yet; pass graph= to ScheduleWrapper (monetlike."
+            "optimize does)")
+    return kwargs
+
+
+def split_example(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    """A tensor, a tuple or list of positional inputs, or a mapping of keyword inputs (a Hugging
+    Face batch: input_ids, attention_mask, labels) -> (args, kwargs)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        bad = [k for k in example_inputs if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"example_inputs: keyword inputs need str keys, got {bad[:3]!r}")
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)) and example_inputs:
+        return tuple(example_inputs), {}
+    raise ValueError(f"example_inputs: expected a tensor, a non-empty tuple of positional inputs "
+                     f"or a mapping of keyword inputs (input_ids=..., labels=...), got "
+                     f"{type(example_inputs).__name__}")
+
+
+def _distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """NOTE [Export inputs]: a tensor given twice becomes two tensors for the capture."""
+    seen: set = set()
+    out = []
+    for t in tensors:
+        key = id(t)
+        try:
+            key = t.untyped_storage()._cdata if t.device.type != "meta" else id(t)
+        except (RuntimeError, NotImplementedError):
+            pass
+        out.append(t.clone() if key in seen else t)
+        seen.add(key)
+    return out
+
+
+def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
+    """What cannot be exported, named, with the ways out."""
+    name = type(model).__name__
+    text = f"{type(e).__name__}: {e}".strip()
+    first = text.splitlines()[0][:400]
+    low = text.lower()
+    if "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
+        what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
+                "tensor, .item(), .nonzero(), boolean-mask indexing)")
+        fix = ("write it without the branch (torch.where, masks of fixed shape), or mark the "
+               "value with torch._check, or profile with capture='fx' if fx can trace the model")
+    elif "use_cache" in low or "dynamiccache" in low or "cache" in name.lower():
+        what = "a key-value cache object in the outputs"
+        fix = "call the model with use_cache=False (training does not need the cache)"
+    else:
+        what = "a construct torch.export cannot capture"
+        fix = ("see the torch.export message above; models of torch.nn modules may trace with "
+               "capture='fx' (make the offending module a leaf with leaf_modules=[...])")
+    return TraceError(f"torch.export.export(strict=False) could not capture {name}: {first}. "
+                      f"The construct: {what}. Way out: {fix}")
+
+
+def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
+    """`model` captured with torch.export (non-strict) on the call `flat` describes."""
+    args, kwargs = flat.spec.rebuild(_distinct(flat))
+    rng = torch.get_rng_state()
+    try:
+        ep = torch.export.export(model, args, kwargs, strict=False)
+        gm = ep.module()
+    except TraceError:
+        raise
+    except Exception as e:
+        raise _export_error(model, e) from e
+    finally:
+        torch.set_rng_state(rng)  # capturing must not move the user's random stream
+    _flatten_signature(gm, flat.spec)
+    gm.meta["capture"] = "export"
+    return gm
+
+
+def _flatten_signature(gm: fx.GraphModule, spec: CallSpec) -> None:
+    """Placeholders: the tensor inputs only, in `FlatInputs` order; outputs keep their structure.
+
+    ep.module() checks its inputs with a `_guards_fn` module (static shapes, constants): the
+    runtime checks the whole graph's fingerprint per input signature instead, and the CallSpec's
+    key covers the constants. Non-tensor placeholders become the constants they were captured
+    with."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            graph.erase_node(n)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    # ep.module() also checks its inputs against the export's input spec in a forward pre-hook;
+    # the spec changes below, and the fingerprint check replaces it.
+    for k, hook in list(gm._forward_pre_hooks.items()):
+        if "input_constraints" in getattr(hook, "__name__", ""):
+            del gm._forward_pre_hooks[k]
+            gm._forward_pre_hooks_with_kwargs.pop(k, None)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != spec.n_leaves:
+        raise TraceError(f"torch.export gave {len(placeholders)} inputs for a call of "
+                         f"{spec.n_leaves} leaves; this is a bug in monetlike.capture")
+    consts = dict(spec.consts)
+    names = []
+    for i, n in enumerate(placeholders):
+        if i in consts:
+            c = consts[i]
+            for user in list(n.users):
+                user.args = fx.node.map_arg(user.args, lambda a, n=n, c=c: c if a is n else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=n, c=c: c if a is n else a)
+            graph.erase_node(n)
+        else:
+            names.append(n.name)
+    old = graph._codegen
+    out_spec = old.pytree_info.out_spec if isinstance(old, fx.graph._PyTreeCodeGen) else None
+    in_spec = pytree.tree_flatten(tuple(range(len(names))))[1]
+    graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(names, in_spec, out_spec))
+    gm._in_spec = in_spec
+    gm.recompile()
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+            mode: str = "auto", leaf_modules: Iterable = ()) -> tuple[fx.GraphModule, tuple]:
+    """(GraphModule, its inputs in placeholder order) for `model(*args, **kwargs)`.
+
+    The inputs returned are the caller's own objects (no copies). `gm.meta["capture"]` is "fx" or
+    "export"."""
+    check_capture(mode)
+    kwargs = dict(kwargs or {})
+    fx_error = None
+    if mode in ("auto", "fx"):
+        try:
+            gm = trace(model, leaf_modules)
+        except TraceError as e:
+            if mode == "fx":
+                raise
+            fx_error = e
+        else:
+            gm.meta["capture"] = "fx"
+            return gm, _fx_inputs(model, gm, args, kwargs)
+    leaf_modules = list(leaf_modules)
+    if leaf_modules:
+        raise ValueError(f"leaf_modules={leaf_modules!r}: leaves are a torch.fx notion; "
+                         f"torch.export captures every module at ATen level (capture='export'"
+                         f"{' was chosen because fx failed: ' + str(fx_error) if fx_error else ''})")
+    flat = call_spec(model, args, kwargs)
+    try:
+        gm = export_graph(model, flat)
+    except TraceError as e:
+        if fx_error is not None:
+            raise TraceError(f"{e} (torch.fx before it: {fx_error})") from e
+        raise
+    return gm, flat
+
+
+def _fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
+    """The fx graph's placeholders filled from a call (keywords bound by the signature)."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if not kwargs and len(args) == len(names):
+        return tuple(args)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{type(model).__name__}.forward does not accept these inputs: {e}") \
+            from None
+    bound.apply_defaults()
+    return tuple(bound.arguments[n] for n in names)
