@@ -150,3 +150,49 @@ def test_the_step_by_step_path_runs_its_own_schedule_on_attention():
     w = monetlike.ScheduleWrapper(model, solver.solve(g, budget=10**9).schedule)
     _assert_same_step(model, w, x)
     _assert_same_step(model, w, torch.randn(2, 5, 16))  # and a shorter sequence
+
+
+# -- generated models: every smaller batch runs exactly, within the solved peak -------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _cnn_cases(draw):
+    blocks = draw(st.lists(st.tuples(st.sampled_from([2, 4, 8]), st.sampled_from([1, 3]),
+                                     st.booleans(), st.booleans()), min_size=1, max_size=3))
+    batch = draw(st.integers(3, 6))
+    smaller = draw(st.integers(2, batch - 1))
+    keep_every = draw(st.sampled_from([0, 2]))
+    return blocks, batch, smaller, keep_every
+
+
+def _generated(blocks):
+    layers, c = [], 3
+    for width, k, bn, inplace in blocks:
+        layers += [torch.nn.Conv2d(c, width, k, padding=k // 2)]
+        layers += [torch.nn.BatchNorm2d(width)] if bn else []
+        layers += [torch.nn.ReLU(inplace=inplace)]
+        c = width
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(c, 3)]
+    return torch.nn.Sequential(*layers)
+
+
+@settings(max_examples=8, deadline=None)
+@given(_cnn_cases())
+def test_generated_models_run_every_smaller_batch_exactly_within_the_solved_peak(case):
+    from runtime_support import compare_step, every, keep_schedule
+
+    blocks, batch, smaller, keep_every = case
+    torch.manual_seed(0)
+    model = _generated(blocks)
+    x = torch.randn(batch, 3, 6, 6)
+    graph = profile(model, x, cost="analytical:A100-40GB")
+    sched = keep_schedule(graph, every(keep_every), "tight", hold="stage")
+    xs = torch.randn(smaller, 3, 6, 6)
+    w = compare_step(model, lambda m: monetlike.ScheduleWrapper(m, sched), (xs,), steps=2,
+                     exact=True)
+    rebound = w.schedule_for(xs)
+    assert rebound.fingerprint != sched.fingerprint  # it did run rebound, not the solved graph
+    assert rebound.predicted_peak_bytes <= sched.predicted_peak_bytes
+    assert (rebound.impl, rebound.stages) == (sched.impl, sched.stages)
