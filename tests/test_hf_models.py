@@ -1,0 +1,126 @@
+"""Hugging Face transformers models (tiny configs, random init, no hub) captured with torch.export.
+
+For GPT-2, Llama, BERT, ViT and T5: profile through export (keyword batch with labels, so the
+loss computed inside the model is part of the graph), solve at two budgets (the sqrt(n)
+checkpointing baseline's peak, and half-way from it to store-all's), wrap, three AdamW steps: losses, logits, gradients and parameters equal
+plain PyTorch (fp32 CPU, assert_close defaults; the same seed, so dropout masks are the same), and
+the step's measured peak stays within the budget.
+"""
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+import monetlike  # noqa: E402
+import solver  # noqa: E402
+from solver.baselines import chen_sqrt_n, store_all  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+T = transformers
+B, S = 4, 16
+
+
+def _batch(name: str, g: torch.Generator) -> dict:
+    ids = torch.randint(0, 100, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, 12:] = 0  # padding: the mask is a real input of the graph
+    if name == "vit":
+        return dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g),
+                    labels=torch.tensor([1, 3, 0, 2]))
+    if name == "t5":
+        return dict(input_ids=ids, attention_mask=mask, use_cache=False,
+                    labels=torch.randint(0, 100, (B, 6), generator=g))
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.clone())
+    if name in ("gpt2", "llama"):
+        batch["use_cache"] = False
+    return batch
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name == "gpt2":
+        cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=S, vocab_size=100)
+        return T.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                            max_position_embeddings=S, attention_dropout=0.1)
+        return T.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = T.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, vocab_size=100, max_position_embeddings=S)
+        return T.BertForMaskedLM(cfg)
+    if name == "vit":
+        cfg = T.ViTConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                          num_attention_heads=2, image_size=16, patch_size=4, num_labels=5)
+        return T.ViTForImageClassification(cfg)
+    if name == "t5":
+        cfg = T.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2,
+                         d_kv=16, vocab_size=100, decoder_start_token_id=0, pad_token_id=0)
+        return T.T5ForConditionalGeneration(cfg)
+    raise AssertionError(name)
+
+
+def _loss(out) -> torch.Tensor:
+    # The profiler's step: every floating output summed (loss and logits here).
+    return sum(t.float().sum() for t in tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "t5"])
+def test_export_schedule_trains_like_pytorch(name):
+    torch.manual_seed(0)
+    model = _model(name).train()
+    batch = _batch(name, torch.Generator().manual_seed(1))
+    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+    assert graph.meta["capture"] == "export"  # fx cannot trace these models
+    kinds = {op.kind for op in graph.ops}
+    assert "scaled_dot_product_attention.default" in kinds  # attention is fine-grained
+    full = store_all(graph).predicted_peak_bytes
+    lo = chen_sqrt_n(graph).predicted_peak_bytes
+    assert lo < full
+    for budget in ((lo + full) // 2, lo):
+        result = solver.solve(graph, budget, time_limit_s=10, mip_gap=0.05)
+        assert result.ok, result.message
+        assert sum(len(s.recompute) for s in result.schedule.stages) > 0
+        model_b = copy.deepcopy(model)
+        ref = copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(model_b, result.schedule, graph=graph)
+        # The wrapper's parameters are the model's: an optimizer built on either works.
+        assert [id(p) for p in wrapped.parameters()] == [id(p) for p in model_b.parameters()]
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            out = wrapped(**batch)
+            _loss(out).backward()
+            torch.manual_seed(10 + step)
+            out_ref = ref(**batch)
+            _loss(out_ref).backward()
+            assert type(out) is type(out_ref)
+            torch.testing.assert_close(out.loss, out_ref.loss)
+            torch.testing.assert_close(out.logits, out_ref.logits)
+            for (n, p), (_, q) in zip(model_b.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=f"{name} grad {n}")
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad()
+            opt_ref.zero_grad()
+        for (n, p), (_, q) in zip(model_b.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p, q, msg=f"{name} param {n}")
+        # Measured peak of one step within the budget (storage count, fixed memory added).
+        for p in model_b.parameters():
+            p.grad = None
+
+        def step_fn():
+            _loss(wrapped(**batch)).backward()
+
+        m = monetlike.measure_step(step_fn, warmup=0, repeat=1)
+        assert m.peak_bytes - m.start_bytes + graph.fixed_bytes <= budget
