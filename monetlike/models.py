@@ -10,6 +10,10 @@
   check that inputs and outputs are handled as sets, not as "the" input and output.
 
 All are torch.fx-traceable at module granularity. Factories take sizes so tests can stay small.
+
+Named Hugging Face transformers shapes (`gpt2`, `gpt2_medium`, `llama_1b`, `bert_base`,
+`vit_base`; captured with torch.export) live in hf_models.py and are re-exported here, so a MODEL
+argument can name them like the models above.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["UNet", "TransformerBlock", "TwoInOut", "unet", "transformer_block", "two_in_out"]
+from .hf_models import bert_base, gpt2, gpt2_medium, llama_1b, vit_base  # noqa: E402,F401
+
+__all__ = ["UNet", "TransformerBlock", "TwoInOut", "unet", "transformer_block", "two_in_out",
+           "gpt2", "gpt2_medium", "llama_1b", "bert_base", "vit_base"]
 
 
 class DoubleConv(nn.Sequential):

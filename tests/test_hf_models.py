@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import monetlike  # noqa: E402
+import monetlike.models  # noqa: E402,F401
 import solver  # noqa: E402
 from solver.baselines import chen_sqrt_n, store_all  # noqa: E402
 
@@ -124,3 +125,27 @@ def test_export_schedule_trains_like_pytorch(name):
 
         m = monetlike.measure_step(step_fn, warmup=0, repeat=1)
         assert m.peak_bytes - m.start_bytes + graph.fixed_bytes <= budget
+
+
+@pytest.mark.parametrize("name, params", [
+    # Published parameter counts (tied embeddings counted once).
+    ("gpt2", 124_439_808), ("gpt2_medium", 354_823_168), ("llama_1b", 1_235_814_400),
+    ("bert_base", 109_514_298), ("vit_base", 86_567_656)])
+def test_named_shapes_have_their_published_sizes(name, params):
+    with torch.device("meta"):  # no memory, no init time
+        model = getattr(monetlike.models, name)()
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_named_shape_with_overrides_profiles_through_export():
+    model = monetlike.models.llama_1b(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+                                      vocab=100)
+    assert (model.config.num_hidden_layers, model.config.head_dim) == (2, 16)
+    batch = model.example_inputs(2, 16)
+    assert sorted(batch) == ["attention_mask", "input_ids", "labels", "use_cache"]
+    assert batch["input_ids"].shape == (2, 16) and batch["use_cache"] is False
+    graph = monetlike.profile(model, batch, cost="analytical:A100-40GB")
+    assert graph.meta["capture"] == "export" and graph.batch == 2
+    assert sum(op.kind == "scaled_dot_product_attention.default" for op in graph.ops) == 2
+    with pytest.raises(ValueError, match=r"hf_model\('gpt2'\): unknown override\(s\) \['bogus'\]"):
+        monetlike.models.gpt2(bogus=3)
