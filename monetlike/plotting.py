@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
+
+from solver.graph import atomic_write_bytes
 
 
 def save_figure(fig, path: str, dpi: int = 120) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Render to memory, then write atomically like every other output (umask respected, a
+    symlink written through, the old file kept if anything fails)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
+    atomic_write_bytes(path, buf.getvalue())

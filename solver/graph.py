@@ -124,7 +124,12 @@ def _params(d: dict, where: str) -> tuple:
 
 
 def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never a part.
+    """Write `text` (UTF-8) to `path` atomically; see `atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: "str | os.PathLike", data: bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the new one, never a part.
 
     A symlink is written through: its target gets the new content and the link stays. The new
     file keeps the mode of the file it replaces, or gets the umask's default for a new file
@@ -144,8 +149,8 @@ def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
         raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

@@ -494,3 +494,29 @@ def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
     assert r.stderr == "monetlike solve: interrupted; no output written\n"
     assert time.monotonic() - start < 30  # not the minute the solve would take
     assert _snapshot(work) == before
+
+
+def test_png_outputs_respect_the_umask_and_write_through_symlinks(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from monetlike.plotting import save_figure
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    target = tmp_path / "real.png"
+    target.write_bytes(b"old")
+    (tmp_path / "link.png").symlink_to(target)
+    old = os.umask(0o027)
+    try:
+        save_figure(fig, str(tmp_path / "fresh.png"))
+        save_figure(fig, str(tmp_path / "link.png"))
+    finally:
+        os.umask(old)
+        plt.close(fig)
+    assert stat.S_IMODE((tmp_path / "fresh.png").stat().st_mode) == 0o640
+    assert (tmp_path / "link.png").is_symlink()
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["fresh.png", "link.png", "real.png"]
