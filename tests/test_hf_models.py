@@ -149,3 +149,22 @@ def test_named_shape_with_overrides_profiles_through_export():
     assert sum(op.kind == "scaled_dot_product_attention.default" for op in graph.ops) == 2
     with pytest.raises(ValueError, match=r"hf_model\('gpt2'\): unknown override\(s\) \['bogus'\]"):
         monetlike.models.gpt2(bogus=3)
+
+
+def test_causal_lm_example_runs_three_ways_with_the_same_losses(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_causal_lm.py"
+    spec = importlib.util.spec_from_file_location("hf_causal_lm_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.main(["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "100",
+                         "--batch", "2", "--seq", "16", "--steps", "1", "--time-limit", "5",
+                         "--budget", "1MiB"])
+    assert [r["run"] for r in rows] == ["plain PyTorch", "HF gradient checkpointing",
+                                        "monetlike at 1.00 MiB"]
+    # Same initial weights, batch and seeds, exact gradients: the same loss after the same steps.
+    assert rows[0]["loss"] == rows[1]["loss"] == rows[2]["loss"]
+    assert rows[2]["peak_bytes"] <= 2**20
+    assert "capture export" in capsys.readouterr().out
