@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import monetlike  # noqa: E402
 import monetlike.models  # noqa: E402,F401
+import monetlike.trace  # noqa: E402,F401
 import solver  # noqa: E402
 from solver.baselines import chen_sqrt_n, store_all  # noqa: E402
 
@@ -168,3 +169,34 @@ def test_causal_lm_example_runs_three_ways_with_the_same_losses(capsys):
     assert rows[0]["loss"] == rows[1]["loss"] == rows[2]["loss"]
     assert rows[2]["peak_bytes"] <= 2**20
     assert "capture export" in capsys.readouterr().out
+
+
+def test_cache_in_outputs_is_refused_with_the_way_out():
+    model = _model("gpt2").train()
+    batch = {**_batch("gpt2", torch.Generator().manual_seed(1)), "use_cache": True}
+    with pytest.raises(monetlike.trace.TraceError) as e:
+        monetlike.profile(model, batch, cost="analytical:A100-40GB")
+    msg = str(e.value)
+    assert "could not capture GPT2LMHeadModel" in msg and "DynamicCache" in msg
+    assert ("The construct: a key-value cache object in the outputs. Way out: call the model "
+            "with use_cache=False") in msg
+
+
+def test_shorter_sequences_run_the_same_decisions_exactly():
+    torch.manual_seed(0)
+    model = _model("gpt2").train()
+    ref = copy.deepcopy(model)
+    batch = _batch("gpt2", torch.Generator().manual_seed(1))
+    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+    result = solver.solve(graph, chen_sqrt_n(graph).predicted_peak_bytes, time_limit_s=10)
+    wrapped = monetlike.ScheduleWrapper(model, result.schedule, graph=graph)
+    # Captured again at the shorter shape (an exported graph is shape-specialised); the
+    # schedule's decisions rebound and proven within its budget by the simulator.
+    small = {k: (v[:2, :8] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    assert wrapped.schedule_for(**small).predicted_peak_bytes <= result.schedule.budget_bytes
+    torch.manual_seed(0)
+    wrapped(**small).loss.backward()
+    torch.manual_seed(0)
+    ref(**small).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
