@@ -89,7 +89,8 @@ def test_export_schedule_trains_like_pytorch(name):
     lo = chen_sqrt_n(graph).predicted_peak_bytes
     assert lo < full
     for budget in ((lo + full) // 2, lo):
-        result = solver.solve(graph, budget, time_limit_s=10, mip_gap=0.05)
+        # Any schedule within the budget will do here (exactness, not optimality, is tested).
+        result = solver.solve(graph, budget, time_limit_s=4, mip_gap=0.1)
         assert result.ok, result.message
         assert sum(len(s.recompute) for s in result.schedule.stages) > 0
         model_b = copy.deepcopy(model)
