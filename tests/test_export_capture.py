@@ -195,3 +195,29 @@ def test_optimize_accepts_keyword_batches(tmp_path):
     ref(**batch)["loss"].backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_export_recomputes_batchnorm_without_updating_running_statistics_twice():
+    from runtime_support import every, keep_schedule, recomputed_op_count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 6, 6)
+    graph = monetlike.profile(model, x, cost="measured", repeat=1, impls=False,
+                              capture="export")
+    assert [op.kind for op in graph.ops].count("batch_norm.default") == 2
+    schedule = keep_schedule(graph, every(0), "tight", hold="stage")  # recompute everything
+    assert recomputed_op_count(schedule) > 0
+    wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        wrapped(x).sum().backward()
+        torch.manual_seed(seed)
+        ref(x).sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(b, c, msg=n)  # running stats and num_batches_tracked

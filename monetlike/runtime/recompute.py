@@ -212,7 +212,22 @@ def call_function_for_recompute(fn, args: tuple, kwargs: dict) -> Any:
             bound["running_mean"] = bound["running_var"] = None
             bound["momentum"] = 0.0
         return F.instance_norm(**bound)
+    if fn in _ATEN_NORMS:
+        # The same for the ATen ops of a graph captured with torch.export (monetlike.capture):
+        # aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+        # eps, cudnn_enabled), aten.instance_norm(..., use_input_stats, ...): batch statistics
+        # are used when argument 5 is true, and then running statistics are only written.
+        bound = list(args) + [kwargs.pop(k) for k in _ATEN_NORM_ARGS[len(args):] if k in kwargs]
+        if len(bound) > 5 and bound[5]:
+            bound[3] = bound[4] = None
+            bound[6] = 0.0
+        return fn(*bound, **kwargs)
     return fn(*args, **kwargs)
+
+
+_ATEN_NORMS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
+_ATEN_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training",
+                   "momentum", "eps", "cudnn_enabled")
 
 
 def _bind_norm(fn, args, kwargs, names) -> dict:
