@@ -221,3 +221,9 @@ def test_export_recomputes_batchnorm_without_updating_running_statistics_twice()
         torch.testing.assert_close(p.grad, q.grad, msg=n)
     for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         torch.testing.assert_close(b, c, msg=n)  # running stats and num_batches_tracked
+
+
+def test_keyword_inputs_without_a_tensor_are_refused():
+    with pytest.raises(ValueError, match=r"example_inputs: the keyword inputs \['return_dict'\] "
+                                         r"hold no tensor; expected at least one"):
+        monetlike.profile(KwNet(), {"return_dict": True})

@@ -189,8 +189,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, Mapping):
         call_args, call_kwargs = split_example(model, example_inputs)
-        inputs = _as_inputs(tuple(t for t in tree_leaves(call_kwargs)
-                                  if isinstance(t, torch.Tensor)) or example_inputs)
+        tensors = tuple(t for t in tree_leaves(call_kwargs) if isinstance(t, torch.Tensor))
+        if not tensors:
+            raise ValueError(f"example_inputs: the keyword inputs {sorted(call_kwargs)} hold no "
+                             f"tensor; expected at least one (input_ids=..., pixel_values=...)")
+        inputs = _as_inputs(tensors)
     else:
         inputs = _as_inputs(example_inputs)
         call_args, call_kwargs = inputs, {}
