@@ -149,12 +149,18 @@ def _model_file(spec: str | None) -> str | None:
     return None
 
 
-def example_inputs(batch: int, input_shape: Sequence[int], device: str = "cpu"):
+def example_inputs(batch: int, input_shape: Sequence[int] | None, device: str = "cpu",
+                   model=None):
     import torch
 
     if batch <= 0:
         raise UsageError(f"--batch must be a positive integer, got {batch}")
-    return torch.randn(batch, *input_shape, device=device)
+    make = getattr(model, "example_inputs", None)
+    if callable(make):
+        # A named transformers shape (monetlike.hf_models) makes its own keyword batch
+        # (input_ids, attention_mask, labels); --input-shape SEQ is its sequence length.
+        return make(batch, input_shape[0] if input_shape else None, device=device)
+    return torch.randn(batch, *(input_shape or DEFAULT_INPUT_SHAPE), device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,8 +172,7 @@ def _profile_args(args):
     from .profile import profile
 
     model = build_model(args.model)
-    x = example_inputs(args.batch, args.input_shape or DEFAULT_INPUT_SHAPE,
-                       _profile_device(args.cost))
+    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
     return profile(model, x, cost=args.cost, optimizer=args.optimizer,
                    host_bandwidth=getattr(args, "host_bandwidth", None))
 
@@ -449,8 +454,8 @@ def cmd_explain(args) -> int:
 
     _check_writable(args.plot)
     model = build_model(args.model)
-    ex = explain(model, example_inputs(args.batch, args.input_shape or DEFAULT_INPUT_SHAPE,
-                                       _profile_device(args.cost)),
+    ex = explain(model, example_inputs(args.batch, args.input_shape,
+                                       _profile_device(args.cost), model),
                  optimizer=args.optimizer, cost=args.cost)
     print(ex.report())
     if args.plot:

@@ -201,3 +201,16 @@ def test_shorter_sequences_run_the_same_decisions_exactly():
     ref(**small).loss.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_cli_profiles_a_named_transformers_shape(tmp_path, capsys):
+    from monetlike.cli import main
+
+    out = tmp_path / "g.json"
+    # --input-shape SEQ is the sequence length of a named transformers shape's token batch.
+    assert main(["profile", "gpt2", "--batch", "1", "--input-shape", "32",
+                 "--cost", "analytical:A100-40GB", "-o", str(out)]) == 0
+    graph = solver.OpGraph.load(str(out))
+    assert graph.meta["capture"] == "export" and graph.model == "GPT2LMHeadModel"
+    assert graph.summary()["input_shapes"] == [[1, 32], [1, 32], [1, 32]]
+    assert "profiled gpt2 batch 1" in capsys.readouterr().out
