@@ -71,7 +71,11 @@ def test_dropout_train_internal_is_the_mask():
     # Analytical profiles describe a GPU: the fused kernel's bool mask, 1 byte per element.
     ga = prof(m, x, cost="analytical:A100-40GB")
     assert by_name(ga, "_1").impls[0].internal_bytes == 4 * 32 * 1
-    assert ga.fingerprint == g.fingerprint
+    # A CPU profile also offers dropout_mask (ImplSpec.devices), a GPU one does not: the same
+    # structure once the meta profile offers the CPU's Impls, as the runtime's check does.
+    assert [im.name for im in by_name(g, "_1").impls][-1] == "dropout_mask"
+    assert ga.fingerprint != g.fingerprint
+    assert prof(m, x, cost="analytical:A100-40GB", impl_target="cpu").fingerprint == g.fingerprint
 
 
 def test_dropout_eval_is_an_alias_not_an_op():
