@@ -1,0 +1,68 @@
+"""Anytime quality (issue 20 item 4): whatever the time limit, `solve` returns a schedule no
+worse than the best simple rule that fits the budget.
+
+The rules are the baselines (store-all, Chen's sqrt(n) segments, the greedy); `solve` offers them
+(and more) as warm starts before any branch and bound, so even a solve stopped at once must return
+one of them or better. Checked on generated DAGs (hypothesis) and on a ResNet-50-sized graph, with
+time limits far too short for the MILP to finish.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import solver
+from solver import InfeasibleBudgetError, simulate, store_all_schedule
+from solver import baselines
+from solver_cases import random_dag, resnet_like
+
+RULES = (baselines.store_all, baselines.chen_sqrt_n, baselines.greedy)
+
+
+def _best_rule_time(graph, budget) -> float | None:
+    """The least step time of the rules whose schedule fits `budget` (None: none fits)."""
+    times = []
+    for rule in RULES:
+        r = rule(graph, budget)
+        if r.schedule is not None and r.predicted_peak_bytes <= budget:
+            assert simulate(graph, r.schedule).peak_bytes == r.predicted_peak_bytes
+            times.append(r.predicted_time)
+    return min(times) if times else None
+
+
+def _check_no_worse(graph, budget, time_limit_s, mode):
+    best = _best_rule_time(graph, budget)
+    try:
+        r = solver.solve(graph, budget, mode=mode, time_limit_s=time_limit_s)
+    except InfeasibleBudgetError:
+        assert best is None, "solve called a budget infeasible that a simple rule meets"
+        return None, best
+    tl = simulate(graph, r.schedule)
+    assert tl.peak_bytes == r.predicted_peak_bytes <= budget
+    if best is not None:
+        assert r.predicted_time <= best * (1 + 1e-12), (r.predicted_time, best, r.status)
+    return r, best
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(4, 24),
+       fraction=st.sampled_from([1.0, 0.8, 0.6, 0.45]),
+       mode=st.sampled_from(["full", "checkpoint"]))
+def test_generated_graphs_never_worse_than_a_rule(seed, n, fraction, mode):
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    peak = simulate(g, store_all_schedule(g)).peak_bytes
+    _check_no_worse(g, int(peak * fraction), 0.5, mode)
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.45])
+def test_resnet50_sized_graph_with_a_short_limit(fraction):
+    """176 ops: 3 s is far too little for branch and bound, not for the warm starts."""
+    g = resnet_like()
+    peak = simulate(g, store_all_schedule(g)).peak_bytes
+    r, best = _check_no_worse(g, int(peak * fraction), 3.0, "full")
+    assert r is not None and best is not None  # a rule fits at these budgets: compared
