@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
-import time
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-WORLD = 2
+from dist_support import WORLD, leave_without_finalization, run_workers
 CONFIGS = [
     ("plain", {}, False),
     ("find_unused_parameters", {"find_unused_parameters": True}, True),
@@ -113,24 +108,8 @@ def _worker(rank: int, store_path: str) -> None:
             gc.collect()
     finally:
         dist.destroy_process_group()
-    # Every check passed. Leave without interpreter finalization, where gloo's threads can abort
-    # the process (pytorch/pytorch#179291). CI once saw rank 0 die of SIGABRT ("terminate called
-    # without an active exception", no Python traceback, so no check had failed); not reproduced
-    # in 22 runs here, alone or beside two busy processes.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_finalization()
 
 
 def test_ddp_two_cpu_processes_same_gradients_as_unwrapped_ddp(tmp_path):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("DDP workers did not finish within 240 s")
+    run_workers(_worker, (str(tmp_path / "store"),), "DDP")

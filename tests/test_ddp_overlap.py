@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
-import time
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-WORLD = 2
+from dist_support import WORLD, leave_without_finalization, run_workers
 
 
 def _net():
@@ -85,20 +80,8 @@ def _worker(rank: int, store_path: str) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in test_ddp.py: no interpreter finalization with gloo threads
+    leave_without_finalization()
 
 
 def test_ddp_all_reduces_buckets_during_the_backward_as_without_the_wrapper(tmp_path):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("DDP workers did not finish within 240 s")
+    run_workers(_worker, (str(tmp_path / "store"),), "DDP")

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
-WORLD = 2
+from dist_support import WORLD, leave_without_finalization, run_workers
 
 
 def _net():
@@ -68,22 +64,9 @@ def _worker(rank: int, store_path: str, reshard: bool) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
-    # As in test_ddp.py: leave without interpreter finalization, where gloo's threads can abort.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_finalization()
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-unsharded"])
 def test_fsdp2_two_cpu_processes_same_gradients_as_unwrapped_fsdp2(tmp_path, reshard):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"), reshard), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("FSDP2 workers did not finish within 240 s")
+    run_workers(_worker, (str(tmp_path / "store"), reshard), "FSDP2")

@@ -105,35 +105,28 @@ def _dropout_p(gm, nodes) -> "float | None":
     return p
 
 
-def _match_regen(gm, nodes):
-    p = _dropout_p(gm, nodes)
-    if p is None:
-        return None
+def _matcher(function):
+    """The `match` of an Impl that runs `function.apply(x, p)` in place of the dropout node."""
 
-    def run(interp, node, args, kwargs):
-        x = args[0] if args else kwargs["input"]
-        return DropoutRegen.apply(x, p)
+    def match(gm, nodes):
+        p = _dropout_p(gm, nodes)
+        if p is None:
+            return None
 
-    return {nodes[0].name: run}
+        def run(interp, node, args, kwargs):
+            x = args[0] if args else kwargs["input"]
+            return function.apply(x, p)
 
+        return {nodes[0].name: run}
 
-def _match_mask(gm, nodes):
-    p = _dropout_p(gm, nodes)
-    if p is None:
-        return None
-
-    def run(interp, node, args, kwargs):
-        x = args[0] if args else kwargs["input"]
-        return DropoutMask.apply(x, p)
-
-    return {nodes[0].name: run}
+    return match
 
 
 # Registration order is the order of an Op's extra Impls (part of the fingerprint): regen first,
 # as before the mask existed, so schedules solved then keep their Impl indices.
-register(ImplSpec("dropout_regen", _match_regen,
+register(ImplSpec("dropout_regen", _matcher(DropoutRegen),
                   "Dropout regenerating its mask from the saved RNG state in the backward"))
 # Offered on CPU profiles only: CUDA's dropout already holds a bool mask.
-register(ImplSpec("dropout_mask", _match_mask,
+register(ImplSpec("dropout_mask", _matcher(DropoutMask),
                   "Dropout holding a 1-byte bool mask instead of the noise in the input dtype",
                   devices=frozenset({"cpu"})))

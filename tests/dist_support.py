@@ -1,0 +1,42 @@
+"""Running a test's worker on 2 CPU processes with gloo (test_ddp, test_ddp_overlap, test_fsdp).
+
+Workers rendezvous through a file store under the test's tmp_path (no TCP store-server thread, no
+free-port race) and, once every check has passed, leave by `leave_without_finalization`: CI once
+saw rank 0 die of SIGABRT in gloo's teardown during interpreter finalization ("terminate called
+without an active exception", no Python traceback; pytorch/pytorch#179291). A failing check
+still fails the test: the worker raises before it gets there, and the spawn context reports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+TIMEOUT_S = 240
+
+
+def run_workers(worker, args: tuple, what: str) -> None:
+    """Run `worker(rank, *args)` on WORLD spawned processes; fail the test after TIMEOUT_S."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    ctx = mp.start_processes(worker, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{what} workers did not finish within {TIMEOUT_S} s")
+
+
+def leave_without_finalization() -> None:
+    """End a worker whose checks all passed, skipping interpreter finalization (see above)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
