@@ -290,6 +290,13 @@ def test_api_raises_the_package_errors():
         with pytest.raises(BudgetParseError) as e:
             monetlike.optimize(model, torch.randn(2, 4), budget=bad)
         assert isinstance(e.value, MonetlikeError)
+    from monetlike.profile.costs import CostSpecError
+
+    for bad in ("fast", 3, "Analytical:", "analytical:B200"):
+        with pytest.raises(CostSpecError) as e:
+            monetlike.optimize(model, torch.randn(2, 4), budget="1MiB", cost=bad)
+        assert isinstance(e.value, MonetlikeError)
+        assert "expected 'measured'" in str(e.value) or "presets are" in str(e.value)
 
 
 def test_solve_records_the_graphs_own_shape(work):

@@ -34,7 +34,8 @@ from torch.utils.flop_counter import flop_registry
 
 from solver.errors import MonetlikeError
 
-__all__ = ["DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost", "get_preset",
+__all__ = ["CostSpecError", "DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost",
+           "get_preset",
            "Roofline", "Timer", "CLOCKS", "check_clock", "measure_host_bandwidth",
            "check_host_bandwidth"]
 
@@ -42,7 +43,11 @@ TFLOPS = 1e12
 GBPS = 1e9
 
 
-class UnknownDeviceError(MonetlikeError, ValueError):
+class CostSpecError(MonetlikeError, ValueError):
+    """`cost=` is not 'measured' or 'analytical:<DEVICE>'."""
+
+
+class UnknownDeviceError(CostSpecError):
     """`cost="analytical:<DEVICE>"` names a device without a preset."""
 
 
@@ -121,7 +126,7 @@ def get_preset(name: str) -> DevicePreset:
 def parse_cost(cost: str) -> tuple[str, DevicePreset | None]:
     """'measured' -> ('measured', None); 'analytical:NAME' -> ('analytical', preset)."""
     if not isinstance(cost, str):
-        raise ValueError(f"cost: expected 'measured' or 'analytical:<DEVICE>', got {cost!r}")
+        raise CostSpecError(f"cost: expected 'measured' or 'analytical:<DEVICE>', got {cost!r}")
     if cost.strip().lower() == "measured":
         return "measured", None
     kind, _, dev = cost.partition(":")
@@ -130,7 +135,7 @@ def parse_cost(cost: str) -> tuple[str, DevicePreset | None]:
             raise UnknownDeviceError(f"cost={cost!r} names no device; presets are: "
                                      f"{', '.join(PRESETS)}")
         return "analytical", get_preset(dev)
-    raise ValueError(f"cost: expected 'measured' or 'analytical:<DEVICE>' (devices: "
+    raise CostSpecError(f"cost: expected 'measured' or 'analytical:<DEVICE>' (devices: "
                      f"{', '.join(PRESETS)}), got {cost!r}")
 
 
