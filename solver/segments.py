@@ -1,0 +1,76 @@
+"""Segment checkpointing at narrow cuts: Chen's rule for graphs without articulation points.
+
+Chen et al.'s rule (baselines.chen_sqrt_n) keeps single Values that cut the forward graph in two
+(articulation Values) and recomputes each segment between them once, at its first backward
+stage. Many graphs have almost none: in a Hugging Face transformer captured with torch.export,
+the attention mask is made once and read by every layer, so it crosses every layer boundary and
+no single Value separates two layers (GPT-2 small: 7 articulation Values in 263 ops). What
+separates them is a small *set*: the residual stream plus the mask. This is what a user's
+per-block checkpointing keeps.
+
+Here a cut after op i is the set of Values made at or before i and read by an op after i (what
+a recomputation of the later ops needs); its bytes are the cut's width. Cuts at a local minimum
+of the width are the candidate boundaries; `cut_schedule` keeps the cuts about `length` ops
+apart and recomputes each segment in between on demand, holding what it recomputed for later
+stages (retain='all', as Chen's rule). The simulator decides what any such schedule costs.
+"""
+
+from __future__ import annotations
+
+from .analysis import GraphFacts
+from .baselines import schedule_from_keep
+from .graph import OpGraph
+from .schedule import Schedule
+
+
+def cut_widths(graph: OpGraph) -> list[tuple[int, frozenset[int]]]:
+    """For each op position i: (bytes, Values) of the cut after op i (Values of ops <= i read by
+    an op > i). Graph inputs, parameters and buffers are fixed memory and not in any cut."""
+    last_read = [-1] * len(graph.values)
+    for op in graph.ops:
+        for v in op.inputs:
+            last_read[v] = max(last_read[v], op.id)
+    out, live = [], set()
+    for op in graph.ops:
+        live |= {v for v in op.outputs if last_read[v] > op.id}
+        live = {v for v in live if last_read[v] > op.id}
+        out.append((sum(graph.values[v].bytes for v in live), frozenset(live)))
+    return out
+
+
+def narrow_cuts(graph: OpGraph) -> list[int]:
+    """Op positions whose cut is no wider than the cuts just before and after it (a plateau of
+    equal widths counts as one: its last position), skipping empty cuts (nothing to keep)."""
+    widths = [w for w, _ in cut_widths(graph)]
+    n = len(widths)
+    chosen = []
+    for i in range(n - 1):
+        if widths[i] == 0:
+            continue
+        before = widths[i - 1] if i > 0 else float("inf")
+        after = widths[i + 1]
+        if widths[i] <= before and widths[i] < after:
+            chosen.append(i)
+    return chosen
+
+
+def cut_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None) -> Schedule:
+    """Keep the narrow cuts about `length` ops apart; recompute each segment once, on demand."""
+    cuts = cut_widths(graph)
+    keep: set[int] = set()
+    last = -1
+    for i in narrow_cuts(graph):
+        if i - last >= length:
+            keep |= cuts[i][1]
+            last = i
+    return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
+                              mode="checkpoint", created_by=f"baseline:narrow_cuts/{length:g}")
+
+
+def cut_lengths(graph: OpGraph) -> list[int]:
+    """Segment lengths worth trying: powers of two up to the graph's size."""
+    n, out, k = len(graph.ops), [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out
