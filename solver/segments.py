@@ -13,9 +13,17 @@ a recomputation of the later ops needs); its bytes are the cut's width. Cuts at 
 of the width are the candidate boundaries; `cut_schedule` keeps the cuts about `length` ops
 apart and recomputes each segment in between on demand, holding what it recomputed for later
 stages (retain='all', as Chen's rule). The simulator decides what any such schedule costs.
+
+`block_schedule` is the user's own rule, per-block checkpointing (`torch.utils.checkpoint`
+around each layer, Hugging Face's `gradient_checkpointing_enable()`), read off the module paths
+the profiler records per Op (`graph.meta["op_modules"]`): a block is a numbered child of a
+container (`transformer.h.3`, `layer1.0`, `features.7`); what crosses a block boundary, or is made
+outside every block, is kept; the inside of a block is recomputed at its backward.
 """
 
 from __future__ import annotations
+
+import re
 
 from .analysis import GraphFacts
 from .baselines import schedule_from_keep
@@ -65,6 +73,40 @@ def cut_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None)
             last = i
     return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
                               mode="checkpoint", created_by=f"baseline:narrow_cuts/{length:g}")
+
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def op_blocks(graph: OpGraph) -> list[str | None] | None:
+    """Per Op, its block (the module path up to the first numbered component, e.g.
+    'transformer.h.3' for 'transformer.h.3.attn.c_proj'), None outside every block; None when
+    the graph records no module paths or has fewer than two blocks."""
+    paths = graph.meta.get("op_modules") if isinstance(graph.meta, dict) else None
+    if not isinstance(paths, list) or len(paths) != len(graph.ops):
+        return None
+    blocks = []
+    for p in paths:
+        m = _NUMBERED.match(p) if isinstance(p, str) else None
+        blocks.append(m.group(1) if m else None)
+    return blocks if len({b for b in blocks if b is not None}) >= 2 else None
+
+
+def block_schedule(graph: OpGraph, facts: GraphFacts, *, impl=None) -> Schedule | None:
+    """Per-block checkpointing: keep what crosses a block boundary or is made outside every
+    block, recompute each block's inside once at its backward. None without block structure."""
+    blocks = op_blocks(graph)
+    if blocks is None:
+        return None
+    keep = set()
+    for v in graph.values:
+        if v.producer is None:
+            continue
+        b = blocks[v.producer]
+        if b is None or any(blocks[o.id] != b for o in graph.ops if v.id in o.inputs):
+            keep.add(v.id)
+    return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
+                              mode="checkpoint", created_by="baseline:per_block")
 
 
 def cut_lengths(graph: OpGraph) -> list[int]:

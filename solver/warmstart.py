@@ -2,8 +2,11 @@
 
 `heuristic_schedules` builds store-all, the greedy baseline with two retention policies, the
 ranked rule (keep what is dearest to recompute per byte, as much as fits; it also keeps Values no
-backward reads, such as DenseNet's feature maps), Chen's segments at several lengths and "keep
-nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
+backward reads, such as DenseNet's feature maps), Chen's segments at several lengths, segments at
+narrow cuts (segments.py: per-block checkpointing where a mask or position tensor crosses every
+block, so no single Value cuts the graph) at lengths 1, 2, 4, ... ops, per-block checkpointing
+read off the model's module paths (what a user would write with torch.utils.checkpoint), and
+"keep nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
 keeps the fastest that fits the budget. `lp_rounding`
 solves the MILP's LP relaxation and rounds its residency columns at several thresholds
 (Checkmate's rounding, applied to every stage), recomputing whatever a rounded plan lacks; it
@@ -17,6 +20,7 @@ from .baselines import chen_schedule, greedy_schedule, ranked_schedule, schedule
 from .canonical import canonicalize
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
+from .segments import block_schedule, cut_lengths, cut_schedule
 from .simulate import simulate, store_all_schedule
 
 
@@ -54,6 +58,11 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts) -> list[
                 out.append((f"{tag}ranked/{retain}", ranked))
         for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
             out.append((f"{tag}chen/{length}", chen_schedule(graph, facts, length, impl=impl)))
+        for length in cut_lengths(graph):
+            out.append((f"{tag}cuts/{length}", cut_schedule(graph, facts, length, impl=impl)))
+        per_block = block_schedule(graph, facts, impl=impl)
+        if per_block is not None:
+            out.append((f"{tag}per_block", per_block))
         out.append((f"{tag}keep_nothing", schedule_from_keep(graph, (), retain="none",
                                                              facts=facts, impl=impl)))
     return out
@@ -138,12 +147,14 @@ def least_memory(graph: OpGraph, candidates) -> tuple[str, Schedule, int]:
 
 def low_memory_schedules(graph: OpGraph, facts: GraphFacts) -> list[tuple[str, Schedule]]:
     """Candidates for the least peak: the greedy rule pushed towards ever smaller budgets, Chen's
-    segments, and keeping nothing (which is not always the least: long recomputation chains
+    segments, segments at narrow cuts, and keeping nothing (which is not always the least: long recomputation chains
     hold their branch points)."""
     out = [("keep_nothing", schedule_from_keep(graph, (), retain="none", facts=facts))]
     n = len(graph.ops)
     for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
         out.append((f"chen/{length}", chen_schedule(graph, facts, length)))
+    for length in cut_lengths(graph):
+        out.append((f"cuts/{length}", cut_schedule(graph, facts, length)))
     top = simulate(graph, store_all_schedule(graph)).peak_bytes
     for frac in (0.5, 0.35, 0.25, 0.15, 0.0):
         out.append((f"greedy/none@{frac}", greedy_schedule(graph, int(top * frac), facts,

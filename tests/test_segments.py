@@ -76,3 +76,42 @@ def test_generated_graphs_every_length_gives_a_valid_schedule(seed, n):
         t = simulate(g, s)  # raises on an invalid schedule
         assert set(s.forward_keep) <= in_some_cut  # only cut Values are kept from the forward
         assert t.total_time >= base.total_time  # recomputation only adds time
+
+
+def test_per_block_rule_reads_module_paths():
+    """Blocks from the profiler's module paths: what crosses a block boundary is kept, each
+    block's inside is recomputed once at its backward (checkpoint around every layer)."""
+    import dataclasses
+
+    from solver.segments import block_schedule, op_blocks
+
+    g = layered(3)
+    assert op_blocks(g) is None and block_schedule(g, GraphFacts(g, "full")) is None
+    paths = ["embed", "mask"] + [p for i in range(3) for p in (f"h.{i}.attn", f"h.{i}")]
+    g = dataclasses.replace(g, meta={**g.meta, "op_modules": paths})
+    assert op_blocks(g) == [None, None] + [f"h.{i}" for i in range(3) for _ in range(2)]
+    s = block_schedule(g, GraphFacts(g, "full"))
+    # Kept: embed's output and the mask (made outside every block), each layer's output read by
+    # the next layer; recomputed: every attention output, once.
+    names = {g.values[v].name for v in s.forward_keep}
+    assert names <= {"embed", "mask", "res0", "res1"} and {"res0", "res1"} <= names
+    assert sorted(o for st_ in s.stages for o in st_.recompute) == [
+        o.id for o in g.ops if o.name.startswith("attn")]
+    base = simulate(g, store_all_schedule(g))
+    assert simulate(g, s).total_time == base.total_time + 3 * 2.0
+
+
+def test_per_block_rule_on_a_profiled_transformer():
+    import monetlike
+    from monetlike import hf_models as hf
+    from solver.segments import block_schedule, op_blocks
+
+    model = hf.gpt2(layers=3, hidden=32, heads=2, vocab=64, positions=16)
+    g = monetlike.profile(model, model.example_inputs(2, 8), cost="analytical:A100-40GB")
+    blocks = op_blocks(g)
+    assert sorted({b for b in blocks if b}) == ["transformer.h.0", "transformer.h.1",
+                                                "transformer.h.2"]
+    s = block_schedule(g, GraphFacts(g, "full"))
+    recomputed = {o for st_ in s.stages for o in st_.recompute}
+    assert recomputed and all(blocks[o] is not None for o in recomputed)  # only blocks' insides
+    assert simulate(g, s).peak_bytes < simulate(g, store_all_schedule(g)).peak_bytes

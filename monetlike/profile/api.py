@@ -14,6 +14,7 @@ same for both, so both graphs have the same fingerprint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import sys
 import time
@@ -298,6 +299,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                  "training": bool(model.training),
                                  "capture": gm.meta["capture"],
                              })
+        graph = dataclasses.replace(graph, meta={**graph.meta,
+                                                 "op_modules": _op_modules(gm, graph)})
     finally:
         _restore_rng(rng)
     return graph
@@ -343,6 +346,21 @@ def _inplace_in_order(run: ProfileRun, new_gid: dict, gid: int, alt: dict) -> bo
     if x is None:
         return True
     return all(new_gid[r] < new_gid[gid] for _, r in run.readers.get(x, ()) if r != gid)
+
+
+def _op_modules(gm, graph: OpGraph) -> list[str]:
+    """Per Op, the module path its first node runs in ('' at the top level): the block structure
+    the solver's per-block checkpointing rule reads (solver/segments.py). Not fingerprinted."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for op in graph.ops:
+        node = nodes.get(op.nodes[0])
+        stack = (node.meta.get("nn_module_stack") or {}) if node is not None else {}
+        paths = [p for p, _ in stack.values()]
+        if node is not None and node.op == "call_module":
+            paths.append(str(node.target))
+        out.append(paths[-1] if paths else "")
+    return out
 
 
 def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool,
