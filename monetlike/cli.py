@@ -231,11 +231,12 @@ def cmd_solve(args) -> int:
         graph = _profile_args(args)
     if args.offload and graph.host_bandwidth is None:
         raise UsageError(_NO_LINK)
+    best = _BestSoFar(graph, args)
     try:
-        with interruptible("monetlike solve"):
+        with interruptible("monetlike solve", on_interrupt=best.write):
             result = solver.solve(graph, args.budget, mode=args.mode, backend=args.backend,
                                   time_limit_s=args.time_limit, verbose=args.verbose,
-                                  offload=args.offload)
+                                  offload=args.offload, on_incumbent=best.offer)
     except ValueError as e:
         if isinstance(e, MonetlikeError):  # infeasible budget and the like keep their exit code
             raise
@@ -248,14 +249,51 @@ def cmd_solve(args) -> int:
         print(f"error: {result.message}", file=sys.stderr)
         return 1
     if args.output:
-        sched = result.schedule
-        meta = {**sched.meta, "input_shape": list(_graph_input_shape(graph) or ())}
-        if args.model:  # a hint for `check` (module docstring), never imported from the file
-            meta["model_spec"] = args.model
-        sched = dataclasses.replace(sched, meta=meta)
-        sched.save(args.output)
+        _save_schedule(result.schedule, graph, args)
         print(f"wrote {args.output}")
     return 0
+
+
+def _save_schedule(sched, graph, args, **meta_extra) -> None:
+    meta = {**sched.meta, "input_shape": list(_graph_input_shape(graph) or ()), **meta_extra}
+    if args.model:  # a hint for `check` (module docstring), never imported from the file
+        meta["model_spec"] = args.model
+    dataclasses.replace(sched, meta=meta).save(args.output)
+
+
+class _BestSoFar:
+    """The best schedule a running solve has found that fits the budget (replayed by the
+    simulator as it arrives), so that Ctrl-C with -o writes it, marked as interrupted."""
+
+    def __init__(self, graph, args):
+        import threading
+
+        self.graph, self.args = graph, args
+        self.lock = threading.Lock()
+        self.schedule = None
+        self.bound = None
+
+    def offer(self, schedule, bound) -> None:
+        from solver.simulate import with_predictions
+        from solver.units import parse_bytes
+
+        s = with_predictions(self.graph, schedule,
+                                    budget_bytes=parse_bytes(self.args.budget))
+        if s.predicted_peak_bytes > s.budget_bytes:  # a lazy-row model's plan: not yet checked
+            return
+        with self.lock:
+            self.schedule, self.bound = s, bound
+
+    def write(self) -> str:
+        with self.lock:
+            s, bound = self.schedule, self.bound
+        if s is None or not self.args.output:
+            return "no output written" if s is None else \
+                "no output written (no -o); a schedule had been found"
+        gap = None if bound is None else max(0.0, (s.predicted_time - bound) / s.predicted_time)
+        _save_schedule(s, self.graph, self.args, interrupted=True, gap=gap)
+        gap_text = "gap unknown" if gap is None else f"gap {gap:.1%}"
+        return f"best schedule so far written to {self.args.output} ({gap_text})"
 
 
 def _graph_input_shape(graph) -> tuple[int, ...] | None:
@@ -284,9 +322,11 @@ def _exit_interrupted(command: str, outcome: str) -> None:
 
 
 @contextlib.contextmanager
-def interruptible(command: str, outcome: str = "no output written"):
+def interruptible(command: str, outcome: str = "no output written", on_interrupt=None):
     """Around a long solve: native stdout to stderr, and Ctrl-C stops the process at once with
     the one line "COMMAND: interrupted; OUTCOME" and exit code 130 (scripts/build_zoo.py too).
+    `on_interrupt()`, if given, runs first (in the watcher thread) and returns the OUTCOME to
+    report, e.g. after writing the best schedule found so far; if it fails, OUTCOME is used.
 
     At once, not at the solver's next return: HiGHS swallows a KeyboardInterrupt raised in its
     callbacks and runs on to its time limit (measured: a GoogLeNet solve given SIGINT after 40 s
@@ -311,7 +351,13 @@ def interruptible(command: str, outcome: str = "no output written"):
             if not data:  # the write end closed: the solve is over
                 return
             if signal.SIGINT in data:
-                _exit_interrupted(command, outcome)
+                said = outcome
+                if on_interrupt is not None:
+                    try:
+                        said = on_interrupt()
+                    except Exception as e:  # never a traceback on Ctrl-C
+                        said = f"{outcome} ({type(e).__name__}: {str(e).splitlines()[0]})"
+                _exit_interrupted(command, said)
 
     # The Python-level handler does nothing: the watcher alone ends the process (one message),
     # and it also sees a Ctrl-C that lands just as the solve returns (read before the close).

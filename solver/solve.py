@@ -240,6 +240,8 @@ class _Shared:
         self.guide = None
         """(version, x): the latest LP relaxation solution as a vector of the first formulation
         (the one LNS works on), its RINS guide."""
+        self.on_incumbent = None
+        """solve(on_incumbent=...): told of every better schedule, with the best proven bound."""
 
     def set_guide(self, form: Formulation, x: np.ndarray, replace: bool = True) -> None:
         """Offer an LP solution of `form` as the RINS guide (with `replace=False` only when
@@ -266,8 +268,13 @@ class _Shared:
                 self.last_s = time.perf_counter() - self.start
                 if self.first_s is None:
                     self.first_s = self.last_s
-                return True
-        return False
+                accepted = True
+            else:
+                accepted = False
+        if accepted and self.on_incumbent is not None:
+            bounds = [b for b in (self.lp_bound, self.proven) if b is not None]
+            self.on_incumbent(schedule, max(bounds) if bounds else None)
+        return accepted
 
     def offer_schedule(self, form: Formulation, schedule, source: str) -> bool:
         return self.offer(form, form.encode(schedule), source)
@@ -400,12 +407,17 @@ def _min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dea
 
 def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
           time_limit_s: float = 600, mip_gap: float = 0.01, warm_start: bool = True,
-          verbose: bool = False, offload: bool = False) -> SolveResult:
+          verbose: bool = False, offload: bool = False, on_incumbent=None) -> SolveResult:
     """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
 
     mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
     offload: also let the MILP copy Values to host memory and back (full mode; needs the graph's
     host_bandwidth, a GPU feature at run time).
+    on_incumbent: called as on_incumbent(schedule, lower_bound) each time a better schedule is
+    found (from the solver's threads: keep it quick), lower_bound being the best valid bound on
+    the step time proven so far or None; the schedule is as the MILP decoded it, not yet
+    replayed (simulate.with_predictions gives its peak and time). The CLI keeps the last one so
+    that Ctrl-C can write the best schedule found so far.
     Returns a SolveResult whose schedule has been replayed by the simulator; raises
     InfeasibleBudgetError (with the minimum feasible budget) when no schedule fits, and
     BackendUnavailableError for an unknown or missing backend. A time-out with no schedule, or a
@@ -436,6 +448,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     base_time = simulate(graph, store_all_schedule(graph)).total_time
     shared = _Shared([form])
     shared.start = started
+    shared.on_incumbent = on_incumbent
 
     # -- first incumbent -----------------------------------------------------------------------
     race: list[tuple[str, Schedule]] = []

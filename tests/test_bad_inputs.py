@@ -503,6 +503,40 @@ def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
     assert _snapshot(work) == before
 
 
+FOUND_THEN_SLOW = """
+import os, signal, sys, threading, time
+import solver
+
+def slow(graph, budget, **kwargs):  # finds store-all (bound: 0.9 of its time), then Ctrl-C
+    s = solver.store_all_schedule(graph)
+    kwargs["on_incumbent"](s, 0.9 * solver.simulate(graph, s).total_time)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    time.sleep(60)
+
+solver.solve = slow
+from monetlike.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_with_output_keeps_the_best_schedule_so_far(work, tmp_path):
+    import solver
+
+    script = tmp_path / "found.py"
+    script.write_text(FOUND_THEN_SLOW)
+    out = work / "best.json"
+    r = subprocess.run([sys.executable, str(script), "solve", "--graph", str(work / "g.json"),
+                        "--budget", "1MiB", "-o", str(out)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=60)
+    assert r.returncode == 130
+    assert r.stderr == (f"monetlike solve: interrupted; best schedule so far written to {out} "
+                        f"(gap 10.0%)\n")
+    s = solver.Schedule.load(out)
+    g = solver.OpGraph.load(work / "g.json")
+    assert s.meta["interrupted"] is True and abs(s.meta["gap"] - 0.1) < 1e-12
+    assert s.predicted_peak_bytes == solver.simulate(g, s).peak_bytes <= s.budget_bytes
+
+
 def test_png_outputs_respect_the_umask_and_write_through_symlinks(tmp_path):
     import matplotlib
 
