@@ -272,7 +272,8 @@ class _Shared:
             else:
                 accepted = False
         if accepted and self.on_incumbent is not None:
-            bounds = [b for b in (self.lp_bound, self.proven) if b is not None]
+            # Bounds are kept in the MILP's scaled time units (every form shares the scaling).
+            bounds = [b / form.time_scale for b in (self.lp_bound, self.proven) if b is not None]
             self.on_incumbent(schedule, max(bounds) if bounds else None)
         return accepted
 

@@ -66,3 +66,40 @@ def test_resnet50_sized_graph_with_a_short_limit(fraction):
     peak = simulate(g, store_all_schedule(g)).peak_bytes
     r, best = _check_no_worse(g, int(peak * fraction), 3.0, "full")
     assert r is not None and best is not None  # a rule fits at these budgets: compared
+
+
+def test_on_incumbent_reports_better_schedules_with_valid_bounds_in_seconds():
+    """solve(on_incumbent=...) (the CLI's Ctrl-C keeps the last one): every reported schedule is
+    faster than the one before, and every bound is a lower bound in seconds, no higher than the
+    final answer's own (time x (1 - gap))."""
+    g = resnet_like()
+    peak = simulate(g, store_all_schedule(g)).peak_bytes
+    seen = []
+    r = solver.solve(g, int(peak * 0.6), time_limit_s=10,
+                     on_incumbent=lambda s, bound: seen.append((simulate(g, s).total_time,
+                                                                 bound)))
+    assert seen
+    times = [t for t, _ in seen]
+    assert all(b < a for a, b in zip(times, times[1:]))
+    assert min(times) == pytest.approx(r.predicted_time, rel=1e-9)
+    final_lower = r.predicted_time * (1 - r.mip_gap)
+    assert all(0 < b <= final_lower * (1 + 1e-9) for _, b in seen if b is not None)
+
+
+def test_on_incumbent_bounds_are_in_seconds():
+    """The pool keeps bounds in the MILP's scaled units; on_incumbent gets seconds."""
+    from solver.formulation import Formulation
+    from solver.solve import _Shared
+
+    g = resnet_like()
+    base = simulate(g, store_all_schedule(g))
+    form = Formulation(g, base.peak_bytes, mode="full")
+    assert form.time_scale != 1.0  # else this test could not tell the units apart
+    pool = _Shared([form])
+    pool.lp_bound = 0.5 * base.total_time * form.time_scale
+    seen = []
+    pool.on_incumbent = lambda s, bound: seen.append((s, bound))
+    assert pool.offer_schedule(form, store_all_schedule(g), "test")
+    (s, bound), = seen
+    assert bound == pytest.approx(0.5 * base.total_time, rel=1e-12)
+    assert simulate(g, s).total_time == pytest.approx(base.total_time, rel=1e-12)
