@@ -9,11 +9,13 @@ still fails the test: the worker raises before it gets there, and the spawn cont
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -40,3 +42,18 @@ def leave_without_finalization() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def process_group(store_path: str, rank: int):
+    """A worker's gloo process group (one thread per process: two share the 2 cores), through a
+    file store (no TCP store-server thread in rank 0, no free-port race); destroyed on the way
+    out, and then the worker leaves without finalization if its checks passed."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    leave_without_finalization()

@@ -473,11 +473,14 @@ def test_maxbatch_on_batchnorm_starts_at_two(tmp_path, capsys):
     assert r.tried[1].startswith("cannot run: ") and "more than 1 value per channel" in r.tried[1]
 
 
-SLOW_SOLVE = """
+INTERRUPTED_SOLVE = """
 import os, signal, sys, threading, time
 import solver
 
-def slow(*args, **kwargs):  # a solve that would run for a minute; Ctrl-C comes after 0.5 s
+def slow(graph, budget, **kwargs):  # a solve that would run for a minute; Ctrl-C after 0.5 s
+    if {found}:  # it has found store-all by then (bound: 0.9 of its time)
+        s = solver.store_all_schedule(graph)
+        kwargs["on_incumbent"](s, 0.9 * solver.simulate(graph, s).total_time)
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     time.sleep(60)
 
@@ -491,7 +494,7 @@ def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
     import time
 
     script = tmp_path / "slow.py"
-    script.write_text(SLOW_SOLVE)
+    script.write_text(INTERRUPTED_SOLVE.format(found=False))
     before = _snapshot(work)
     start = time.monotonic()
     r = subprocess.run([sys.executable, str(script), "solve", "--graph", str(work / "g.json"),
@@ -503,27 +506,11 @@ def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
     assert _snapshot(work) == before
 
 
-FOUND_THEN_SLOW = """
-import os, signal, sys, threading, time
-import solver
-
-def slow(graph, budget, **kwargs):  # finds store-all (bound: 0.9 of its time), then Ctrl-C
-    s = solver.store_all_schedule(graph)
-    kwargs["on_incumbent"](s, 0.9 * solver.simulate(graph, s).total_time)
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    time.sleep(60)
-
-solver.solve = slow
-from monetlike.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_ctrl_c_with_output_keeps_the_best_schedule_so_far(work, tmp_path):
     import solver
 
     script = tmp_path / "found.py"
-    script.write_text(FOUND_THEN_SLOW)
+    script.write_text(INTERRUPTED_SOLVE.format(found=True))
     out = work / "best.json"
     r = subprocess.run([sys.executable, str(script), "solve", "--graph", str(work / "g.json"),
                         "--budget", "1MiB", "-o", str(out)], capture_output=True, text=True,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_support import WORLD, leave_without_finalization, run_workers
+from dist_support import WORLD, process_group, run_workers
 CONFIGS = [
     ("plain", {}, False),
     ("find_unused_parameters", {"find_unused_parameters": True}, True),
@@ -59,11 +59,7 @@ def _worker(rank: int, store_path: str) -> None:
     from monetlike.runtime import ScheduleWrapper
     from runtime_support import every, keep_schedule
 
-    torch.set_num_threads(1)
-    # A file store, not TCP: no store server thread in rank 0 and no free-port race.
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
-    try:
+    with process_group(store_path, rank):
         for name, kwargs, unused in CONFIGS:
             torch.manual_seed(0)
             model = AttnNet() if name == "recompute_internals" else TiedNet(unused)
@@ -106,9 +102,6 @@ def _worker(rank: int, store_path: str) -> None:
             # Drop the DDP reducers (they hold the process group) before destroying it.
             del ref, wrapped, opt_r, opt_w
             gc.collect()
-    finally:
-        dist.destroy_process_group()
-    leave_without_finalization()
 
 
 def test_ddp_two_cpu_processes_same_gradients_as_unwrapped_ddp(tmp_path):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_support import WORLD, leave_without_finalization, run_workers
+from dist_support import process_group, run_workers
 
 
 def _net():
@@ -50,10 +50,7 @@ def _worker(rank: int, store_path: str) -> None:
     from monetlike.runtime import ScheduleWrapper
     from runtime_support import every, keep_schedule
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
-    try:
+    with process_group(store_path, rank):
         torch.manual_seed(0)
         model = _net()
         x = torch.randn(8, 32)
@@ -78,9 +75,6 @@ def _worker(rank: int, store_path: str) -> None:
         dist.barrier()
         del plain, wrapped
         gc.collect()
-    finally:
-        dist.destroy_process_group()
-    leave_without_finalization()
 
 
 def test_ddp_all_reduces_buckets_during_the_backward_as_without_the_wrapper(tmp_path):

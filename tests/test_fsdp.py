@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_support import WORLD, leave_without_finalization, run_workers
+from dist_support import process_group, run_workers
 
 
 def _net():
@@ -31,10 +31,7 @@ def _worker(rank: int, store_path: str, reshard: bool) -> None:
     from runtime_support import every, keep_schedule
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
-    try:
+    with process_group(store_path, rank):
         torch.manual_seed(0)
         model = _net()
         torch.manual_seed(100 + rank)  # each rank its own data
@@ -62,9 +59,6 @@ def _worker(rank: int, store_path: str, reshard: bool) -> None:
         dist.barrier()
         del ref, wrapped, opt_r, opt_w
         gc.collect()
-    finally:
-        dist.destroy_process_group()
-    leave_without_finalization()
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-unsharded"])
