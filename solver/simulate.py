@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .analysis import inplace_clashes, inplace_freed
 from .errors import ScheduleError, ScheduleMismatchError
 from .graph import OpGraph
+from .release import stage_releases
 from .schedule import Schedule, StageSchedule
 
 
@@ -167,27 +168,14 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             if v in held_by_caller:
                 raise ScheduleError(f"{where}: drops value {v} ({values[v].name}), a model output "
                                     f"that the caller holds")
-        # The last use of each dropped Value inside this stage: a recompute position, or the
-        # backward itself (position len(recompute)); -1 means not used here, freed at stage start.
-        last_in_stage = {v: -1 for v in drop}
         prev = -1
-        for pos, j in enumerate(stage.recompute):
+        for j in stage.recompute:
             if j >= len(ops) or j <= prev:
                 raise ScheduleError(f"{where}: recompute list must hold op ids in increasing "
                                     f"(topological) order, got {list(stage.recompute)}")
             prev = j
-            for v in ops[j].inputs:
-                if v in last_in_stage:
-                    last_in_stage[v] = pos
-        for v in needed:
-            if v in last_in_stage:
-                last_in_stage[v] = len(stage.recompute)
-
-        def release_after(pos: int) -> None:
-            for v, last in last_in_stage.items():
-                if last == pos:
-                    resident.discard(v)
-
+        # When each dropped Value is freed: the one rule shared with the runtime.
+        release = stage_releases(graph, schedule, t)
         # Fetched Values come back from host memory at the stage start.
         for v in stage.fetch:
             if v not in offload:
@@ -201,7 +189,7 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             if v not in resident and not any(v in ops[j].outputs for j in stage.recompute):
                 raise ScheduleError(f"{where}: drops value {v} ({values[v].name}) which is not "
                                     f"resident and not recomputed in this stage")
-        release_after(-1)
+        resident.difference_update(release.at_start)
         for pos, j in enumerate(stage.recompute):
             rop = ops[j]
             if rop.recompute_unsafe:
@@ -222,12 +210,7 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             peak = (fixed + grad + live_bytes() + internals + sum(values[v].bytes for v in new)
                     + dup - freed(j) + rimpl.recompute_transient)
             resident.update(new)
-            release_after(pos)
-            # A dropped output that nothing later in this stage reads is freed at once (its
-            # production is its last use); otherwise it would stay resident past the stage.
-            for v in rop.outputs:
-                if v in last_in_stage and last_in_stage[v] < pos:
-                    resident.discard(v)
+            resident.difference_update(release.after_recompute[pos])
             recompute_time += rimpl.fwd_time
             points.append(Point("recompute", t, j, peak, tuple(sorted(resident))))
         missing = sorted(needed - resident)
@@ -238,7 +221,7 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
         peak = fixed + grad + live_bytes() + internals + impl.bwd_workspace
         points.append(Point("backward", t, op_id, peak, tuple(sorted(resident))))
         backward_time += impl.bwd_time
-        release_after(len(stage.recompute))
+        resident.difference_update(release.at_end)
         internals -= impl.internal_bytes
 
     held_over = sorted(x for x in overwritten if x in resident)

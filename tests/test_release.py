@@ -8,11 +8,109 @@ code before the rule moved into one module.
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from release_cases import SEEDS, cases, digest
+from solver.release import StageRelease, stage_releases
+from solver.schedule import Schedule, StageSchedule
 from solver.simulate import simulate
+from solver_cases import GraphBuilder
+
+
+def _chain_and_schedule():
+    """x -> a -> b -> c -> d -> e (op i makes the Value i + 1 and saves its input); the caller
+    holds e. Keep a and c from the forward pass; every stage drops and recomputes by hand."""
+    b = GraphBuilder("release_chain", input_bytes=1)
+    v = b.input("x", 1)
+    for i, size in enumerate((2, 4, 8, 16, 32)):
+        v = b.op(f"op{i}", [v], size, saved=("in0",))
+    g = b.build(outputs=v)
+    assert g.backward_order == (4, 3, 2, 1, 0)
+    stages = (
+        # op4 needs d: remake b (from a) and d (from c); drop b and d.
+        StageSchedule(op=4, recompute=(1, 3), drop=(2, 4)),
+        # op3 needs c (resident); a is dropped here though this stage does not read it.
+        StageSchedule(op=3, drop=(1, 3)),
+        # op2 needs b: remake a (from x), then b (from a); drop both.
+        StageSchedule(op=2, recompute=(0, 1), drop=(1, 2)),
+        # op1 needs a: remake it and drop it.
+        StageSchedule(op=1, recompute=(0,), drop=(1,)),
+        StageSchedule(op=0),
+    )
+    s = Schedule(fingerprint=g.fingerprint, graph_summary=g.summary(), impl=(0,) * 5,
+                 forward_keep=(1, 3), stages=stages)
+    return g, s
+
+
+def test_releases_on_a_chain_by_hand():
+    g, s = _chain_and_schedule()
+    got = [stage_releases(g, s, t) for t in range(5)]
+    assert got == [
+        # b (2) is read by nothing in the stage: listed at the start (not resident then, so
+        # nothing to free) and right after position 0, which makes it. d (4) is read by the
+        # backward: freed after it. c is not dropped: it stays.
+        StageRelease(at_start=(2,), after_recompute=((2,), ()), at_end=(4,)),
+        # a (1) is not read in this stage: freed at the start; c (3) after the backward.
+        StageRelease(at_start=(1,), after_recompute=(), at_end=(3,)),
+        # a (1) is made at position 0 and last read at position 1 (op1); b (2) by the backward.
+        StageRelease(at_start=(), after_recompute=((), (1,)), at_end=(2,)),
+        StageRelease(at_start=(), after_recompute=((),), at_end=(1,)),
+        StageRelease(at_start=(), after_recompute=(), at_end=()),
+    ]
+    # The simulator frees at exactly these points: its resident sets, point by point (the
+    # caller's output e = 5 is always there; graph inputs are never listed).
+    tl = simulate(g, s)
+    stage_points = [(p.phase, p.stage, p.op, p.resident) for p in tl.points
+                    if p.phase in ("recompute", "backward")]
+    assert stage_points == [
+        ("recompute", 0, 1, (1, 3, 5)),       # b made and freed at once
+        ("recompute", 0, 3, (1, 3, 4, 5)),    # d made
+        ("backward", 0, 4, (1, 3, 4, 5)),     # then d freed
+        ("backward", 1, 3, (3, 5)),           # a freed at the start, c after the backward
+        ("recompute", 2, 0, (1, 5)),
+        ("recompute", 2, 1, (2, 5)),          # a freed after op1 read it
+        ("backward", 2, 2, (2, 5)),
+        ("recompute", 3, 0, (1, 5)),
+        ("backward", 3, 1, (1, 5)),
+        ("backward", 4, 0, (5,)),
+    ]
+    # Bytes: fixed (input 1) + resident; stage 0's first recompute point holds a, c, e and b.
+    assert tl.points[5].bytes == 1 + (2 + 8 + 32) + 4
+    # Peak: a, c, d and e (b is not kept), at op4 in the forward pass and at stage 0's backward.
+    assert tl.peak_bytes == 1 + 2 + 8 + 16 + 32
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6))
+def test_never_released_before_a_use_and_never_held_past_the_stage(seed):
+    """On generated graphs and valid schedules: a stage releases only Values it drops; none is
+    released while a later position in the stage reads it, unless it is made again in between;
+    none is resident after the stage; the simulator holds none past its release point."""
+    g, schedules = cases(seed)
+    for s in schedules:
+        tl = simulate(g, s)
+        for t, stage in enumerate(s.stages):
+            rel = stage_releases(g, s, t)
+            n = len(stage.recompute)  # the backward's position; -1 is the stage start
+            released = {-1: rel.at_start, n: rel.at_end}
+            released.update(enumerate(rel.after_recompute))
+            reads = {pos: g.ops[j].inputs for pos, j in enumerate(stage.recompute)}
+            reads[n] = g.ops[stage.op].impls[s.impl[stage.op]].saved
+            makes = {pos: g.ops[j].outputs for pos, j in enumerate(stage.recompute)}
+            for p, vs in released.items():
+                assert set(vs) <= set(stage.drop)
+                for v in vs:
+                    for q, r in reads.items():
+                        if q > p and v in r:
+                            assert any(p < m < q and v in makes[m] for m in makes), (t, v, p, q)
+            for v in stage.drop:
+                last_release = max(p for p, vs in released.items() if v in vs)
+                assert all(m <= last_release for m in makes if v in makes[m]), (t, v)
+            points = [p for p in tl.points if p.stage == t and p.phase == "recompute"]
+            for pos, point in enumerate(points):
+                assert not set(point.resident) & set(rel.after_recompute[pos])
 
 # Per seed of release_cases.cases: the simulated peak of each of its ten schedules, and a hash of
 # every point of their timelines (release_cases.digest). Generated by running

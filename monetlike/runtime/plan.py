@@ -5,10 +5,8 @@ id), the Schedule (per-stage recompute and drop lists) and the traced fx GraphMo
 name). It is built once per input signature and then read by every step (`executor.StepState`).
 
 It also decides, per Value, how the runtime treats it (see NOTE [Value handling] below) and
-precomputes, per backward stage, when each dropped Value is released, with exactly the rule of
-solver/simulate.py (docs/execution-model.md section 3): unused drops at the stage start, drops
-read by a recomputation right after their last such read, a dropped output of a recomputation
-that nothing later in the stage reads right after it is made, the rest at the stage end.
+precomputes, per backward stage, when each dropped Value is released: the simulator's own rule,
+solver/release.py.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch.fx as fx
 
 from solver.errors import ScheduleError
 from solver.graph import OpGraph
+from solver.release import StageRelease, stage_releases
 from solver.schedule import Schedule
 from solver.simulate import simulate
 
@@ -72,16 +71,6 @@ def target_name(node: fx.Node) -> str:
 
 
 @dataclass
-class StageRelease:
-    """When the Values dropped by one stage are released (simulator rule, see module docstring)."""
-
-    at_start: tuple[int, ...]
-    after_recompute: tuple[tuple[int, ...], ...]
-    """Aligned with the stage's recompute list: released right after that recomputation."""
-    at_end: tuple[int, ...]
-
-
-@dataclass
 class Plan:
     graph: OpGraph
     schedule: Schedule
@@ -115,6 +104,7 @@ class Plan:
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
     releases: list[StageRelease]
+    """Per backward stage, when its dropped Values are released (solver/release.py)."""
     offload: frozenset[int] = frozenset()
     """Values copied to host memory in the forward pass (offload.py)."""
     offload_after: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -244,28 +234,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
             stack.extend(a.all_input_nodes)
 
     stage_of_op = {o: t for t, o in enumerate(graph.backward_order)}
-    releases = []
-    for t, st in enumerate(schedule.stages):
-        drop = set(st.drop)
-        last = {v: -1 for v in drop}
-        for pos, j in enumerate(st.recompute):
-            for v in graph.ops[j].inputs:
-                if v in last:
-                    last[v] = pos
-        for v in impl_saved[st.op]:
-            if v in last:
-                last[v] = len(st.recompute)
-        # A dropped output of a recomputation that nothing later in the stage reads is freed as
-        # soon as it is made (its production is its last use in this stage).
-        made_late = [{v for v in graph.ops[j].outputs if v in last and last[v] < pos}
-                     for pos, j in enumerate(st.recompute)]
-        releases.append(StageRelease(
-            at_start=tuple(sorted(v for v, p in last.items() if p == -1)),
-            after_recompute=tuple(tuple(sorted({v for v, p in last.items() if p == pos}
-                                               | made_late[pos]))
-                                  for pos in range(len(st.recompute))),
-            at_end=tuple(sorted(v for v, p in last.items() if p == len(st.recompute))),
-        ))
+    releases = [stage_releases(graph, schedule, t) for t in range(len(schedule.stages))]
 
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
