@@ -8,6 +8,11 @@ together with a passed gradient check (shared/REFERENCE.md: a "48 GB saving" tha
 never computed).
 
 The user's model is not modified: both steps run on deep copies.
+
+`example_inputs` is what `monetlike.profile` takes: a tensor, a tuple of positional inputs, or a
+mapping of keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels; its
+non-tensor entries such as use_cache=False are passed as they are). Input gradients are compared
+for the floating-point inputs that require grad; integer inputs (token ids, labels) have none.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ from typing import Any
 
 import torch
 
+from torch.utils._pytree import tree_leaves
+
 from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.units import format_bytes
 
+from .capture import split_example
 from .measure import measure_step
 from .runtime import ScheduleWrapper
 
@@ -86,25 +94,34 @@ class CheckReport:
         return self.table().to_string(index=False)
 
 
-def _as_tuple(x: Any) -> tuple:
-    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+def _tensors(out) -> list:
+    """The tensor leaves of an output or input structure (a tensor, tuples, lists, dicts and
+    Hugging Face ModelOutputs, which are registered pytree nodes)."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _loss(out) -> torch.Tensor:
-    leaves = out if isinstance(out, (tuple, list)) else (out,)
-    return sum((o.float() * o.float().detach().sign()).sum() for o in leaves
-               if isinstance(o, torch.Tensor) and o.is_floating_point())
+    leaves = [o for o in _tensors(out) if o.is_floating_point() and o.requires_grad]
+    if not leaves:
+        raise ValueError(f"check: the model's output ({type(out).__name__}) has no floating-point "
+                         f"tensor that requires grad, so there is no backward to check; expected "
+                         f"a loss or logits")
+    return sum((o.float() * o.float().detach().sign()).sum() for o in leaves)
 
 
-def _one_step(module, inputs: tuple, seed: int):
+def _fresh(x):
+    return (x.detach().clone().requires_grad_(x.requires_grad and x.is_floating_point())
+            if isinstance(x, torch.Tensor) else x)
+
+
+def _one_step(module, args: tuple, kwargs: dict, seed: int):
     torch.manual_seed(seed)
-    xs = tuple(x.detach().clone().requires_grad_(x.requires_grad and x.is_floating_point())
-               if isinstance(x, torch.Tensor) else x for x in inputs)
-    out = module(*xs)
+    xs = tuple(_fresh(x) for x in args)
+    kw = {k: _fresh(v) for k, v in kwargs.items()}
+    out = module(*xs, **kw)
     _loss(out).backward()
-    leaves = out if isinstance(out, (tuple, list)) else (out,)
-    return ([o.detach() for o in leaves if isinstance(o, torch.Tensor)],
-            [x.grad for x in xs if isinstance(x, torch.Tensor)])
+    return ([o.detach() for o in _tensors(out)],
+            [x.grad for x in (*xs, *kw.values()) if isinstance(x, torch.Tensor)])
 
 
 def _max_diff(a, b) -> tuple[float, bool]:
@@ -129,39 +146,40 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(module, model, inputs, repeat):
+def _measure(module, model, args, kwargs, repeat):
     """Peak of one step of `module` counted like the simulator: this model's parameters,
     buffers and inputs plus what the step allocates (other copies alive in this process, such as
     the plain model, are not counted), and its median time."""
     from .measure import Measurement
 
     def step():
-        out = module(*inputs)
+        out = module(*args, **kwargs)
         _loss(out).backward()
 
     step()  # warm-up (the first scheduled call builds its plan)
     for p in model.parameters():
         p.grad = None  # a step starts from zero_grad(set_to_none=True)
     m = measure_step(step, warmup=0, repeat=repeat)
-    own = _unique_bytes([*model.parameters(), *model.buffers(), *inputs])
+    own = _unique_bytes([*model.parameters(), *model.buffers(), *_tensors((args, kwargs))])
     return Measurement(peak_bytes=m.peak_bytes - m.start_bytes + own, seconds=m.seconds,
                        start_bytes=own, device=m.device)
 
 
 def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Module,
                    example_inputs: Any, *, repeat: int = 3, seed: int = 0) -> CheckReport:
-    """Run `schedule` on `model` with `example_inputs` here; compare with plain PyTorch."""
+    """Run `schedule` on `model` with `example_inputs` (a tensor, a tuple of positional inputs or
+    a mapping of keyword inputs) here; compare with plain PyTorch."""
     if not isinstance(schedule, Schedule):
         schedule = Schedule.load(schedule)
-    inputs = _as_tuple(example_inputs)
+    args, kwargs = split_example(model, example_inputs)
     plain = copy.deepcopy(model).train()
     mine = copy.deepcopy(model).train()
     wrapped = ScheduleWrapper(mine, schedule)
 
     # Gradients first (the first scheduled call also checks the fingerprint and raises
     # ScheduleMismatchError for a schedule made for another model or batch).
-    out_p, gx_p = _one_step(plain, inputs, seed)
-    out_w, gx_w = _one_step(wrapped, inputs, seed)
+    out_p, gx_p = _one_step(plain, args, kwargs, seed)
+    out_w, gx_w = _one_step(wrapped, args, kwargs, seed)
     grads_p = [p.grad for p in plain.parameters()]
     grads_w = [p.grad for p in mine.parameters()]
     worst, ok = 0.0, True
@@ -169,12 +187,12 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
         d, good = _max_diff(a, b)
         worst, ok = max(worst, d), ok and good
 
-    m_plain = _measure(plain, plain, inputs, repeat)
-    m_mine = _measure(wrapped, mine, inputs, repeat)
+    m_plain = _measure(plain, plain, args, kwargs, repeat)
+    m_mine = _measure(wrapped, mine, args, kwargs, repeat)
 
     predicted = schedule.predicted_peak_bytes
     if predicted is None:
-        predicted = simulate(wrapped.graph_for(*inputs), schedule).peak_bytes
+        predicted = simulate(wrapped.graph_for(*args, **kwargs), schedule).peak_bytes
     slack_mul, slack_add = PEAK_SLACK
     budget = schedule.budget_bytes
     return CheckReport(

@@ -463,17 +463,81 @@ def cmd_check(args) -> int:
     batch = args.batch or _schedule_batch(sched, args.schedule)
     shape = args.input_shape or _schedule_input_shape(sched, args.schedule)
     model = build_model(args.model)
+    x = _check_inputs(model, sched, args, batch, shape)
     try:
-        report = check_schedule(sched, model, example_inputs(batch, shape))
+        report = check_schedule(sched, model, x)
     except MonetlikeError:
         raise
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         # The model itself failed on the example input: a wrong --model or --input-shape.
-        raise UsageError(f"{args.model} failed on an input of shape {[batch, *shape]}: "
+        raise UsageError(f"{args.model} failed on {_describe_inputs(x)}: "
                          f"{type(e).__name__}: {_one_line(e)}; pass the --model the schedule "
                          f"was made for and its --input-shape") from e
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
     return 0 if getattr(report, "passed", True) else 1
+
+
+def _describe_inputs(x) -> str:
+    """'an input of shape [4, 8]', or for a keyword batch 'its example batch input_ids [4, 16],
+    attention_mask [4, 16], labels [4, 16]'."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return f"an input of shape {list(x.shape)}"
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    parts = [f"{k} {list(v.shape)}" for k, v in items if isinstance(v, torch.Tensor)]
+    return f"its example batch {', '.join(parts)}"
+
+
+def _float_dtype(name) -> bool:
+    return isinstance(name, str) and name.startswith(("float", "bfloat", "complex"))
+
+
+def _check_inputs(model, sched, args, batch: int, shape: tuple[int, ...]):
+    """The batch `check` runs: the schedule's recorded batch and shapes (or --batch and
+    --input-shape), made by the model's example_inputs(batch, seq_len) when it has one (a
+    keyword batch: input_ids, attention_mask, labels), else one float tensor."""
+    from .maxbatch import model_batch_maker
+
+    summary = sched.graph_summary
+    shapes = summary.get("input_shapes")
+    dtypes = summary.get("input_dtypes")
+    if not callable(getattr(model, "example_inputs", None)):
+        n = len(shapes) if isinstance(shapes, list) else 1
+        if n > 1 or (isinstance(dtypes, list) and dtypes and not _float_dtype(dtypes[0])):
+            raise UsageError(
+                f"{args.schedule} was solved for {n} input(s) of shapes {_hint(shapes)} and dtypes "
+                f"{_hint(dtypes)} (a keyword batch like input_ids, attention_mask, labels?), and "
+                f"`monetlike check` makes such a batch only with the model's own "
+                f"example_inputs(batch, seq_len, device) method, which {args.model} has not (the "
+                f"named transformers shapes gpt2, llama_1b, bert_base, vit_base... have one); "
+                f"add that method to the model your factory returns, or call "
+                f"monetlike.check_schedule(schedule, model, batch) from Python with your batch")
+        return example_inputs(batch, shape)
+    # --input-shape is the sequence length (or, checked only, an image model's 3,H,W); the
+    # recorded shape gives it when its first input is (batch, seq).
+    given = args.input_shape is not None
+    try:
+        if given:
+            x = model_batch_maker(model, shape, "cpu")(batch)
+        else:
+            seq = shape[0] if len(shape) == 1 else None
+            x = model.example_inputs(batch, seq, device="cpu")
+    except ValueError as e:
+        flag = "--input-shape" if given else f"{args.schedule}'s recorded input shape"
+        raise UsageError(f"{args.model}: {flag}: {_one_line(e)}") from None
+    if not given and not args.batch and isinstance(shapes, list):
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        made = [list(t.shape) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+        if sorted(made) != sorted(s for s in shapes if isinstance(s, list)) \
+                or len(made) != len(shapes):
+            raise UsageError(
+                f"{args.model} makes {_describe_inputs(x)}, but {args.schedule} was solved for "
+                f"input shapes {_hint(shapes)}; pass the --model (and config) the schedule was "
+                f"made for")
+    return x
 
 
 def cmd_zoo(args) -> int:
@@ -536,16 +600,27 @@ def cmd_maxbatch(args) -> int:
 
     _check_writable(args.output, _model_file(args.model))
     model = build_model(args.model)
+    if callable(getattr(model, "example_inputs", None)):
+        # A model that makes its own batch (a named transformers shape: input_ids,
+        # attention_mask, labels): every batched tensor scaled, --input-shape SEQ kept.
+        from .maxbatch import model_batch_maker
+
+        try:
+            make = model_batch_maker(model, args.input_shape, _profile_device(args.cost))
+        except ValueError as e:
+            raise UsageError(f"{args.model}: --input-shape: {_one_line(e)}") from None
+        shape = None
+    else:
+        make, shape = None, args.input_shape or DEFAULT_INPUT_SHAPE
     with interruptible("monetlike maxbatch"):
-        found = max_batch(model, args.budget, args.input_shape or DEFAULT_INPUT_SHAPE,
-                          max_overhead=args.max_overhead, cost=args.cost,
-                          optimizer=args.optimizer, limit=args.limit,
-                          time_limit_s=args.time_limit)
+        found = max_batch(model, args.budget, shape, max_overhead=args.max_overhead,
+                          cost=args.cost, optimizer=args.optimizer, limit=args.limit,
+                          time_limit_s=args.time_limit, make_inputs=make)
     base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
     print(f"largest batch that fits: {found.batch}")
     print(summary_table(found.graph, found.result, args.budget, base))
     if args.output:
-        found.result.schedule.save(args.output)
+        _save_schedule(found.result.schedule, found.graph, args)
         print(f"wrote {args.output}")
     return 0
 

@@ -4,12 +4,28 @@ No trial runs that hit OOM: each candidate batch is profiled (analytical costs o
 by default, so nothing real is allocated) and solved; the search doubles the batch until a plan
 fails, then bisects. It assumes what holds for feed-forward models: if a batch cannot be planned
 within the budget and overhead limit, no larger batch can.
+
+What a batch of size b is, in order of precedence:
+- `make_inputs(b)`, when given;
+- `example_inputs` scaled to b: a tensor, a tuple of positional inputs or a mapping of keyword
+  inputs (a Hugging Face batch: input_ids, attention_mask, labels, pixel_values...). Every tensor
+  whose first dimension is the example's batch (that of its first tensor) gets b rows, the
+  example's rows repeated in turn (so token ids, labels and masks stay valid values; on the meta
+  device only the shape matters); the other dimensions (the sequence length) are kept, and so
+  are tensors of another first dimension (a broadcast (1, seq) position_ids) and non-tensor
+  entries (use_cache=False);
+- the model's own `example_inputs(b, seq_len, device=...)` when it has one (the named
+  transformers shapes of monetlike.hf_models), with `input_shape` = (seq_len,) or None for the
+  model's default;
+- a random float tensor of shape (b, *input_shape).
+Inputs are made on the meta device for analytical costs (nothing real is allocated), on the CPU
+for measured ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import solver
 from solver.units import format_bytes, parse_bytes
@@ -25,17 +41,68 @@ class MaxBatchResult:
     """batch -> 'ok', 'infeasible' or 'overhead X%' for each batch planned."""
 
 
-def max_batch(model, budget: "int | str", input_shape: Sequence[int], *,
+def _example_batch(example) -> int:
+    """The batch of an example: the first dimension of its first tensor."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(example):
+        if isinstance(t, torch.Tensor):
+            if t.dim() == 0:
+                raise ValueError("max_batch: example_inputs: expected the first tensor to have a "
+                                 "batch dimension, got a scalar tensor; put the batched input "
+                                 "(input_ids, pixel_values, x) first")
+            return int(t.shape[0])
+    raise ValueError(f"max_batch: example_inputs: expected a tensor, a tuple of inputs or a "
+                     f"mapping of keyword inputs with at least one tensor, got "
+                     f"{type(example).__name__} without one")
+
+
+def scale_batch(example, batch: int, device=None):
+    """`example` (a tensor, tuple/list or mapping of inputs) at `batch` rows (module docstring):
+    every tensor whose first dimension is the example's batch is resized along it, the rows
+    repeated in turn; everything else is kept. On `device` when given."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    if isinstance(example, (tuple, list)) and not example or \
+            not isinstance(example, (torch.Tensor, tuple, list, Mapping)):
+        raise ValueError(f"max_batch: example_inputs: expected a tensor, a non-empty tuple of "
+                         f"positional inputs or a mapping of keyword inputs (input_ids=..., "
+                         f"labels=...), got {type(example).__name__}")
+    b0 = _example_batch(example)
+
+    def scale(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        dev = torch.device(device) if device is not None else t.device
+        if t.dim() == 0 or t.shape[0] != b0:
+            return t.detach().to(dev)
+        shape = (batch, *t.shape[1:])
+        if dev.type == "meta" or t.device.type == "meta":
+            out = torch.empty(shape, dtype=t.dtype, device=dev)
+        else:
+            rows = torch.arange(batch, device=t.device) % b0
+            out = t.detach()[rows].to(dev)
+        return out.requires_grad_(t.requires_grad)
+
+    return tree_map(scale, example)
+
+
+def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = None, *,
               max_overhead: float | None = None, cost: str = "analytical:A100-40GB",
               optimizer: str | None = None, limit: int = 1 << 16, time_limit_s: float = 60.0,
-              make_inputs: Callable | None = None) -> MaxBatchResult:
-    """Largest batch in [1, limit] whose solved schedule fits `budget` with overhead <= max_overhead."""
-    import torch
+              make_inputs: Callable | None = None, example_inputs: Any = None) -> MaxBatchResult:
+    """Largest batch in [1, limit] whose solved schedule fits `budget` with overhead <= max_overhead.
 
+    The batches planned are made as the module docstring says: `make_inputs(b)`, else
+    `example_inputs` scaled to b (keyword batches too), else the model's `example_inputs(b,
+    seq_len)`, else a float tensor (b, *input_shape)."""
     from .profile import profile
 
     budget = parse_bytes(budget)
-    make_inputs = make_inputs or (lambda b: torch.randn(b, *input_shape, device="meta"))
+    device = "meta" if str(cost).strip().lower().startswith("analytical:") else "cpu"
+    make_inputs = make_inputs or _batch_maker(model, input_shape, example_inputs, device)
     tried: dict[int, str] = {}
     plans: dict[int, tuple] = {}
 
@@ -83,3 +150,65 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int], *,
             hi = mid
     r, graph, overhead = plans[lo]
     return MaxBatchResult(batch=lo, result=r, graph=graph, overhead=overhead, tried=tried)
+
+
+def _batch_maker(model, input_shape, example_inputs, device) -> Callable:
+    """b -> the inputs of batch b (module docstring)."""
+    import torch
+
+    if example_inputs is not None:
+        if input_shape is not None:
+            raise ValueError("max_batch: pass input_shape or example_inputs, not both (the "
+                             "example's own shapes are kept, only its batch is scaled)")
+        scale_batch(example_inputs, 1, "meta")  # its errors now, before any planning
+        return lambda b: scale_batch(example_inputs, b, device)
+    if callable(getattr(model, "example_inputs", None)):
+        return model_batch_maker(model, input_shape, device)
+    if input_shape is None:
+        raise ValueError(f"max_batch: {type(model).__name__} has no example_inputs(batch, "
+                         f"seq_len) method: pass input_shape (the shape after the batch "
+                         f"dimension) or example_inputs (a batch to scale)")
+    return lambda b: torch.randn(b, *input_shape, device=device)
+
+
+
+def _first_tensor(batch):
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), None)
+
+
+def model_batch_maker(model, input_shape: Sequence[int] | None, device) -> Callable:
+    """b -> `model.example_inputs(b, seq_len, device=device)`: the batch a model that makes its
+    own (the named transformers shapes of monetlike.hf_models: input_ids, attention_mask, labels,
+    or pixel_values and labels) gives at batch b, every batched tensor with b rows.
+
+    `input_shape` is the shape after the batch dimension of the batch's first input: (seq_len,)
+    for a token model; an image model's (3, H, W) is set by its config and only checked here.
+    None: the model's default. Raises ValueError, naming what applies, when the model cannot
+    make a batch of that shape."""
+    make = model.example_inputs
+    name = type(model).__name__
+    shape = tuple(input_shape) if input_shape is not None else None
+    seq = shape[0] if shape is not None and len(shape) == 1 else None
+
+    def build(b: int):
+        return make(b, seq, device=device)
+
+    try:
+        probe = build(1)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}.example_inputs(1, {seq}) failed: {e}") from None
+    first = _first_tensor(probe)
+    if first is None:
+        raise ValueError(f"{name}.example_inputs(1, {seq}) gave no tensor; expected a batch "
+                         f"(input_ids=..., labels=...)")
+    got = tuple(first.shape[1:])
+    if shape is not None and got != shape:
+        what = ("one number, the sequence length, like 16" if len(got) == 1 else
+                f"{','.join(map(str, got))} (its config sets it) or none")
+        raise ValueError(f"input shape {','.join(map(str, shape))} does not apply to {name}: its "
+                         f"example_inputs(batch, seq_len) makes a first input of shape "
+                         f"{list(got)} after the batch dimension; give {what}")
+    return build
