@@ -6,13 +6,13 @@ simulator). The peak includes tensors already alive when the callable starts, li
 
 - CUDA: the caching allocator's statistics (`reset_peak_memory_stats`, `max_memory_allocated`)
   and CUDA events for time.
-- CPU: nothing in PyTorch reports tensor bytes, so: the storages of every CPU tensor reachable by
-  `gc.get_objects()` at the start (parameters, inputs, optimizer state, whatever the caller holds),
-  plus a storage-tracking TorchDispatchMode during the call (it sees the backward too: the
-  autograd engine carries the dispatch-mode stack into the thread that runs the backward). Frees
-  of pre-existing storages (e.g. `p.grad = None` inside the step) are seen through weakrefs.
-  Kernel-internal scratch buffers that never surface as tensors are invisible, here and in the
-  profiler alike.
+- CPU: the allocator's own events, read from the profiler (`allocator.AllocatorLog`): every
+  allocation and free the CPU allocator makes during the call, kernel scratch included, replayed
+  in time order, on top of the storages of every CPU tensor reachable by `gc.get_objects()` at
+  the start (parameters, inputs, optimizer state, whatever the caller holds). Frees of those
+  pre-existing storages (e.g. `p.grad = None` inside the step) are seen through weakrefs.
+  `storage_peak` gives the older count by storages (a TorchDispatchMode), which cannot see
+  kernel scratch: a diagnostic that can name what was alive at its peak.
 
 Time is measured in separate runs without the tracking mode, so its overhead does not count.
 """
@@ -27,9 +27,10 @@ from typing import Callable
 
 import torch
 
+from .allocator import AllocatorLog
 from .profile.memory import StorageTracker, storage_of
 
-__all__ = ["Measurement", "measure_step", "live_cpu_storages"]
+__all__ = ["Measurement", "measure_step", "live_cpu_storages", "storage_peak"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,11 @@ def live_cpu_storages() -> dict[int, "torch.UntypedStorage"]:
                 continue
         except Exception:
             continue
-        s = storage_of(obj)
-        if s is not None:
-            found.setdefault(s._cdata, s)
+        # A parameter's gradient lives in C++ with no Python object until read: ask for it.
+        for t in (obj, obj.grad if obj.is_leaf else None):
+            s = storage_of(t)
+            if s is not None and s.device.type == "cpu":
+                found.setdefault(s._cdata, s)
     return found
 
 
@@ -86,16 +89,12 @@ def measure_step(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3,
 
 
 def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
-    tracker = StorageTracker()
-    _track_start(tracker)
-    start_bytes = tracker.live
-    try:
-        with tracker:
-            result = fn()
-            del result
-        peak = tracker.peak
-    finally:
-        tracker.close()
+    log = AllocatorLog()
+    start_bytes = _watch_start(log)
+    with log:
+        result = fn()
+        del result
+    peak = start_bytes + log.peak()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -106,11 +105,40 @@ def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
                        start_bytes=int(start_bytes), device="cpu")
 
 
-def _track_start(tracker: StorageTracker) -> None:
+def _watch_start(log: AllocatorLog) -> int:
     # A function of its own so that no local keeps a pre-existing storage alive afterwards:
     # their frees during the step must be seen.
+    start = live_cpu_storages()
+    for s in start.values():
+        log.free_when_dead(s)
+    return sum(int(s.nbytes()) for s in start.values())
+
+
+def _track_start(tracker: StorageTracker) -> None:
     for s in live_cpu_storages().values():
         tracker.track(s, "start")
+
+
+def storage_peak(fn: Callable[[], object]) -> tuple[int, list[tuple[int, str]]]:
+    """Diagnostic: run `fn` once counting CPU tensor storages (not the allocator), and return the
+    peak with the storages alive at that moment, largest first, as (bytes, class) pairs: 'start'
+    for those alive before the call, else 'other'. Kernel scratch is invisible here."""
+    tracker = StorageTracker()
+    _track_start(tracker)
+    alive_at_peak: list[tuple[int, str]] = []
+
+    def snapshot(*_):
+        if tracker.live >= tracker.peak:
+            alive_at_peak[:] = sorted(((e.nbytes, e.cls) for e in tracker.entries.values()),
+                                      reverse=True)
+    tracker.observers.append(snapshot)
+    try:
+        with tracker:
+            result = fn()
+            del result
+        return int(tracker.peak), alive_at_peak
+    finally:
+        tracker.close()
 
 
 def _measure_cuda(fn: Callable[[], object], repeat: int, device) -> Measurement:  # pragma: no cover

@@ -162,7 +162,7 @@ def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
     torch.manual_seed(0)
     model = ConvBnAct(nn.ReLU()).train()
     x = torch.randn(4, 3, 16, 16)
-    g = monetlike.profile(model, x, cost=A100)
+    g = monetlike.profile(model, x, repeat=1)  # this CPU's: its allocator is what is measured
     relu = next(o for o in g.ops if o.kind == "ReLU")
     k = next(i for i, im in enumerate(relu.impls) if im.name == "relu_inplace")
     y = g.values[relu.outputs[0]].bytes
@@ -174,7 +174,7 @@ def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
     assert points[0] - points[k] == y
     _, schedules = impl_schedules(g, "relu_inplace")
     for s in schedules:
-        wrapped = monetlike.ScheduleWrapper(model, s)
+        wrapped = monetlike.ScheduleWrapper(model, s, graph=g)
         measured = measured_peak(g, model, wrapped, x)
         assert abs(measured - s.predicted_peak_bytes) <= PEAK_TOLERANCE * s.predicted_peak_bytes, \
             (measured, s.predicted_peak_bytes)
@@ -292,19 +292,22 @@ def test_end_to_end_full_mode_picks_inplace_impls():
     torch.manual_seed(0)
     model = FrozenStemResNet().train()
     x = torch.randn(4, 3, 32, 32)
-    g = monetlike.profile(model, x, cost="measured", repeat=3)
-    offered = {im.name for o in g.ops for im in o.impls if im.overwrites is not None}
-    assert offered == {"relu_inplace", "add_inplace"}
-    stem_relu = next(o for o in g.ops if o.kind == "relu" and not o.has_backward)
-    low_ckpt = solver.min_budget(g, "checkpoint", time_limit_s=30)
-    low_full = solver.min_budget(g, "full", time_limit_s=30)
-    # Checkpoint mode's least peak is the stem ReLU's point, conv output + ReLU output (4 x 16 x
-    # 32 x 32 x 4 bytes each); in place it holds one of them, and another point binds.
-    y = g.values[stem_relu.outputs[0]].bytes
-    assert y == 4 * 16 * 32 * 32 * 4
-    default = simulate(g, store_all_schedule(g))
-    assert low_ckpt == next(p.bytes for p in default.points if p.op == stem_relu.id)
-    assert low_full <= low_ckpt - y // 2
+    # The structure on an analytical graph (tensors only; this CPU's kernel scratch moves the
+    # binding point elsewhere), the run on this CPU's own measured graph.
+    for g in (monetlike.profile(model, x, cost=A100), monetlike.profile(model, x, repeat=3)):
+        offered = {im.name for o in g.ops for im in o.impls if im.overwrites is not None}
+        assert offered == {"relu_inplace", "add_inplace"}
+        stem_relu = next(o for o in g.ops if o.kind == "relu" and not o.has_backward)
+        low_ckpt = solver.min_budget(g, "checkpoint", time_limit_s=30)
+        low_full = solver.min_budget(g, "full", time_limit_s=30)
+        if g.cost_provenance.startswith("analytical"):
+            # Checkpoint mode's least peak is the stem ReLU's point, conv output + ReLU output
+            # (4 x 16 x 32 x 32 x 4 bytes each); in place it holds one of them, another binds.
+            y = g.values[stem_relu.outputs[0]].bytes
+            assert y == 4 * 16 * 32 * 32 * 4
+            default = simulate(g, store_all_schedule(g))
+            assert low_ckpt == next(p.bytes for p in default.points if p.op == stem_relu.id)
+            assert low_full <= low_ckpt - y // 2
     for budget in (low_full, (low_full + low_ckpt) // 2):
         s = solver.solve(g, budget, mode="full", time_limit_s=30).schedule
         picked = {g.ops[j].impls[k].name for j, k in enumerate(s.impl) if k}
@@ -312,7 +315,7 @@ def test_end_to_end_full_mode_picks_inplace_impls():
         predicted = simulate(g, s).peak_bytes
         assert predicted <= budget
         ref = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(model, s)
+        wrapped = monetlike.ScheduleWrapper(model, s, graph=g)
         for seed in (5, 6):
             _assert_same(_step(ref, x, seed), _step(wrapped, x, seed))
 

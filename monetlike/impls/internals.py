@@ -73,7 +73,7 @@ class RecomputeInternals(torch.autograd.Function):
         # back from unpacking as a new object each time; so each distinct input is saved once.
         first: dict[int, int] = {}
         ctx.same = [first.setdefault(id(t), i) for i, t in enumerate(inputs)]
-        rng_ctx = rc.ContextCapturer(rc.cuda_devices_of(inputs)).capture(rng=random)
+        rng_ctx = rc.ContextCapturer(rc.cuda_devices_of(inputs), as_tensor=True).capture(rng=random)
         with torch.enable_grad(), _hidden_hooks():
             detached = _detach(inputs, [t.requires_grad for t in inputs], ctx.same)
             out = call(_rebuild(spec, detached))

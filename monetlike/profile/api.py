@@ -413,6 +413,8 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                       outputs=tuple(new_tid[t] for t in g.outputs), impls=(impl,) + extra,
                       has_backward=bool(g.ran_backward),
                       recompute_unsafe="; ".join(g.unsafe) if g.unsafe else None))
+    # Which Ops draw random numbers: the runtime replays the generator state for these alone.
+    meta = {**meta, "random_ops": [new_gid[gid] for gid in order if run.groups[gid].random]}
     backward_order = tuple(new_gid[gid] for gid in run.backward_order)
     stage_grad = tuple(int(run.groups[gid].stage_start) for gid in run.backward_order)
     return OpGraph(model=model_name, batch=batch, values=tuple(values), ops=tuple(ops),

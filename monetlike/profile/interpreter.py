@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from solver.errors import MonetlikeError
 
+from ..allocator import AllocatorLog
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
 from .safety import aten_unsafe_reason, is_bn_buffer, module_hook_reason, written_tensors
@@ -72,6 +73,7 @@ class Group:
     internal_bytes: int = 0
     fwd_workspace: int = 0
     recompute_workspace: int = 0  # the forward's transient under no_grad (how it is recomputed)
+    random: bool = False  # draws random numbers (an aten op tagged nondeterministic_seeded)
     unsafe: list = field(default_factory=list)
     fwd_cost: float = 0.0
     bwd_cost: float = 0.0
@@ -86,7 +88,7 @@ class Group:
 
 class _NodeRec:
     __slots__ = ("node", "pos", "created", "writes", "reads", "saved", "unsafe", "cost",
-                 "start_live", "peak", "nograd_transient")
+                 "start_live", "peak", "nograd_transient", "marks", "nograd_marks", "random")
 
     def __init__(self, node: fx.Node, pos: int):
         self.node, self.pos = node, pos
@@ -99,6 +101,9 @@ class _NodeRec:
         self.start_live = 0
         self.peak = 0
         self.nograd_transient: int | None = None
+        self.marks: tuple | None = None  # allocator marks around the node (CPU runs)
+        self.nograd_marks: tuple | None = None  # and around its no_grad rerun
+        self.random = False
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -152,6 +157,20 @@ class ProfileRun(fx.Interpreter):
         self.gm, self.model, self.roofline, self.progress = gm, model, roofline, progress
         self.device_note = device_note
         self.tracker = StorageTracker(window_class=OTHER)
+        # On the CPU, kernels take scratch from the allocator that never shows up as a tensor
+        # (mm copying a non-contiguous operand): read the allocator's own events afterwards, at
+        # marks left around each node and backward interval, and raise the tracker's figures.
+        self.alloc = AllocatorLog() if device is not None and device.type == "cpu" else None
+        self._marks = 0
+        self._fwd_windows: list[tuple] = []  # (gid, marks, persistent, nograd marks)
+        # (gid, start mark, Value bytes at start, first interval of the stage?, end mark)
+        self._bwd_windows: list[tuple] = []
+        self._bwd_open: tuple | None = None
+        # Values freed inside a backward stage (autograd drops a saved Value once its node ran):
+        # mark -> bytes, so that the stage's workspace counts only what is not a Value.
+        self._value_frees: dict[int, int] = {}
+        if self.alloc is not None:
+            self.tracker.on_free = self._on_free
         self.tracker.observers.append(self._on_aten)
         self.tracker.on_create = self._on_create
         self.groups: list[Group] = []
@@ -182,6 +201,8 @@ class ProfileRun(fx.Interpreter):
             reason = aten_unsafe_reason(func, args, kwargs)
             if reason:
                 rec.unsafe.append(reason)
+            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                rec.random = True
             for t in written_tensors(func, args, kwargs):
                 s = storage_of(t)
                 if s is not None and s._cdata not in rec.created and s._cdata not in rec.writes:
@@ -200,8 +221,58 @@ class ProfileRun(fx.Interpreter):
                 rec.saved.append((key, int(s.nbytes())))
         return t
 
+    # -- allocator windows (CPU) ------------------------------------------------------------
+    def _mark(self) -> int | None:
+        if self.alloc is None:
+            return None
+        self._marks += 1
+        self.alloc.mark(self._marks)
+        return self._marks
+
+    def _on_free(self, nbytes: int, cls: str) -> None:
+        if self.phase == "backward" and cls in (VALUE, INTERNAL):
+            self._value_frees[self._mark()] = nbytes
+
+    def _apply_allocator_windows(self) -> None:
+        """Raise each Op's workspaces to what the allocator saw (the tracker's figures are a
+        lower bound: they miss kernel scratch)."""
+        a = self.alloc
+        for gid, (s, e), persistent, nograd in self._fwd_windows:
+            g = self.groups[gid]
+            workspace = a.peak_between(s, e) - a.level(s) - persistent
+            g.fwd_workspace = max(g.fwd_workspace, workspace)
+            if nograd is None:
+                g.recompute_workspace = max(g.recompute_workspace, workspace)
+            else:
+                ns, ne = nograd
+                g.recompute_workspace = max(g.recompute_workspace,
+                                            a.peak_between(ns, ne) - a.level(ne))
+        # The runtime replays a random Op's generator state through a state tensor (NOTE [RNG
+        # capture] in runtime/recompute.py): a transient of its size around the recomputation.
+        state = torch.get_rng_state().numel()
+        for g in self.groups:
+            if g.random:
+                g.recompute_workspace = max(g.recompute_workspace, state)
+        for gid, s, values0, first, e in self._bwd_windows:
+            g = self.groups[gid]
+            # Everything the run allocated that is not a Value (or an Op's internal) counts as
+            # the stage's gradient memory: gradients, but also what autograd and the loss
+            # allocate outside the dispatcher (wrapped Python scalars), which the tracker misses.
+            other0 = a.level(s) - values0
+            if first:
+                g.stage_start = max(g.stage_start, other0)
+            g.bwd_peak = max(g.bwd_peak, other0 + a.peak_between(s, e, self._value_frees)
+                             - a.level(s))
+
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
+        if self.alloc is None:
+            return self._profile_step(inputs)
+        with self.alloc:
+            self._profile_step(inputs)
+        self._apply_allocator_windows()
+
+    def _profile_step(self, inputs: tuple) -> None:
         tr = self.tracker
         for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
             s = storage_of(p)
@@ -262,6 +333,7 @@ class ProfileRun(fx.Interpreter):
                 torch.cuda.reset_peak_memory_stats(self.cuda)
                 alloc0 = torch.cuda.memory_allocated(self.cuda)
             self.cur = rec
+            start_mark = self._mark()
             try:
                 result = getattr(self, n.op)(n.target, args, kwargs)
             except MonetlikeError:
@@ -273,13 +345,15 @@ class ProfileRun(fx.Interpreter):
             finally:
                 self.cur = None
             rec.peak = self.tracker.window_peak
+            if start_mark is not None:
+                rec.marks = (start_mark, self._mark())
             if self.cuda is not None:  # pragma: no cover
                 rec.peak = max(rec.peak, rec.start_live
                                + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
             if (self.phase == "forward" and n.op in ("call_module", "call_function",
                                                      "call_method")
                     and not rec.writes and not rec.unsafe):
-                rec.nograd_transient = self._nograd_transient(n, args, kwargs)
+                rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs)
         # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
         # (CopySlices) belongs to this node's Op.
         written = [t for t in tree_leaves((args, kwargs))
@@ -293,7 +367,7 @@ class ProfileRun(fx.Interpreter):
             return None  # nobody reads it: free it now, as eager PyTorch would
         return result
 
-    def _nograd_transient(self, n: fx.Node, args, kwargs) -> int:
+    def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> int:
         """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
         the memory before it and the outputs it leaves. Under no_grad nothing is saved for a
         backward, so an Impl's internals (a ReLU mask, max-pool indices) are not made unless the
@@ -309,7 +383,9 @@ class ProfileRun(fx.Interpreter):
         devices = [self.cuda] if self.cuda is not None else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                start_mark = self._mark()  # after fork_rng's own copy of the state
                 again = getattr(self, n.op)(n.target, args, kwargs)
+                end_mark = self._mark()
         except Exception as e:
             raise ProfileError(
                 f"node {n.name} ({n.op} {_node_kind(self.gm, n)}) failed when run again under "
@@ -319,6 +395,8 @@ class ProfileRun(fx.Interpreter):
         if self.cuda is not None:  # pragma: no cover
             peak = max(peak, start + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
         left = tr.live  # its outputs (held by `again`)
+        if start_mark is not None:
+            rec.nograd_marks = (start_mark, end_mark)
         del again
         return max(0, peak - left)
 
@@ -456,6 +534,9 @@ class ProfileRun(fx.Interpreter):
         # forward workspace.
         g.recompute_workspace = max(g.recompute_workspace, workspace
                                     if rec.nograd_transient is None else rec.nograd_transient)
+        g.random = g.random or rec.random
+        if rec.marks is not None:
+            self._fwd_windows.append((g.gid, rec.marks, persistent, rec.nograd_marks))
         g.fwd_cost += rec.cost
         _walk_new_autograd_nodes(list(leaves) + list(written), self.fn_owner, self.fn_keep,
                                  g.gid, self._hook_fn)
@@ -480,6 +561,9 @@ class ProfileRun(fx.Interpreter):
         fn.register_prehook(lambda grad_outputs, gid=gid: self._bwd_pre(gid))
 
     def _close_interval(self) -> None:
+        if self._bwd_open is not None:
+            self._bwd_windows.append((*self._bwd_open, self._mark()))
+            self._bwd_open = None
         if self.bcur is not None:
             g = self.groups[self.bcur]
             g.bwd_peak = max(g.bwd_peak, self.tracker.window_class_peak)
@@ -493,12 +577,17 @@ class ProfileRun(fx.Interpreter):
         self._close_interval()
         self.bcur = gid
         g = self.groups[gid]
+        first = not g.ran_backward
         if not g.ran_backward:
             g.ran_backward = True
             self.backward_order.append(gid)
             g.stage_start = self.tracker.live_by_class[OTHER]
             g.bwd_peak = g.stage_start
         self.tracker.reset_window()
+        if self.alloc is not None:
+            tr = self.tracker
+            self._bwd_open = (gid, self._mark(), tr.live_by_class[VALUE]
+                              + tr.live_by_class[INTERNAL], first)
         if self.cuda is not None:  # pragma: no cover - no GPU in CI
             torch.cuda.reset_peak_memory_stats(self.cuda)
             self._alloc0 = torch.cuda.memory_allocated(self.cuda)

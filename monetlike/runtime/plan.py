@@ -207,7 +207,11 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
             return type(module_of(gm, n.target)).__name__
         return target_name(n).split(".")[-1]
 
-    rng_ops = frozenset(j for j in recomputed_ops if not rng_free([kind(n) for n in op_nodes[j]]))
+    if "random_ops" in graph.meta:  # the profiler saw which Ops drew random numbers
+        rng_ops = frozenset(recomputed_ops) & frozenset(graph.meta["random_ops"])
+    else:  # a graph profiled before it recorded them: judge by the names of their modules
+        rng_ops = frozenset(j for j in recomputed_ops
+                            if not rng_free([kind(n) for n in op_nodes[j]]))
     keep = set(schedule.forward_keep) | set(graph.outputs)
     keep_from_forward = frozenset(v for v in held if v in keep)
 

@@ -26,9 +26,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 # NOTE [RNG capture]
-# The CPU generator state is a 5 KB tensor. Capturing it before every recomputed Op would cost
-# kilobytes per Op per step, so consecutive captures that are equal share one tensor: the state
-# only changes when a random op ran, and `torch.equal` on 5 KB is cheaper than keeping copies.
+# The CPU generator state is 5 KB. The executor holds it as a clone of the generator
+# (`Generator.clone_state`), host bookkeeping outside the tensor allocator, as CUDA's states are
+# host tensors outside the device's: the budget counts the step's tensors, not the runtime's
+# notes. Setting the generator from a clone goes through a state tensor (`get_state`), a 5 KB
+# transient that the profiler adds to every random Op's recomputation workspace on the CPU.
+# Holders that need a tensor (an Impl saving the state for its backward, so that the profiler
+# counts it) ask for one (`as_tensor=True`); consecutive equal tensor captures share one tensor.
 # CUDA states are captured per device the step's inputs live on (like checkpoint's
 # get_device_states), only when CUDA is initialised.
 
@@ -37,7 +41,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 class ForwardContext:
     """What an Op's original forward ran under, besides its inputs."""
 
-    cpu_rng: torch.Tensor | None
+    cpu_rng: "torch.Tensor | torch.Generator | None"
     """None for an Op that draws no random numbers (nothing to replay)."""
     cuda_devices: tuple[int, ...]
     cuda_rng: tuple[torch.Tensor, ...]
@@ -49,21 +53,25 @@ class ForwardContext:
 class ContextCapturer:
     """Captures ForwardContexts during one forward pass, sharing equal RNG states."""
 
-    def __init__(self, cuda_devices: tuple[int, ...]):
+    def __init__(self, cuda_devices: tuple[int, ...], *, as_tensor: bool = False):
         self.cuda_devices = cuda_devices
+        self.as_tensor = as_tensor
         self._last_cpu: torch.Tensor | None = None
         self._last_cuda: tuple[torch.Tensor, ...] = ()
         self._autocast = _autocast_state()
 
     def capture(self, rng: bool = True) -> ForwardContext:
         """The context now. rng=False for Ops known not to draw random numbers (RNG_FREE)."""
-        cpu: torch.Tensor | None = None
+        cpu: torch.Tensor | torch.Generator | None = None
         cuda: tuple[torch.Tensor, ...] = ()
-        if rng:
+        if rng and not self.as_tensor:
+            cpu = torch.default_generator.clone_state()
+        elif rng:
             cpu = torch.get_rng_state()
             if self._last_cpu is not None and torch.equal(cpu, self._last_cpu):
                 cpu = self._last_cpu
             self._last_cpu = cpu
+        if rng:
             if self.cuda_devices:
                 states = []
                 for i, d in enumerate(self.cuda_devices):
@@ -106,9 +114,9 @@ def replay(ctx: ForwardContext):
     """
     rng = ctx.cpu_rng is not None
     if rng:
-        saved_cpu = torch.get_rng_state()
+        saved_cpu = torch.default_generator.clone_state()
         saved_cuda = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
-        torch.set_rng_state(ctx.cpu_rng)
+        _set_cpu_state(ctx.cpu_rng)
         for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
             torch.cuda.set_rng_state(s, d)
     try:
@@ -125,9 +133,15 @@ def replay(ctx: ForwardContext):
                 yield
     finally:
         if rng:
-            torch.set_rng_state(saved_cpu)
+            _set_cpu_state(saved_cpu)
             for d, s in zip(ctx.cuda_devices, saved_cuda):
                 torch.cuda.set_rng_state(s, d)
+
+
+def _set_cpu_state(state: "torch.Tensor | torch.Generator") -> None:
+    if isinstance(state, torch.Generator):
+        state = state.get_state()  # the 5 KB transient of NOTE [RNG capture]
+    torch.default_generator.set_state(state)
 
 
 # Ops made only of these never draw random numbers, so their RNG state is neither captured nor
