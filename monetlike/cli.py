@@ -661,7 +661,9 @@ def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
                        help="batch size")
     p.add_argument("--input-shape", type=_shape, default=None,
                    help="input shape after the batch dimension (default 3,224,224; `solve "
-                        "--graph` takes the graph's)")
+                        "--graph` takes the graph's); for a model that makes its own keyword "
+                        "batch (gpt2, llama_1b, bert_base: input_ids, attention_mask, labels) "
+                        "the sequence length, e.g. 512 (default: the model's)")
     p.add_argument("--cost", type=_cost, default=default_cost,
                    help="'measured' (time ops on this device) or 'analytical:DEVICE', e.g. "
                         "analytical:A100-40GB")
@@ -719,7 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "shown as a hint)")
     p.add_argument("--batch", type=_positive_int, help="batch (default: the schedule's)")
     p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
-                                                      "(default: the schedule's)")
+                                                      "(default: the schedule's); the sequence "
+                                                      "length for a model that makes its own "
+                                                      "keyword batch (gpt2, llama_1b, ...)")
     p.set_defaults(run=cmd_check)
 
     p = sub.add_parser("zoo", help="list, show and pick prebuilt schedules")
