@@ -20,6 +20,7 @@ the only place that reads it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import weakref
@@ -61,6 +62,7 @@ class AllocatorLog:
 
     def __init__(self) -> None:
         self._prof: profile | None = None
+        self._gc_was_enabled = False
         self._active = False
         self._times: list[int] = []
         self._levels: list[int] = []  # the running sum after each event
@@ -70,6 +72,11 @@ class AllocatorLog:
 
     # -- recording --------------------------------------------------------------------------
     def __enter__(self) -> "AllocatorLog":
+        # Cyclic garbage collected mid-recording (a previous step's graph) would free storages
+        # at random points: a window's level would drop by memory that is not its business.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
             self._prof.__enter__()
@@ -78,6 +85,8 @@ class AllocatorLog:
 
     def __exit__(self, *exc) -> None:
         self._active = False
+        if self._gc_was_enabled:
+            gc.enable()
         with _quiet_stderr():
             self._prof.__exit__(*exc)
         if exc[0] is None:

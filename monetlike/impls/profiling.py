@@ -151,7 +151,13 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
                 continue
             arg = spec.overwrites(gm, node)
             x = creator.get((arg.name, None)) if arg is not None else None
-            if x is not None and _may_overwrite(run, g, x, saved_anywhere, foreign):
+            # A non-contiguous other operand (x.add_(y.transpose(1, 2))): autograd then makes
+            # a gradient-sized copy in an earlier Op's stage, which this Op's figures cannot
+            # carry (found by tests/test_fuzz_models.py).
+            strided = [n for n in node.all_input_nodes
+                       if n is not arg and not run.contiguous.get(n.name, True)]
+            if x is not None and not strided and _may_overwrite(run, g, x, saved_anywhere,
+                                                                  foreign):
                 found[g.gid] = (spec, subs, x)
                 break
     if not found:

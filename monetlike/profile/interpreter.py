@@ -189,6 +189,7 @@ class ProfileRun(fx.Interpreter):
         self.bcur: int | None = None
         self.pos = -1
         self.fixed_names: dict[int, str] = {}
+        self.contiguous: dict[str, bool] = {}  # node -> its tensor result is contiguous
 
     # -- dispatch-level observers -----------------------------------------------------------
     def _on_create(self, key: int, nbytes: int) -> None:
@@ -253,16 +254,24 @@ class ProfileRun(fx.Interpreter):
         for g in self.groups:
             if g.random:
                 g.recompute_workspace = max(g.recompute_workspace, state)
+        # Everything the run allocated that is not a Value (or an Op's internal) counts as a
+        # stage's gradient memory: gradients, but also what autograd and the loss allocate
+        # outside the dispatcher (wrapped Python scalars), which the tracker misses. Levels are
+        # relative to the recording's start, so only their differences within one stage are
+        # compared with the tracker's (an Impl's run accumulates into gradients made earlier).
+        first_other: dict[int, int] = {}
+        top: dict[int, int] = {}
         for gid, s, values0, first, e in self._bwd_windows:
-            g = self.groups[gid]
-            # Everything the run allocated that is not a Value (or an Op's internal) counts as
-            # the stage's gradient memory: gradients, but also what autograd and the loss
-            # allocate outside the dispatcher (wrapped Python scalars), which the tracker misses.
             other0 = a.level(s) - values0
             if first:
-                g.stage_start = max(g.stage_start, other0)
-            g.bwd_peak = max(g.bwd_peak, other0 + a.peak_between(s, e, self._value_frees)
-                             - a.level(s))
+                first_other[gid] = other0
+            peak = other0 + a.peak_between(s, e, self._value_frees) - a.level(s)
+            top[gid] = max(top.get(gid, peak), peak)
+        for gid, other0 in first_other.items():
+            g = self.groups[gid]
+            workspace = max(g.bwd_peak - g.stage_start, top[gid] - other0)
+            g.stage_start = max(g.stage_start, other0)
+            g.bwd_peak = g.stage_start + workspace
 
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
@@ -354,6 +363,8 @@ class ProfileRun(fx.Interpreter):
                                                      "call_method")
                     and not rec.writes and not rec.unsafe):
                 rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs)
+        if isinstance(result, torch.Tensor):
+            self.contiguous[n.name] = result.is_contiguous()
         # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
         # (CopySlices) belongs to this node's Op.
         written = [t for t in tree_leaves((args, kwargs))

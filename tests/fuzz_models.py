@@ -1,0 +1,187 @@
+"""Random small models from a grammar of ops, for the memory and gradient fuzzer (issue 18).
+
+A model is a program: a list of `Step`s over a pool of activations that all have the shape
+(B, T, D). Each step reads one to three pool entries (by index, modulo the pool size), applies one
+construct of the grammar and appends its (B, T, D) result, so any later step may reuse it:
+residuals, a Value read by several Ops and several outputs come for free. The first entry is an
+embedding of integer tokens plus a learned position Parameter added by broadcast; the model
+returns the last `n_outputs` entries and every entry no later step reads, so that every result
+reaches the loss (an Op whose results never do keeps what autograd saved for it until those
+results die, which the memory model does not describe: docs/profiler.md, Limits).
+
+The constructs cover what a memory model must account per storage: matmuls and convolutions on
+transposed views, split/chunk/slice, view/reshape/permute, contiguous copies, cat/stack,
+softmax, dropout, three norms, in-place and out-of-place activations, broadcasting adds and muls,
+and a Linear whose weight is used by two steps.
+
+`FUZZ_PROGRAMS` is a hypothesis strategy for programs; `build(program)` makes the module and its
+example batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+B, T, D, VOCAB = 4, 8, 16, 32
+
+CONSTRUCTS = (
+    "linear", "linear_on_transpose", "conv1d_on_transpose", "attention_matmul", "attention_bmm",
+    "attention_einsum", "split_cat", "chunk_cat", "slice_cat", "reshape_permute", "contiguous",
+    "stack_mean", "softmax", "dropout", "layer_norm", "batch_norm", "group_norm", "relu_inplace",
+    "gelu", "tanh", "sigmoid_inplace", "add", "mul", "add_param", "mul_param", "shared_linear",
+)
+
+# How many of a step's three reads each construct uses (the others are not read at all).
+ARITY = {k: 1 for k in CONSTRUCTS}
+ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3, "chunk_cat": 2,
+              "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
+              "sigmoid_inplace": 2, "add": 2, "mul": 2})
+
+
+@dataclass(frozen=True)
+class Step:
+    construct: str
+    reads: tuple[int, int, int]
+    p: float = 0.25  # dropout probability
+
+
+class FuzzNet(nn.Module):
+    def __init__(self, program: tuple[Step, ...], n_outputs: int):
+        super().__init__()
+        self.program, self.n_outputs = program, n_outputs
+        self.embed = nn.Embedding(VOCAB, D)
+        self.position = nn.Parameter(torch.randn(1, T, D) * 0.1)
+        self.shared = nn.Linear(D, D)  # the weight used twice (by every "shared_linear" step)
+        layers = []
+        for step in program:
+            layers.append(self._layer(step.construct))
+        self.layers = nn.ModuleList(layers)
+        self.scale = nn.Parameter(torch.ones(1, 1, D))
+        self.bias = nn.Parameter(torch.zeros(1, T, 1))
+
+    @staticmethod
+    def _layer(construct: str) -> nn.Module:
+        if construct == "linear":
+            return nn.Linear(D, D)
+        if construct == "linear_on_transpose":
+            return nn.Linear(T, T, bias=False)
+        if construct == "conv1d_on_transpose":
+            return nn.Conv1d(D, D, 3, padding=1)
+        if construct == "layer_norm":
+            return nn.LayerNorm(D)
+        if construct == "batch_norm":
+            return nn.BatchNorm1d(D)
+        if construct == "group_norm":
+            return nn.GroupNorm(4, D)
+        return nn.Identity()
+
+    def forward(self, tokens: torch.Tensor):
+        pool = [self.embed(tokens) + self.position]
+        for k, (step, layer) in enumerate(zip(self.program, self.layers)):
+            a, b, c = (pool[i % len(pool)] for i in step.reads)
+            pool.append(_apply(step, layer, self, a, b, c))
+            del a, b, c
+            # Drop what no later step or output reads, as code without a pool would: an eager
+            # list keeps dead tensors alive that the traced graph (and the runtime) frees.
+            for i in self._dead_after[k]:
+                pool[i] = None
+        return tuple(pool[i] for i in self._outputs)
+
+    def _last_reads(self) -> dict[int, int]:
+        """Pool entry -> the last step reading it (the step making it when none reads it)."""
+        last = {i: i - 1 for i in range(len(self.program) + 1)}  # entry i > 0: made by step i-1
+        for k, step in enumerate(self.program):
+            for i in step.reads[:ARITY[step.construct]]:
+                last[i % (k + 1)] = k
+        return last
+
+    @property
+    def _outputs(self) -> list[int]:
+        n = len(self.program) + 1
+        unread = [i for i, k in self._last_reads().items() if k == i - 1]
+        return sorted(set(unread) | set(range(max(0, n - self.n_outputs), n)))
+
+    @property
+    def _dead_after(self) -> list[list[int]]:
+        last = self._last_reads()
+        for i in self._outputs:
+            last[i] = len(self.program)  # an output: never dropped
+        return [[i for i in range(k + 2) if last[i] == k] for k in range(len(self.program))]
+
+
+def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
+    k = step.construct
+    if k == "linear":
+        return layer(a)
+    if k == "linear_on_transpose":
+        return layer(a.transpose(1, 2)).transpose(1, 2)
+    if k == "conv1d_on_transpose":
+        return layer(a.transpose(1, 2)).transpose(1, 2)
+    if k == "attention_matmul":
+        scores = (a @ b.transpose(-2, -1)) * D ** -0.5
+        return scores.softmax(dim=-1) @ c
+    if k == "attention_bmm":
+        return torch.bmm(torch.bmm(a, b.transpose(1, 2)).sigmoid(), c)
+    if k == "attention_einsum":
+        s = torch.einsum("btd,bsd->bts", a, b).tanh()
+        return torch.einsum("bts,bsd->btd", s, c)
+    if k == "split_cat":
+        lo, hi = a.split(D // 2, dim=-1)
+        return torch.cat([hi * 2.0, lo.relu()], dim=-1)
+    if k == "chunk_cat":
+        first, second = a.chunk(2, dim=1)
+        return torch.cat([second, first * b[:, : T // 2]], dim=1)
+    if k == "slice_cat":
+        return torch.cat([a[:, :, : D // 4].exp(), a[:, :, D // 4:] - b[:, :, D // 4:]], dim=-1)
+    if k == "reshape_permute":
+        return a.view(B, T, 2, D // 2).permute(0, 1, 3, 2).reshape(B, T, D) + b
+    if k == "contiguous":
+        return a.transpose(1, 2).contiguous().transpose(1, 2) * 0.5
+    if k == "stack_mean":
+        return torch.stack([a, b, c], dim=0).mean(dim=0)
+    if k == "softmax":
+        return F.softmax(a, dim=-1)
+    if k == "dropout":
+        return F.dropout(a, p=step.p, training=net.training)
+    if k in ("layer_norm",):
+        return layer(a)
+    if k in ("batch_norm", "group_norm"):
+        return layer(a.transpose(1, 2)).transpose(1, 2)
+    if k == "relu_inplace":
+        return F.relu(a * 1.5 - b, inplace=True)  # in place on a fresh result only
+    if k == "gelu":
+        return F.gelu(a)
+    if k == "tanh":
+        return torch.tanh(a)
+    if k == "sigmoid_inplace":
+        return (a + b).sigmoid_()
+    if k == "add":
+        return a + b
+    if k == "mul":
+        return a * b
+    if k == "add_param":
+        return a + net.bias  # broadcasts over batch and features
+    if k == "mul_param":
+        return a * net.scale  # broadcasts over batch and time
+    if k == "shared_linear":
+        return net.shared(a)
+    raise ValueError(f"unknown construct {k!r}")
+
+
+def build(program: tuple[Step, ...], n_outputs: int, seed: int) -> tuple[FuzzNet, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = FuzzNet(program, n_outputs)
+    tokens = torch.randint(0, VOCAB, (B, T))
+    return model, tokens
+
+
+STEPS = st.builds(Step, st.sampled_from(CONSTRUCTS),
+                  st.tuples(*(st.integers(0, 63),) * 3),
+                  st.sampled_from((0.1, 0.25, 0.5)))
+FUZZ_PROGRAMS = st.tuples(st.lists(STEPS, min_size=2, max_size=9).map(tuple),
+                          st.integers(1, 3), st.integers(0, 2 ** 16))
