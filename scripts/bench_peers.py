@@ -17,13 +17,11 @@ NOTE [How the bench measures]
   the storages its construction and a warm-up step left alive (its model copy, compiled
   artifacts, runtime state), plus the shared input batch and labels. So each peak is what
   measure_step reports when that config is alone in the process.
-- torch.compile: under a non-infra TorchDispatchMode Dynamo skips the frame and runs eager code,
-  so measure_step's CPU tracker would measure the *uncompiled* model. The bench measures every
-  config (compiled or not) with a subclass of the same tracker that declares
-  `ignore_compile_internals()`; Dynamo then turns the mode off while compiling and back on while
-  the compiled aot_eager graphs run, so the tracker sees every aten op of the compiled forward and
-  backward. The bench checks that the compiled graph really ran inside the tracked call (a
-  counting wrapper around the aot_eager backend) and fails otherwise.
+- torch.compile: measure_step reads the CPU allocator's own events (the profiler's memory events),
+  which see the compiled code's allocations as they see eager ones; no dispatch mode is active, so
+  Dynamo compiles and runs the compiled graph as it would outside the bench. The bench checks that
+  the compiled graph really ran inside the measured call (a counting wrapper around the aot_eager
+  backend) and fails otherwise.
 - Time: a block of configs is timed in interleaved rounds (plain, peer, ours, plain, peer, ...),
   each round one measure_step call (1 warm-up, --repeat timed steps, median); a config's time is
   the median over rounds and overheads are against plain PyTorch timed in the same block. The
@@ -33,7 +31,6 @@ NOTE [How the bench measures]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import math
@@ -57,9 +54,7 @@ if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
 import monetlike  # noqa: E402
-import monetlike.measure as _measure_mod  # noqa: E402
 from monetlike.measure import live_cpu_storages, measure_step  # noqa: E402
-from monetlike.profile.memory import StorageTracker  # noqa: E402
 from peers import COMPILE_BUDGETS, PEERS, SPECS, ModelSpec, adapter_for  # noqa: E402
 
 MiB = 2 ** 20
@@ -69,28 +64,6 @@ DEFAULT_MODELS = ("resnet18", "densenet121", "mobilenet_v2", "transformer")
 # ----------------------------------------------------------------------------------------------
 # Measuring
 # ----------------------------------------------------------------------------------------------
-class CompileVisibleTracker(StorageTracker):
-    """monetlike's storage tracker, but Dynamo keeps compiling while it is active: see NOTE [How
-    the bench measures]. Eager ops are seen exactly as by the base class."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-@contextlib.contextmanager
-def compile_visible_measure():
-    """Make measure_step use CompileVisibleTracker (it looks the tracker class up in its module)."""
-    if getattr(_measure_mod, "StorageTracker", None) is not StorageTracker:
-        raise RuntimeError("monetlike.measure no longer uses profile.memory.StorageTracker; "
-                           "update bench_peers.compile_visible_measure")
-    _measure_mod.StorageTracker = CompileVisibleTracker
-    try:
-        yield
-    finally:
-        _measure_mod.StorageTracker = StorageTracker
-
-
 def _live_bytes() -> dict[int, int]:
     # live_cpu_storages goes by tensor.device, and FakeTensors in Dynamo's caches say "cpu" while
     # their storages are on the meta device: they hold no memory, so they must not count.
@@ -198,8 +171,7 @@ class Bench:
             step()
             cpu.append(time.thread_time() - c0)
         calls0 = cfg.compile_calls() if cfg.compile_calls else 0
-        with compile_visible_measure():
-            m = measure_step(timed, warmup=1, repeat=self.args.repeat)
+        m = measure_step(timed, warmup=1, repeat=self.args.repeat)
         if cfg.compile_calls is not None:
             # warm-up + tracked call + timed calls must all have run the compiled graph
             ran = cfg.compile_calls() - calls0
@@ -714,9 +686,9 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
              + "`noise_%` is the spread of plain PyTorch over those rounds. Target: ours at or below "
              "the peer's peak with at most half its overhead. `ours_grads = equal`: "
              "torch.testing.assert_close of outputs and every parameter gradient against plain "
-             "PyTorch passed before the row was measured. torch.compile rows are measured with a "
-             "compile-visible subclass of measure_step's tracker (see NOTE [How the bench "
-             "measures] in scripts/bench_peers.py).", ""]
+             "PyTorch passed before the row was measured. Peaks are the CPU allocator's own count "
+             "(measure_step), compiled rows included (see NOTE [How the bench measures] in "
+             "scripts/bench_peers.py).", ""]
     for res in results:
         spec = res["spec"]
         lines.append(f"- {spec.name} input {tuple(spec.input_shape)}: plain peak "

@@ -100,9 +100,13 @@ def rows_for(name: str, batch: int, size: int, time_limit: float) -> list[dict]:
     return rows
 
 
-def run(names, batch, size, time_limit, max_params) -> tuple[pd.DataFrame, list[str]]:
+def run(names, batch, size, time_limit, max_params, minutes=None) -> tuple[pd.DataFrame, list[str]]:
     rows, notes = [], []
-    for name in tqdm(names, desc="torchvision", unit="model"):
+    started = time.perf_counter()
+    for k, name in enumerate(tqdm(names, desc="torchvision", unit="model")):
+        if minutes is not None and time.perf_counter() - started > 60 * minutes:
+            notes.append(f"not run (--minutes {minutes:g} reached): {', '.join(names[k:])}")
+            break
         try:
             n_params = sum(p.numel() for p in build(name, size).parameters())
             if n_params > max_params:
@@ -124,12 +128,14 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=int, default=64, help="input height and width")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
     ap.add_argument("--max-params", type=float, default=100e6)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="start no new model after this many minutes (the rest are listed)")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
     args = ap.parse_args(argv)
     names = ([n for n in args.models.split(",") if n] if args.models
              else sorted(torchvision.models.list_models(module=torchvision.models)))
     torch.set_num_threads(1)
-    df, notes = run(names, args.batch, args.size, args.time_limit, args.max_params)
+    df, notes = run(names, args.batch, args.size, args.time_limit, args.max_params, args.minutes)
     solved = df[df["within_budget"].notna()] if len(df) else df
     summary = (f"{df['model'].nunique() if len(df) else 0} models measured, {len(notes)} not. "
                f"Worst |error| {df['error_%'].abs().max():.2f}% (target 1%); solved rows over "

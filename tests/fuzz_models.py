@@ -137,7 +137,7 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         first, second = a.chunk(2, dim=1)
         return torch.cat([second, first * b[:, : T // 2]], dim=1)
     if k == "slice_cat":
-        return torch.cat([a[:, :, : D // 4].exp(), a[:, :, D // 4:] - b[:, :, D // 4:]], dim=-1)
+        return torch.cat([a[:, :, : D // 4].tanh(), a[:, :, D // 4:] - b[:, :, D // 4:]], dim=-1)
     if k == "reshape_permute":
         return a.view(B, T, 2, D // 2).permute(0, 1, 3, 2).reshape(B, T, D) + b
     if k == "contiguous":
