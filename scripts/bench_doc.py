@@ -32,6 +32,17 @@ def header(command: str) -> str:
             f"Command: `{command}`\n")
 
 
+def header_with_commit(script: str, argv) -> str:
+    """`header` for `python scripts/<script> <argv>` (sys.argv when None), plus the commit."""
+    import subprocess
+
+    args = argv if argv is not None else sys.argv[1:]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip() or "unknown"
+    command = " ".join(["python", f"scripts/{script}", *args])
+    return header(command) + f"Commit: {commit}."
+
+
 def read_section(name: str, path: str = DEFAULT_PATH) -> str | None:
     """The body of section `name` as last written, or None when it is not there."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

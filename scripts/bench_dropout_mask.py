@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ import torch.nn as nn  # noqa: E402
 
 import monetlike  # noqa: E402
 import solver  # noqa: E402
-from bench_doc import header, replace_section  # noqa: E402
+from bench_doc import header_with_commit, replace_section  # noqa: E402
 from bench_solver import markdown_table  # noqa: E402
 
 FRACTIONS = (0.97, 0.93, 0.90, 0.87)
@@ -83,11 +82,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     df = run(args.width, args.layers, args.batch, args.time_limit)
     table = markdown_table(df.round(2).astype(object).where(df.notna(), ""))
-    command = "python scripts/bench_dropout_mask.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip() or "unknown"
-    body = "\n".join([header(command.strip()) + f"Commit: {commit}.", "",
+    body = "\n".join([header_with_commit("bench_dropout_mask.py", argv), "",
                       f"MLP {args.layers} x (Linear {args.width} - GELU - Dropout 0.1) - Linear 1, "
                       f"batch {args.batch}, fp32, measured CPU costs; full mode, "
                       f"{args.time_limit:g} s per solve. Empty: infeasible.", "", table])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ from tqdm import tqdm  # noqa: E402
 
 import monetlike  # noqa: E402
 import solver  # noqa: E402
-from bench_doc import header, replace_section  # noqa: E402
+from bench_doc import header_with_commit, replace_section  # noqa: E402
 from bench_solver import markdown_table  # noqa: E402
 from solver.simulate import simulate, store_all_schedule  # noqa: E402
 
@@ -137,16 +136,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     df, notes = run(names, args.batch, args.size, args.time_limit, args.max_params, args.minutes)
     solved = df[df["within_budget"].notna()] if len(df) else df
-    summary = (f"{df['model'].nunique() if len(df) else 0} models measured, {len(notes)} not. "
+    summary = (f"{df['model'].nunique() if len(df) else 0} models measured (the others below). "
                f"Worst |error| {df['error_%'].abs().max():.2f}% (target 1%); solved rows over "
                f"their budget: {int((~solved['within_budget'].astype(bool)).sum())} of "
                f"{len(solved)}." if len(df) else "No model measured.")
     table = markdown_table(df.round(3).astype(object).where(df.notna(), ""))
-    command = "python scripts/bench_torchvision_memory.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip() or "unknown"
-    body = "\n".join([header(command.strip()) + f"Commit: {commit}.", "",
+    body = "\n".join([header_with_commit("bench_torchvision_memory.py", argv), "",
                       "Training mode, random weights, one intra-op thread, measured CPU costs; "
                       "peaks by the CPU allocator's own events (monetlike.measure_step), the "
                       "model's parameters included. error_% = (measured - predicted) / predicted.",

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from cli_support import run_cli
 from monetlike.cli import main
 
 TINY = """
@@ -60,15 +61,6 @@ def _snapshot(d):
             with open(p, "rb") as fh:
                 out[p] = (hashlib.sha256(fh.read()).hexdigest(), stat.S_IMODE(st.st_mode))
     return out
-
-
-def _run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _variant(work, name, edit):
@@ -270,7 +262,7 @@ def _text(work, name, text):
 def test_bad_input_is_one_clear_line_and_changes_nothing(work, capsys, argv, code, message):
     argv = argv(work)  # builds any hostile file first, then the snapshot
     before = _snapshot(work)
-    got, out, err = _run(argv, capsys)
+    got, out, err = run_cli(argv, capsys)
     assert got == code, err
     assert err.count("\n") == 1, err
     assert message in err, err
@@ -337,7 +329,7 @@ def test_ctrl_c_during_a_solve_is_one_line_rc_130_and_keeps_the_old_file(work, c
 
     monkeypatch.setattr(solver, "solve", interrupted)
     before = _snapshot(work)
-    code, out, err = _run(["solve", "--graph", str(work / "g.json"), "--budget", "1MiB", "-o",
+    code, out, err = run_cli(["solve", "--graph", str(work / "g.json"), "--budget", "1MiB", "-o",
                            str(work / "s.json")], capsys)
     assert code == 130
     assert err == "monetlike solve: interrupted; no output written\n"
@@ -368,7 +360,7 @@ def test_highs_banner_is_not_on_stdout(work):
 
 
 def test_pareto_with_no_feasible_budget_fails(work, capsys):
-    code, out, err = _run(["pareto", f"{work / 'tiny.py'}:build", *TINY_ARGS, "--cost",
+    code, out, err = run_cli(["pareto", f"{work / 'tiny.py'}:build", *TINY_ARGS, "--cost",
                            "measured", "--budgets", "1KiB", "--time-limit", "5"], capsys)
     assert code == 1 and err.count("\n") == 1
     assert "no method fits any of the budgets 1.00 KiB" in err
@@ -460,7 +452,7 @@ def build():
 def test_maxbatch_on_batchnorm_starts_at_two(tmp_path, capsys):
     # BatchNorm1d after pooling cannot train at batch 1: the search starts at 2 instead of failing.
     (tmp_path / "bn.py").write_text(BN_MODEL)
-    code, out, err = _run(["maxbatch", f"{tmp_path / 'bn.py'}:build", "--input-shape", "3,8,8",
+    code, out, err = run_cli(["maxbatch", f"{tmp_path / 'bn.py'}:build", "--input-shape", "3,8,8",
                            "--budget", "1GiB", "--limit", "5", "--time-limit", "5"], capsys)
     assert code == 0, err
     assert "largest batch that fits: 5" in out

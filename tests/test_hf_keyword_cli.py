@@ -23,6 +23,7 @@ import monetlike  # noqa: E402
 import monetlike.models  # noqa: E402,F401
 import solver  # noqa: E402
 from monetlike.check import check_schedule  # noqa: E402
+from cli_support import run_cli  # noqa: E402
 from monetlike.cli import main  # noqa: E402
 from monetlike.maxbatch import max_batch, scale_batch  # noqa: E402
 
@@ -56,15 +57,6 @@ def models(tmp_path_factory):
 
 def _spec(d, name):
     return f"{d / 'models.py'}:{name}"
-
-
-def _run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _tiny_gpt2():
@@ -161,34 +153,34 @@ def test_cli_maxbatch_then_check_a_keyword_model(models, planned, capsys):
     assert saved["meta"]["model_spec"] == _spec(models, "gpt2")
 
     # check builds the keyword batch of the schedule's recorded shape: it runs and passes.
-    code, stdout, err = _run(["check", str(planned), "--model", _spec(models, "gpt2")], capsys)
+    code, stdout, err = run_cli(["check", str(planned), "--model", _spec(models, "gpt2")], capsys)
     assert code == 0, err
     assert "max |grad diff|" in stdout and "MISMATCH" not in stdout
 
     # Another config with the same inputs: the fingerprint check refuses it, in one line.
-    code, _, err = _run(["check", str(planned), "--model", _spec(models, "gpt2_wide")], capsys)
+    code, _, err = run_cli(["check", str(planned), "--model", _spec(models, "gpt2_wide")], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "the schedule was solved for another graph" in err
     assert "transformer.wte.weight 100x32" in err and "100x64" in err
 
     # A model that cannot make a keyword batch: said so, with the ways out.
-    code, _, err = _run(["check", str(planned), "--model", _spec(models, "mlp")], capsys)
+    code, _, err = run_cli(["check", str(planned), "--model", _spec(models, "mlp")], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "was solved for 3 input(s) of shapes [[2, 16], [2, 16], [2, 16]]" in err
     assert "example_inputs(batch, seq_len, device)" in err and "check_schedule" in err
 
     # An image model's batch is not the schedule's: named before anything runs.
-    code, _, err = _run(["check", str(planned), "--model", _spec(models, "vit")], capsys)
+    code, _, err = run_cli(["check", str(planned), "--model", _spec(models, "vit")], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "makes its example batch pixel_values [2, 3, 16, 16], labels [2]" in err
     assert "was solved for input shapes [[2, 16], [2, 16], [2, 16]]" in err
 
     # Longer than the model's positions, or larger than solved for: one line each.
-    code, _, err = _run(["check", str(planned), "--model", _spec(models, "gpt2"),
+    code, _, err = run_cli(["check", str(planned), "--model", _spec(models, "gpt2"),
                          "--input-shape", "32"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "seq_len 32 is longer than the model's 16 positions" in err
-    code, _, err = _run(["check", str(planned), "--model", _spec(models, "gpt2"), "--batch", "3"],
+    code, _, err = run_cli(["check", str(planned), "--model", _spec(models, "gpt2"), "--batch", "3"],
                         capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "input shape [3, 16] is larger than the [2, 16] this schedule was solved for" in err
@@ -225,7 +217,7 @@ BAD = [
 
 @pytest.mark.parametrize("argv,message", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_keyword_input_is_one_clear_line(models, capsys, argv, message):
-    code, out, err = _run(argv(models), capsys)
+    code, out, err = run_cli(argv(models), capsys)
     assert code == 2, err
     assert err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err and out == ""
