@@ -30,7 +30,7 @@ CASES = {
     "googlenet": (lambda: tv.googlenet(aux_logits=False, init_weights=False),
                   lambda: (torch.randn(8, 3, 96, 96),), 0.25),
     "densenet121": (lambda: tv.densenet121(), lambda: (torch.randn(4, 3, 96, 96),), 0.25),
-    "unet": (lambda: models.UNet(width=16), lambda: (torch.randn(2, 3, 64, 64),), 0.2),
+    "unet": (lambda: models.UNet(width=16), lambda: (torch.randn(2, 3, 64, 64),), 0.15),
     "transformer_block": (lambda: models.TransformerBlock(dim=128, heads=4),
                           lambda: (torch.randn(2, 64, 128),), 0.25),
     "two_in_out": (lambda: models.TwoInOut(), lambda: (torch.randn(2, 3, 64, 64),
