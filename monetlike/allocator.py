@@ -66,7 +66,7 @@ class AllocatorLog:
         self._active = False
         self._times: list[int] = []
         self._levels: list[int] = []  # the running sum after each event
-        self._what: list[str] = []  # the op each event happened in (for diagnostics)
+        self._what: list[str] = []  # per event: the op it happened in, or 'mark'
         self._marks: dict[str, int] = {}  # label -> index of the mark in the replay
         self._watch: list[weakref.ref] = []  # refs whose callbacks report frees
 
@@ -173,16 +173,6 @@ class AllocatorLog:
                 best = max(best, self._levels[k] + extra)
         return best
 
-    def events_between(self, start: object, end: object) -> list[tuple[int, int, str]]:
-        """Diagnostic: (bytes, level after, op) of each event from mark `start` to mark `end`."""
-        i, j = self._index(start), self._index(end)
-        return [(self._levels[k] - (self._levels[k - 1] if k else 0), self._levels[k],
-                 self._what[k]) for k in range(i, j + 1)]
-
     def peak(self) -> int:
         """Highest net level over the whole recording (0 if nothing was allocated)."""
         return max([0, *self._levels])
-
-    def final(self) -> int:
-        """Net bytes still allocated at the end of the recording."""
-        return self._levels[-1] if self._levels else 0

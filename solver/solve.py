@@ -68,10 +68,8 @@ PROBE_QUIET_S = 30.0
 turns to proving bounds (`_probe_bounds`) until a better schedule turns up. Only where branch
 and bound has every row (ALL_ROWS_NNZ): each probe starts a search from the root, cheap there
 (UNet at batch 11: about 20 s) and minutes on the large models, where LNS also keeps finding
-better schedules late (GoogLeNet at 5 GiB: its last at 513 s of 600). Measured with probes on
-lazy rows too (2026-11-24, GoogLeNet batch 320 at 5 GiB, 600 s): one probe ran 442 s and proved
-only +28.14% over store-all, no more than branch and bound's own bound (+28.15%), while LNS lost
-that time (+30.93% against +30.57-30.78% without probes)."""
+better schedules late. Probes on lazy rows proved no more than branch and bound's own bound
+while LNS lost their time (docs/BENCHMARKS.md, Solver: GoogLeNet at 5 GiB)."""
 PROBE_GAPS = (2.0, 1.5, 1.0)
 """The lines a probe tries to prove, in multiples of the target gap below the incumbent."""
 CUT_ROUNDS = 8

@@ -9,8 +9,7 @@ GPT block the peaks equal the predictions within 1%.
 The Fire block's are over-predicted: its in-place ReLUs save their outputs, which autograd frees
 in the middle of the stage (right after the ReLU's backward), while the simulator holds a stage's
 saved Values to its end (the runtime may hold them that long, when a recomputation still needs
-them). Store-all is over-counted by the saved output of the stage's convolution (17.53 MB
-predicted, 15.69 MB measured, 2026-11-25). Exact needs the model to know when the runtime holds a
+them). Store-all is over-counted by the saved output of the stage's convolution. Exact needs the model to know when the runtime holds a
 saved Value past its node (a term per such Value in the stage's point, in the simulator and the
 MILP); until then the count errs on the safe side.
 """
