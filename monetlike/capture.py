@@ -24,6 +24,19 @@ non-tensor leaves are constants of the graph; `CallSpec.key` holds them, so a ca
 constants is another graph, never a silent reuse. Tensors given twice (`labels=input_ids`) are
 captured as distinct inputs (export would fold them into one placeholder, and a later call with
 distinct tensors would then read the wrong one).
+
+NOTE [Contiguous is always recorded]
+`Tensor.contiguous()` returns the tensor itself, before any dispatch, when it is already contiguous,
+so a trace records the call only when it copies: whether a `contiguous` node exists depends on the
+strides the example run produced, which depend on the device. scaled_dot_product_attention is the
+case met: on the CPU (and CUDA) its fused kernels return the output in the query's memory layout,
+so HF's `attn_output.transpose(1, 2).contiguous()` is a no-op there and is not traced, while the
+meta device (analytical profiles) runs the math path, whose output is plain contiguous, so the
+transpose is not and the call is traced. The profiler's graph (meta) then names a node the
+runtime's trace (CPU) lacks. During export every `.contiguous()` call is routed to the ATen op
+(`_RecordContiguous`), which is always recorded: the graph is the program as written on every
+device, and the op still returns its input unchanged where that is already contiguous (the
+profiler sees no new storage there, so it is no Op).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .trace import TraceError, trace
@@ -196,12 +210,23 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
                       f"The construct: {what}. Way out: {fix}")
 
 
+class _RecordContiguous(TorchFunctionMode):
+    """NOTE [Contiguous is always recorded]: `x.contiguous()` as the ATen op, traced whatever
+    the strides."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return torch.ops.aten.contiguous.default(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     """`model` captured with torch.export (non-strict) on the call `flat` describes."""
     args, kwargs = flat.spec.rebuild(_distinct(flat))
     rng = torch.get_rng_state()
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with _RecordContiguous():
+            ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
         raise

@@ -227,3 +227,81 @@ def test_keyword_inputs_without_a_tensor_are_refused():
     with pytest.raises(ValueError, match=r"example_inputs: the keyword inputs \['return_dict'\] "
                                          r"hold no tensor; expected at least one"):
         monetlike.profile(KwNet(), {"return_dict": True})
+
+
+class _Contig(nn.Module):
+    def forward(self, x):
+        a = x.contiguous() * 2  # already contiguous: a no-op, still recorded
+        b = x.t().contiguous() * 3  # a copy
+        return a.sum() + b.sum()
+
+
+def test_contiguous_is_recorded_whatever_the_strides():
+    # NOTE [Contiguous is always recorded]: a trace on any device has one node per call.
+    graphs = []
+    for dev in ("cpu", "meta"):
+        x = torch.randn(3, 4, device=dev, requires_grad=True)
+        gm, _ = capture(_Contig().to(dev), (x,), mode="export")
+        graphs.append([(n.name, str(n.target)) for n in gm.graph.nodes
+                       if n.op == "call_function"])
+    assert graphs[0] == graphs[1]
+    assert [t for _, t in graphs[0]].count("aten.contiguous.default") == 2
+    # The no-op call returns its input on the CPU: no copy, the same values.
+    x = torch.randn(3, 4, requires_grad=True)
+    gm, xs = capture(_Contig(), (x,), mode="export")
+    torch.testing.assert_close(gm(*xs), _Contig()(x))
+
+
+def _tiny_vit():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                 num_attention_heads=2, image_size=16, patch_size=4,
+                                 num_labels=5)
+    g = torch.Generator().manual_seed(1)
+    batch = dict(pixel_values=torch.randn(4, 3, 16, 16, generator=g),
+                 labels=torch.tensor([1, 3, 0, 2]))
+    return transformers.ViTForImageClassification(cfg).train(), batch
+
+
+def test_vit_schedule_from_an_analytical_profile_checks_on_the_cpu():
+    """Issue 19 regression: the meta device runs scaled_dot_product_attention's math path
+    (a plain contiguous output), the CPU its fused kernel (the query's layout), so HF's
+    `attn_output.transpose(1, 2).contiguous()` copied on meta and was a no-op on the CPU; the
+    trace kept the call only on meta, and `check` refused the schedule ("names fx node
+    'contiguous', which the traced model does not have")."""
+    from monetlike.check import check_schedule
+    from monetlike.profile.api import _meta_copy
+
+    model, batch = _tiny_vit()
+    meta = {k: torch.empty_like(v, device="meta") for k, v in batch.items()}
+    nodes = []
+    for m, b in ((model, batch), (_meta_copy(model), meta)):
+        gm, _ = capture(m, (), b, mode="export")
+        nodes.append([(n.name, str(n.target)) for n in gm.graph.nodes])
+    assert nodes[0] == nodes[1]
+    graph = monetlike.profile(model, batch, cost="analytical:A100-40GB")
+    # On meta the call copies, so it is an Op of the analytical graph (one per layer).
+    assert sum(op.kind.startswith("contiguous") for op in graph.ops) == 2
+    lo = chen_sqrt_n(graph).predicted_peak_bytes
+    hi = store_all(graph).predicted_peak_bytes
+    result = solver.solve(graph, (lo + hi) // 2, time_limit_s=10)
+    report = check_schedule(result.schedule, model, batch, repeat=1)
+    assert report.passed and report.grads_match and report.max_abs_grad_diff == 0.0
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "known, profiler side: on meta scaled_dot_product_attention runs the math path "
+    "(torch._fused_sdp_choice is 0 on meta), which saves internal copies, so the analytical "
+    "graph says its backward needs none of its input Values; the CPU's fused kernel (and CUDA's) "
+    "saves q, k, v and the output, so a schedule that drops the q/k/v projections fails"))
+def test_vit_analytical_schedule_that_drops_the_attention_inputs():
+    from runtime_support import keep_schedule
+
+    from monetlike.check import check_schedule
+
+    model, batch = _tiny_vit()
+    graph = monetlike.profile(model, batch, cost="analytical:A100-40GB")
+    sched = keep_schedule(graph, lambda v: False, hold="last_use")
+    assert check_schedule(sched, model, batch, repeat=1).passed
