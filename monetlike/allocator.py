@@ -66,7 +66,6 @@ class AllocatorLog:
         self._active = False
         self._times: list[int] = []
         self._levels: list[int] = []  # the running sum after each event
-        self._what: list[str] = []  # per event: the op it happened in, or 'mark'
         self._marks: dict[str, int] = {}  # label -> index of the mark in the replay
         self._watch: list[weakref.ref] = []  # refs whose callbacks report frees
 
@@ -116,7 +115,7 @@ class AllocatorLog:
     def _replay(self) -> None:
         from torch._C._profiler import _EventType  # private: see the module docstring
 
-        events: list[tuple[int, int, object, str]] = []  # (time, bytes, mark label or None, op)
+        events: list[tuple[int, int, object]] = []  # (time, bytes, mark label or None)
         stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
@@ -125,22 +124,19 @@ class AllocatorLog:
             if kind == _EventType.Allocation:
                 f = node.extra_fields
                 if f.device.type == "cpu" and f.alloc_size != 0:
-                    events.append((node.start_time_ns, int(f.alloc_size), None,
-                                   node.parent.name if node.parent is not None else ""))
+                    events.append((node.start_time_ns, int(f.alloc_size), None))
             elif node.name.startswith(_MARK):
-                events.append((node.start_time_ns, 0, node.name[len(_MARK):], "mark"))
+                events.append((node.start_time_ns, 0, node.name[len(_MARK):]))
             elif node.name.startswith(_FREE):
-                events.append((node.start_time_ns, -int(node.name[len(_FREE):]), None,
-                               "free of a storage older than the recording"))
+                events.append((node.start_time_ns, -int(node.name[len(_FREE):]), None))
         events.sort(key=lambda e: e[0])
         level = 0
-        for t, nbytes, label, what in events:
+        for t, nbytes, label in events:
             level += nbytes
             if label is not None:
                 self._marks[label] = len(self._times)
             self._times.append(t)
             self._levels.append(level)
-            self._what.append(what)
         self._watch = []
 
     def _index(self, label: object) -> int:
@@ -153,25 +149,25 @@ class AllocatorLog:
         """Bytes allocated (net, since recording started) at mark `label`."""
         return self._levels[self._index(label)]
 
-    def peak_between(self, start: object, end: object | None = None,
-                     credit: dict | None = None) -> int:
-        """Highest net level from mark `start` to mark `end` (or to the end of the recording).
+    def position(self, label: object) -> int:
+        """Where mark `label` falls in the recording (an index for `level_at`)."""
+        return self._index(label)
 
-        `credit` maps mark labels to bytes added back from that mark on: a caller that counts
-        some storages apart (the profiler's Values) takes their frees out of the level."""
+    def level_at(self, position: int) -> int:
+        """Bytes allocated (net, since recording started) at `position`."""
+        return self._levels[position]
+
+    def peak_position(self, start: object, end: object | None = None) -> int:
+        """The first position of the highest net level from mark `start` to mark `end` (or to
+        the end of the recording)."""
         i = self._index(start)
         j = self._index(end) if end is not None else len(self._levels) - 1
-        if not credit:
-            return max(self._levels[i:j + 1])
-        at = {self._marks[str(k)]: n for k, n in credit.items() if str(k) in self._marks}
-        extra, best = 0, self._levels[i]
-        for k in range(i, j + 1):
-            extra += at.get(k, 0)
-            # A credit's mark comes just before the allocator's free it stands for: read the
-            # level at allocator events only, or that storage would count twice.
-            if self._what[k] != "mark":
-                best = max(best, self._levels[k] + extra)
-        return best
+        window = self._levels[i:j + 1]
+        return i + window.index(max(window))
+
+    def peak_between(self, start: object, end: object | None = None) -> int:
+        """Highest net level from mark `start` to mark `end` (or to the end of the recording)."""
+        return self._levels[self.peak_position(start, end)]
 
     def peak(self) -> int:
         """Highest net level over the whole recording (0 if nothing was allocated)."""

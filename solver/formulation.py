@@ -351,6 +351,36 @@ class Formulation:
                 if len(needers) < len(f.impls[k]):
                     self.Y[t, v] = b.var(f"Y[{t},{v}]", integer=False)
 
+        # A saved Value that Impl i of stage t's op frees before its backward's peak, held past
+        # the stage: H[t,v,i] = S[t+1,v] and M[k_t,i] (an op with one allowed Impl uses S).
+        # Model outputs are always held: their bytes come back as constants. (Graph inputs are
+        # fixed memory, never a stage's: the simulator adds nothing for them.)
+        b.var_block("held_past")
+        self.H: dict[tuple[int, int, int], int] = {}
+        self._held_past: list[tuple[int, list]] = []  # per stage: (constant, [(column, coef)])
+        for t in range(T):
+            k = g.backward_order[t]
+            const, cols = 0, []
+            for i in f.impls[k]:
+                one = len(f.impls[k]) == 1
+                for v in self._impl(k, i).early_release:
+                    byt = values[v].bytes
+                    if values[v].producer is None:
+                        continue
+                    if not sched[v]:
+                        if one:
+                            const += byt
+                        else:
+                            cols.append((self.M[k, i], byt / ms))
+                    elif (t + 1, v) not in self.S:
+                        continue  # past its horizon: never held after the stage
+                    elif one:
+                        cols.append((self.S[t + 1, v], byt / ms))
+                    else:
+                        self.H[t, v, i] = b.var(f"H[{t},{v},{i}]", integer=False)
+                        cols.append((self.H[t, v, i], byt / ms))
+            self._held_past.append((const, cols))
+
         # Alive-after-production columns: G[t,v,u] = v still resident just before user u runs in
         # stage t = Y-expression or R[t,u'] for some user u' >= u.
         b.var_block("alive_in_stage")
@@ -463,6 +493,11 @@ class Formulation:
                       lo=0.0)
             b.row(f"alive_backward_need[{t},{v}]",
                   [(y, 1.0)] + [(self.M[k, i], -1.0) for i in f.need[t][v]], lo=0.0)
+
+        b.row_block("held_past")  # H[t,v,i] >= S[t+1,v] + M[k_t,i] - 1
+        for (t, v, i), h in self.H.items():
+            b.row(f"held_past[{t},{v},{i}]", [(h, 1.0), (self.S[t + 1, v], -1.0),
+                                               (self.M[g.backward_order[t], i], -1.0)], lo=-1.0)
 
         b.row_block("alive_in_stage")  # G[t,v,u_i] >= R[t,u_i];  G[t,v,u_i] >= G[t,v,u_i+1] / Y
         for t in range(T):
@@ -705,8 +740,10 @@ class Formulation:
             c_ws, t_ws = self._choice_terms(k, lambda im: im.bwd_workspace, ms)
             base = fixed + g.stage_grad_bytes[t] + int_bwd_const[t] + all_held + c_ws
             ib = [(self.IB[t], 1.0)] if var_int else []
-            self._mem_row(b, f"mem_backward[{t}]", stage_terms[t][L] + t_ws + ib,
-                          base + stage_const[t][L], f"backward of op {k} {ops[k].name}")
+            held_const, held_terms = self._held_past[t]
+            self._mem_row(b, f"mem_backward[{t}]", stage_terms[t][L] + t_ws + ib + held_terms,
+                          base + stage_const[t][L] + held_const,
+                          f"backward of op {k} {ops[k].name}")
 
         end = fixed + g.final_grad_bytes + all_held
         self._const_point(end, "end of the backward pass")
@@ -895,6 +932,8 @@ class Formulation:
                 x[self.Fe[t, v]] = 1.0
         for (t, j, i), col in self.RI.items():
             x[col] = x[self.R[t, j]] * x[self.M[j, i]]
+        for (t, v, i), col in self.H.items():
+            x[col] = x[self.S[t + 1, v]] * x[self.M[g.backward_order[t], i]]
         for (t, v), col in self.Y.items():
             k = g.backward_order[t]
             need = 1.0 if impl[k] in f.need[t][v] else 0.0

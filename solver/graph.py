@@ -268,6 +268,14 @@ class Impl:
     (the Op's forward run again under no_grad); None in graphs profiled before it was, read as
     internal_bytes + fwd_workspace (an upper bound). See `recompute_transient`."""
 
+    early_release: tuple[int, ...] = ()
+    """Saved Values (a subset of `saved`) that autograd frees inside the backward stage, before
+    its peak: `bwd_workspace` was measured with them gone. A schedule that still holds one after
+    the stage (a later stage or recomputation reads it) adds its bytes to the stage's peak
+    (docs/formulation.md section 4). Empty when the profiler could not time the frees (meta
+    device) or in graphs profiled before it could; the workspace then holds every saved Value to
+    the stage's end."""
+
     @property
     def recompute_transient(self) -> int:
         """The bytes a recomputation under this Impl needs above its inputs and new outputs."""
@@ -282,6 +290,10 @@ class Impl:
             del d["overwrites"]  # graphs without in-place Impls read as before
         if self.recompute_workspace is None:
             del d["recompute_workspace"]  # nor graphs profiled before it was measured
+        if self.early_release:
+            d["early_release"] = list(self.early_release)
+        else:
+            del d["early_release"]
         return d
 
     @classmethod
@@ -296,6 +308,8 @@ class Impl:
             bwd_workspace=_int(d, "bwd_workspace", where),
             overwrites=_int(d, "overwrites", where, optional=True),
             recompute_workspace=_int(d, "recompute_workspace", where, optional=True),
+            early_release=(_ints(d, "early_release", where)
+                           if isinstance(d, dict) and "early_release" in d else ()),
         )
 
 
@@ -525,6 +539,10 @@ class OpGraph:
                 if bad:
                     raise FormatError(f"ops[{j}].impls[{k}].saved: values {bad} are neither inputs "
                                       f"nor outputs of op {j}")
+                early = [v for v in impl.early_release if v not in impl.saved]
+                if early:
+                    raise FormatError(f"ops[{j}].impls[{k}].early_release: values {early} are not "
+                                      f"in its saved list {list(impl.saved)}")
                 if impl.overwrites is not None:
                     self._validate_overwrite(op, k, impl)
         seen = set()

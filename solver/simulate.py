@@ -218,7 +218,11 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             raise ScheduleError(f"{where}: its backward needs values {missing} "
                                 f"({', '.join(values[v].name for v in missing)}), which are "
                                 f"neither resident nor recomputed")
-        peak = fixed + grad + live_bytes() + internals + impl.bwd_workspace
+        # Saved Values autograd frees before the peak are not in the workspace; one the
+        # schedule holds past the stage is still there at the peak.
+        held_past = sum(values[v].bytes for v in impl.early_release
+                        if v in resident and v not in release.at_end)
+        peak = fixed + grad + live_bytes() + internals + impl.bwd_workspace + held_past
         points.append(Point("backward", t, op_id, peak, tuple(sorted(resident))))
         backward_time += impl.bwd_time
         resident.difference_update(release.at_end)

@@ -144,7 +144,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
                                     graph.param_bytes, graph.optimizer_bytes,
                                     tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
-                                           i.recompute_transient)
+                                           i.recompute_transient, i.early_release)
                                           for op in graph.ops for i in op.impls))), mode,
            graph.host_bandwidth if offload else None)
     if key in _MIN_BUDGET_CACHE:

@@ -34,7 +34,8 @@ class GraphBuilder:
         return vid
 
     def op(self, name: str, inputs, out_sizes, *, saved=None, fwd=1.0, bwd=1.0, internal=0,
-           fwd_ws=0, bwd_ws=0, impls=None, has_backward=True, unsafe=None, kind="Op"):
+           fwd_ws=0, bwd_ws=0, early=(), impls=None, has_backward=True, unsafe=None,
+           kind="Op"):
         """Add an op; returns its output Value id (or the tuple of ids for several outputs).
 
         `saved` names Values by id or the strings 'in0', 'in1', ..., 'out0', 'out1', ...
@@ -64,14 +65,15 @@ class GraphBuilder:
         if impls is None:
             impls = [dict(name="default", saved=saved if saved is not None else ("in0",),
                           internal_bytes=internal, fwd_time=fwd, bwd_time=bwd,
-                          fwd_workspace=fwd_ws, bwd_workspace=bwd_ws)]
+                          fwd_workspace=fwd_ws, bwd_workspace=bwd_ws, early_release=early)]
         built = tuple(Impl(name=d["name"], saved=resolve(d.get("saved", ())),
                            internal_bytes=d.get("internal_bytes", 0), fwd_time=d.get("fwd_time", 1.0),
                            bwd_time=d.get("bwd_time", 1.0), fwd_workspace=d.get("fwd_workspace", 0),
                            bwd_workspace=d.get("bwd_workspace", 0),
                            overwrites=(resolve((d["overwrites"],))[0] if d.get("overwrites")
                                        is not None else None),
-                           recompute_workspace=d.get("recompute_workspace")) for d in impls)
+                           recompute_workspace=d.get("recompute_workspace"),
+                           early_release=resolve(d.get("early_release", ()))) for d in impls)
         self.ops.append(Op(oid, name, kind, (name,), inputs, tuple(outs), built, has_backward,
                            unsafe))
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -92,21 +94,31 @@ class GraphBuilder:
 # ----------------------------------------------------------------------------------------------
 # Random graphs for property tests
 # ----------------------------------------------------------------------------------------------
-def random_chain(rng: random.Random, n: int) -> OpGraph:
-    """A chain of n ops with random sizes, costs and saved sets (input, output or both)."""
+def _early(rng: random.Random, saved: tuple, on: bool) -> tuple:
+    """A random part of `saved` that the backward frees before its peak (Impl.early_release);
+    none unless `on` (so graphs drawn without it stay what they were)."""
+    return tuple(s for s in saved if rng.random() < 0.5) if on else ()
+
+
+def random_chain(rng: random.Random, n: int, *, early: bool = False) -> OpGraph:
+    """A chain of n ops with random sizes, costs and saved sets (input, output or both); with
+    `early`, random early releases too."""
     b = GraphBuilder("chain", param_bytes=rng.randint(0, 5), input_bytes=rng.randint(1, 5))
     v = b.input("x", b.input_bytes)
     for i in range(n):
         saved = rng.choice([("in0",), ("out0",), ("in0", "out0"), ()])
         v = b.op(f"op{i}", [v], rng.randint(1, 9), saved=saved, fwd=rng.randint(1, 5),
                  bwd=rng.randint(1, 5), internal=rng.choice([0, 0, 1, 2]),
-                 fwd_ws=rng.choice([0, 0, 1, 3]), bwd_ws=rng.choice([0, 1, 2]))
+                 fwd_ws=rng.choice([0, 0, 1, 3]), bwd_ws=rng.choice([0, 1, 2]),
+                 early=_early(rng, saved, early))
     grads = [rng.randint(0, 4) for _ in range(n)]
     return b.build(outputs=v, stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
 
 
-def random_dag(rng: random.Random, n: int, *, two_impl: bool = False) -> OpGraph:
-    """A small DAG: each op reads one or two earlier values (skips, joins, multi-use)."""
+def random_dag(rng: random.Random, n: int, *, two_impl: bool = False,
+               early: bool = False) -> OpGraph:
+    """A small DAG: each op reads one or two earlier values (skips, joins, multi-use); with
+    `early`, random early releases too."""
     b = GraphBuilder("dag", param_bytes=rng.randint(0, 5), input_bytes=rng.randint(1, 5))
     vals = [b.input("x", b.input_bytes)]
     for i in range(n):
@@ -116,14 +128,15 @@ def random_dag(rng: random.Random, n: int, *, two_impl: bool = False) -> OpGraph
             f"in{j}" for j in range(len(ins)))])
         kw = dict(saved=saved, fwd=rng.randint(1, 5), bwd=rng.randint(1, 5),
                   internal=rng.choice([0, 0, 1]), fwd_ws=rng.choice([0, 0, 2]),
-                  bwd_ws=rng.choice([0, 1, 2]))
+                  bwd_ws=rng.choice([0, 1, 2]), early=_early(rng, saved, early))
         if two_impl and rng.random() < 0.4:
             alt_saved = rng.choice([("out0",), (), ("in0",)])
             kw["impls"] = [
                 dict(name="default", saved=saved, internal_bytes=kw["internal"],
                      fwd_time=kw["fwd"], bwd_time=kw["bwd"], fwd_workspace=kw["fwd_ws"],
-                     bwd_workspace=kw["bwd_ws"]),
+                     bwd_workspace=kw["bwd_ws"], early_release=kw["early"]),
                 dict(name="alt", saved=alt_saved, internal_bytes=rng.choice([0, 1]),
+                     early_release=_early(rng, alt_saved, early),
                      fwd_time=rng.randint(1, 5), bwd_time=rng.randint(1, 6),
                      fwd_workspace=rng.choice([0, 1]), bwd_workspace=rng.choice([0, 2]),
                      # measured (profiled graphs) or not (None: internals + workspace)

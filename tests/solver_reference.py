@@ -101,7 +101,10 @@ def exact_optimum(graph: OpGraph, budget: int, *, mode: str = "full"):
                         live.discard(v)
             if any(v not in live for v in saved):
                 return None
-            peak = max(peak, base + sum(nbytes[v] for v in live) + im[k].bwd_workspace)
+            # a saved Value the backward frees early is still there if the stage keeps it
+            early_kept = sum(nbytes[v] for v in im[k].early_release if v in nxt)
+            peak = max(peak, base + sum(nbytes[v] for v in live) + im[k].bwd_workspace
+                       + early_kept)
             return peak
 
         safe = [op.id for op in ops if op.recompute_unsafe is None]

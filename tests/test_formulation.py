@@ -33,13 +33,15 @@ def _doc_blocks(section: str) -> set[str]:
 
 
 def _graph_with_every_block():
-    """Two Impls differing in forward cost, internals and saved set, and an in-place Impl whose
-    overwritten Value another backward saves: every block appears."""
+    """Two Impls differing in forward cost, internals, saved set and early releases (a Value a
+    later backward reads), and an in-place Impl whose overwritten Value another backward saves:
+    every block appears."""
     b = GraphBuilder("every_block")
     x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=3)
+    a = b.op("op0", [x], 10, fwd=3, saved=("in0", "out0"))
     m = b.op("op1", [a], 10, impls=[
-        dict(name="default", saved=("in0",), internal_bytes=0, fwd_time=1, bwd_time=1),
+        dict(name="default", saved=("in0",), internal_bytes=0, fwd_time=1, bwd_time=1,
+             early_release=("in0",)),
         dict(name="alt", saved=("out0",), internal_bytes=3, fwd_time=2, bwd_time=1,
              fwd_workspace=1)])
     c = b.op("op2", [m, a], 10, impls=[
@@ -82,7 +84,8 @@ def assert_encoding_claims_the_simulation(g, s, budget, objective="time"):
 @given(seed=st.integers(0, 10**9), n=st.integers(1, 9), kind=st.sampled_from(["chain", "dag"]))
 def test_encoded_schedules_are_feasible_and_claim_the_simulated_peak(seed, n, kind):
     rng = random.Random(seed)
-    g = random_chain(rng, n) if kind == "chain" else random_dag(rng, n, two_impl=True)
+    g = (random_chain(rng, n, early=True) if kind == "chain"
+         else random_dag(rng, n, two_impl=True, early=True))
     for s in random_schedules(g, rng):
         tl = simulate(g, s)
         f, dt = assert_encoding_claims_the_simulation(g, s, tl.peak_bytes)

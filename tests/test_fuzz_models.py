@@ -2,19 +2,15 @@
 
 Hypothesis draws small models from the grammar of tests/fuzz_models.py. For each, by the CPU
 allocator's own count (measure_step):
-- the wrapped store-all step's peak is at most the predicted peak plus 1% (the wrapper runs the
-  traced graph, which frees each tensor after its last use; plain eager code can hold some longer
-  in Python locals, here the operands of a construct until it returns, and so peak higher);
+- the wrapped store-all step's peak equals the predicted peak within 1%;
 - for the solver's schedules at two budgets between the least feasible peak and store-all, the
-  wrapped step peaks at or under the budget and at most 1% above the prediction;
+  wrapped step peaks at or under the budget and equal to the prediction within 1%;
 - outputs, input and parameter gradients and BatchNorm statistics equal plain PyTorch's over two
   SGD steps, and dropout draws the same masks (the outputs would differ otherwise).
 
-Known, and why the prediction is only bounded here, not equal within 1%: the profiler's
-dispatch mode makes autograd accumulate a Value's gradients out of place (a Value read by several
-Ops: `a @ a.transpose(-2, -1)`), so such a stage's workspace is over-counted by one gradient
-(first case below: 17384 predicted, 16360 measured). The fix is to read the allocator's windows
-from an uninstrumented step; until then predictions err on the safe side only.
+The wrapper runs the traced graph, which frees each tensor after its last use; plain eager code
+can hold some longer in Python locals (the operands of a construct until it returns), so plain
+PyTorch is not the yardstick here.
 
 Every counterexample found so far is kept below as an explicit `@example`.
 """
@@ -42,8 +38,8 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _bounded(measured: int, predicted: int) -> bool:
-    return measured <= predicted * (1 + PEAK_TOLERANCE)
+def _close(measured: int, predicted: int) -> bool:
+    return abs(measured - predicted) <= predicted * PEAK_TOLERANCE
 
 
 def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
@@ -53,7 +49,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
     predicted = peak_of(graph, store_all)
     wrapped = monetlike.ScheduleWrapper(model, store_all, graph=graph)
     measured = measured_peak(graph, model, wrapped, (tokens,))
-    assert _bounded(measured, predicted), ("store-all", measured, predicted)
+    assert _close(measured, predicted), ("store-all", measured, predicted)
 
     least = solver.min_budget(graph, time_limit_s=10)
     budgets = sorted({least + (predicted - least) * f // 4 for f in (1, 3)})
@@ -64,7 +60,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
                                  monetlike.ScheduleWrapper(model, schedule, graph=graph),
                                  (tokens,))
         assert measured <= budget, ("over budget", budget, measured, expected)
-        assert _bounded(measured, expected), ("schedule", budget, measured, expected)
+        assert _close(measured, expected), ("schedule", budget, measured, expected)
         compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
                      (tokens,), seed=seed, steps=2)
 
@@ -73,7 +69,8 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(FUZZ_PROGRAMS)
-# A Value read three times (over-counted stage workspace, see the module docstring).
+# A Value read three times: the profiler's dispatch mode made autograd accumulate its gradients
+# out of place (17384 predicted, 16360 measured); the profiled backward now runs outside it.
 @example(((Step("linear", (0, 0, 0), 0.1), Step("attention_matmul", (0, 0, 0), 0.1)), 1, 0))
 # Found while the runtime held CPU generator states as tensors (5 KB each, not in the model).
 @example(((Step("dropout", (0, 0, 0), 0.25), Step("linear", (1, 1, 1), 0.25),
@@ -102,5 +99,14 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
            *(Step("linear", (0, 0, 0), 0.1),) * 2, Step("slice_cat", (53, 0, 0), 0.1)), 1, 0))
 # An unread result: an eager list kept it alive, the traced graph frees it (fuzz_models drops it).
 @example(((Step("linear", (0, 0, 0), 0.1), Step("split_cat", (0, 0, 0), 0.1)), 1, 0))
+# Revisited Op: autograd ran a view node of the last bmm's group after other stages; its
+# interval was charged to the bmm's stage at the level of that later time (+1088 bytes).
+@example(((*(Step("linear", (0, 0, 0), 0.1),) * 4, Step("linear_on_transpose", (0, 0, 0), 0.1),
+           Step("linear", (49, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1),
+           Step("linear", (0, 0, 28), 0.1), Step("attention_bmm", (0, 0, 59), 0.1)), 1, 0))
+# The same cause, found by the two-sided check: store-all 29808 predicted, 28904 measured.
+@example(((Step("linear", (0, 0, 0), 0.1),) * 2 + (Step("gelu", (0, 0, 0), 0.1),
+          Step("linear", (0, 0, 0), 0.1), Step("attention_matmul", (0, 39, 0), 0.1),
+          Step("reshape_permute", (0, 0, 0), 0.1)), 1, 0))
 def test_fuzzed_models(case):
     check_model(*case)

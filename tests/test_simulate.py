@@ -73,3 +73,29 @@ def test_schedule_for_another_batch_is_refused_with_the_difference():
     other = dataclasses.replace(g, batch=32)
     with pytest.raises(ScheduleMismatchError, match="batch: schedule has 32, model has 1"):
         simulate(g, store_all_schedule(other))
+
+
+def test_an_early_release_held_past_its_stage_counts_at_the_backward():
+    """Impl.early_release: a saved Value the backward frees before its peak is not in its
+    workspace, so it costs nothing at a stage where it is released, and its bytes where the
+    schedule holds it past the stage (a later backward reads it)."""
+    from solver_cases import GraphBuilder
+
+    def graph(early_op2):
+        b = GraphBuilder("early")
+        x = b.input("x", 8)
+        a = b.op("op0", [x], 100, saved=("in0",))
+        h = b.op("op1", [a], 200, saved=("in0",), early=("in0",))
+        y = b.op("op2", [h, a], 300, saved=("in0", "in1"), early=early_op2, bwd_ws=7)
+        return b.build(outputs=y, stage_grad_bytes=[10, 20, 30])
+
+    plain, early = graph(()), graph(("in0", "in1"))
+    s = store_all_schedule(plain)
+    assert [st.op for st in s.stages] == [2, 1, 0]
+    before = [p.bytes for p in simulate(plain, s).points if p.phase == "backward"]
+    after = [p.bytes for p in simulate(early, dataclasses.replace(
+        s, fingerprint=early.fingerprint)).points if p.phase == "backward"]
+    # stage 0 (op2): h (200) is released there, a (100) is held for op1's backward
+    assert after[0] == before[0] + 100
+    # stage 1 (op1): a is released there; stage 2 has no early release
+    assert after[1:] == before[1:]

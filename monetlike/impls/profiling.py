@@ -98,12 +98,14 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
             outs = [(sub.values[t].name, sub.values[t].index) for t in sg.outputs]
             if outs != [(run.values[t].name, run.values[t].index) for t in g.outputs]:
                 continue
-            saved = []
+            saved, early = [], []
             for t in sg.saved:
                 key = (sub.values[t].name, sub.values[t].index)
                 if key not in main_tid:
                     break
                 saved.append(main_tid[key])
+                if t in sg.early_release:
+                    early.append(main_tid[key])
             else:
                 allowed = set(g.inputs) | set(g.outputs)
                 if not set(saved) <= allowed:
@@ -116,7 +118,8 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                     name=spec.name, saved=tuple(sorted(set(saved))),
                     internal_bytes=int(sg.internal_bytes), fwd_time=float(fwd),
                     bwd_time=float(bwd), fwd_workspace=int(max(0, sg.fwd_workspace)),
-                    bwd_workspace=int(max(0, sg.bwd_peak - sg.stage_start))))
+                    bwd_workspace=int(max(0, sg.bwd_peak - sg.stage_start)),
+                    early_release=tuple(sorted(set(early)))))
     # Rounds go through each Op's candidates in registration order: so are its Impls.
     return result
 
@@ -196,7 +199,8 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
                          internal_bytes=int(g.internal_bytes), fwd_time=float(fwd),
                          bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                          bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
-                         if g.ran_backward else 0, overwrites=x)]
+                         if g.ran_backward else 0, overwrites=x,
+                         early_release=tuple(sorted(g.early_release & g.saved)))]
     return out
 
 

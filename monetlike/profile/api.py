@@ -395,12 +395,16 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                     bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0,
-                    recompute_workspace=int(max(0, g.recompute_workspace)))
+                    recompute_workspace=int(max(0, g.recompute_workspace)),
+                    early_release=tuple(sorted(new_tid[t] for t in g.early_release
+                                               if t in g.saved)))
         # Registered operator implementations measured in their own steps (monetlike.impls).
         # The runtime recomputes an allocating Impl with the Op's own forward under no_grad
         # (the default's transient) and an in-place one with its in-place kernel, which makes
         # nothing but its workspace.
         extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
+                              "early_release": tuple(sorted(
+                                  new_tid[t] for t in alt.get("early_release", ()))),
                               **({"overwrites": new_tid[alt["overwrites"]]}
                                  if alt.get("overwrites") is not None else {}),
                               "recompute_workspace": (impl.recompute_workspace

@@ -25,6 +25,8 @@ downsample branch of a ResNet bottleneck when its add is written in place).
 
 from __future__ import annotations
 
+import contextlib
+
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,7 @@ class Group:
     ran_backward: bool = False
     stage_start: int = 0
     bwd_peak: int = 0
+    early_release: set = field(default_factory=set)  # Value tags autograd freed before the peak
 
     def add_unsafe(self, reason: str) -> None:
         if reason and reason not in self.unsafe:
@@ -166,11 +169,12 @@ class ProfileRun(fx.Interpreter):
         # (gid, start mark, Value bytes at start, first interval of the stage?, end mark)
         self._bwd_windows: list[tuple] = []
         self._bwd_open: tuple | None = None
+        self._end: tuple[int, int] | None = None  # (mark, Value bytes) after the backward
         # Values freed inside a backward stage (autograd drops a saved Value once its node ran):
-        # mark -> bytes, so that the stage's workspace counts only what is not a Value.
-        self._value_frees: dict[int, int] = {}
-        if self.alloc is not None:
-            self.tracker.on_free = self._on_free
+        # mark -> (group, Value tag). Those freed before the stage's peak are the Op's
+        # `early_release`: a schedule that holds one longer adds its bytes back.
+        self._value_frees: dict[int, tuple[int, int]] = {}
+        self.tracker.on_free = self._on_free
         self.tracker.observers.append(self._on_aten)
         self.tracker.on_create = self._on_create
         self.groups: list[Group] = []
@@ -230,9 +234,14 @@ class ProfileRun(fx.Interpreter):
         self.alloc.mark(self._marks)
         return self._marks
 
-    def _on_free(self, nbytes: int, cls: str) -> None:
-        if self.phase == "backward" and cls in (VALUE, INTERNAL):
-            self._value_frees[self._mark()] = nbytes
+    def _on_free(self, nbytes: int, cls: str, tag) -> None:
+        if self.phase != "backward" or cls != VALUE or self.bcur is None:
+            return
+        if self.alloc is not None:
+            self._value_frees[self._mark()] = (self.bcur, tag)
+        elif self.cuda is not None:  # pragma: no cover - no GPU in CI
+            # The CUDA allocator's peak has no time: count every Value freed in the stage.
+            self.groups[self.bcur].early_release.add(tag)
 
     def _apply_allocator_windows(self) -> None:
         """Raise each Op's workspaces to what the allocator saw (the tracker's figures are a
@@ -259,19 +268,33 @@ class ProfileRun(fx.Interpreter):
         # outside the dispatcher (wrapped Python scalars), which the tracker misses. Levels are
         # relative to the recording's start, so only their differences within one stage are
         # compared with the tracker's (an Impl's run accumulates into gradients made earlier).
+        # The workspace is the allocator's own: saved Values and internals that autograd frees
+        # before the stage's peak are not in it (the tracker's figure, which holds them to the
+        # stage's end, is not used); those Values are the Op's early releases.
+        # A group's later interval (autograd came back to one of its nodes after other stages
+        # ran) happens while the simulator is in the latest stage started: it counts there.
+        frees = {a.position(m): ft for m, ft in self._value_frees.items()}
         first_other: dict[int, int] = {}
         top: dict[int, int] = {}
+        current = None
         for gid, s, values0, first, e in self._bwd_windows:
             other0 = a.level(s) - values0
+            at = a.peak_position(s, e)
+            peak = other0 + a.level_at(at) - a.level(s)
+            if first or current is None:
+                current = gid
             if first:
                 first_other[gid] = other0
-            peak = other0 + a.peak_between(s, e, self._value_frees) - a.level(s)
-            top[gid] = max(top.get(gid, peak), peak)
+                self.groups[gid].early_release.update(
+                    tag for i, (fg, tag) in frees.items() if fg == gid and a.position(s) <= i <= at)
+            top[current] = max(top.get(current, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]
-            workspace = max(g.bwd_peak - g.stage_start, top[gid] - other0)
             g.stage_start = max(g.stage_start, other0)
-            g.bwd_peak = g.stage_start + workspace
+            g.bwd_peak = g.stage_start + max(0, top[gid] - other0)
+        if self._end is not None:
+            end, values = self._end
+            self.final_grad_bytes = max(self.final_grad_bytes, a.level(end) - values)
 
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
@@ -305,7 +328,12 @@ class ProfileRun(fx.Interpreter):
                 if tid is not None and tid not in self.output_tids and \
                         tr.class_of(storage_of(t)._cdata) in (VALUE, INPUT):
                     self.output_tids.append(tid)
-            with tr:
+            # With the allocator's count (and no roofline to read the backward's ops), the
+            # backward runs outside the dispatch mode: under it autograd accumulates a Value's
+            # gradients out of place (its tensors are shared with Python), which a plain step
+            # does not. Frees are still seen: the tracker watches storages through weakrefs.
+            plain = self.alloc is not None and self.roofline is None
+            with contextlib.nullcontext() if plain else tr:
                 grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
                 if grads:
                     loss = sum(t.float().sum() for t in grads)
@@ -316,6 +344,8 @@ class ProfileRun(fx.Interpreter):
                 self.phase = "done"
                 del grads
             self.final_grad_bytes = tr.live_by_class[OTHER]
+            if self.alloc is not None:
+                self._end = (self._mark(), tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
             del out, leaves
         finally:
             self.phase = "done"

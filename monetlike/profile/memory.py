@@ -78,7 +78,7 @@ class StorageTracker(TorchDispatchMode):
         self.window_class_peak = 0
         self.observers: list[Callable] = []
         self.on_create: Callable[[int, int], None] | None = None
-        self.on_free: Callable[[int, str], None] | None = None  # (nbytes, class) of a free
+        self.on_free: Callable[[int, str, Any], None] | None = None  # (nbytes, class, tag)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _freed_cb(self, key: int) -> Callable:
@@ -89,7 +89,7 @@ class StorageTracker(TorchDispatchMode):
                 self.live -= e.nbytes
                 self.live_by_class[e.cls] -= e.nbytes
                 if self.on_free is not None:
-                    self.on_free(e.nbytes, e.cls)
+                    self.on_free(e.nbytes, e.cls, e.tag)
         return cb
 
     def track(self, storage, cls: str | None = None, tag: Any = None) -> int:

@@ -93,6 +93,8 @@ class StepState:
         self.op_ctx: dict[int, rc.ForwardContext] = {}
         self.current_op: int | None = None
         self.pending: list[Saved] = []
+        # (op, Value id) -> the op's live handles on that Value, for the hand-over in its stage.
+        self.handles: dict[tuple[int, int], list[weakref.ref]] = {}
         n_stages = len(plan.graph.backward_order)
         self.stage_status = [NOT_STARTED] * n_stages
         self.stage_hooked = [0] * n_stages
@@ -128,14 +130,18 @@ class StepState:
             self.pending.append(h)
             return h
         if v in self.plan.scheduled:
-            return h.to_value(v)
+            return self._to_value(h, v)
         return h.keep()
+
+    def _to_value(self, h: Saved, v: int) -> Saved:
+        self.handles.setdefault((h.op, v), []).append(weakref.ref(h))
+        return h.to_value(v)
 
     def resolve_pending(self, op: int | None) -> None:
         for h in self.pending:
             v = self._match(op, h.tensor.untyped_storage()._cdata) if op is not None else None
             if v is not None and v in self.plan.scheduled:
-                h.to_value(v)
+                self._to_value(h, v)
             else:
                 h.keep()
         self.pending.clear()
@@ -152,7 +158,7 @@ class StepState:
                     f"the backward of op {h.op} is at version {t._version}; expected version "
                     f"{h.version} instead (ScheduleWrapper)")
             return t
-        base = self.resident.get(h.vid)
+        base = h.base if h.base is not None else self.resident.get(h.vid)
         if base is None:
             raise RuntimeError(missing_value_message(self, h))
         return torch.as_strided(base, h.size, h.stride, h.offset)
@@ -188,13 +194,30 @@ class StepState:
             self.recompute_op(j, t)
             for v in rel.after_recompute[pos]:
                 resident.pop(v, None)
+        # NOTE [Early release]: a Value the stage's backward reads last goes to its handles
+        # now, so it is freed when autograd releases the last node that saved it, before the
+        # stage's peak, as a tensor saved the ordinary way is (Impl.early_release); the profile's
+        # workspace was measured that way.
+        op = plan.schedule.stages[t].op
+        for v in rel.at_end:
+            base = resident.pop(v, None)
+            if base is not None:
+                for ref in self.handles.get((op, v), ()):
+                    h = ref()
+                    if h is not None:
+                        h.base = base
 
     def on_root_done(self, t: int, grad_inputs, grad_outputs) -> None:
         self.roots_pending[t] -= 1
 
     def _end_stage(self, t: int) -> None:
+        op = self.plan.schedule.stages[t].op
         for v in self.plan.releases[t].at_end:
             self.resident.pop(v, None)
+            for ref in self.handles.pop((op, v), ()):
+                h = ref()
+                if h is not None:  # a node of the stage that did not run: let go all the same
+                    h.base = None
         self.stage_status[t] = DONE
         self.running.remove(t)
 
@@ -207,6 +230,7 @@ class StepState:
             # when the graph dies matters when the caller keeps the loss (and so the graph's
             # nodes) alive after backward.
             self.resident.clear()
+            self.handles.clear()
             self.node_meta.clear()
             self.op_ctx.clear()
             self.inputs = ()

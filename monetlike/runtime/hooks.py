@@ -15,7 +15,8 @@ import torch
 class Saved:
     """What the pack hook returns: a Value handle, or a tensor kept as it is."""
 
-    __slots__ = ("tensor", "vid", "size", "stride", "offset", "version", "lost_graph", "op")
+    __slots__ = ("tensor", "vid", "size", "stride", "offset", "version", "lost_graph", "op",
+                 "base", "__weakref__")
 
     def __init__(self, tensor: "torch.Tensor | None", op: int | None):
         self.tensor = tensor
@@ -25,6 +26,9 @@ class Saved:
         self.version = tensor._version if tensor is not None else 0
         self.lost_graph = False
         self.op = op
+        # The Value's tensor, handed over in its last stage (StepState.on_stage): from then on
+        # the handle, like an ordinary saved tensor, keeps it until autograd releases the node.
+        self.base: "torch.Tensor | None" = None
 
     def keep(self) -> "Saved":
         """Keep the tensor itself. A non-leaf is detached: the handle lives inside the autograd
