@@ -70,13 +70,49 @@ def _transformers():
     return transformers
 
 
+# Overrides that are sizes: positive integers (a config would take 0 or -1 and build a broken
+# or empty model without a word).
+_SIZES = ("layers", "hidden", "heads", "ffn", "vocab", "positions", "kv_heads", "image", "patch",
+          "classes")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's text on one line (transformers' validation errors span several)."""
+    text = " ".join(str(e).split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+
+
+def _config_errors() -> tuple:
+    """What a transformers config raises on a bad field (huggingface_hub's strict dataclass
+    validation, transformers 5), besides ValueError and TypeError."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def hf_model(name: str, **overrides: Any) -> torch.nn.Module:
-    """The named shape (SHAPES) with `overrides`, random init, in training mode."""
+    """The named shape (SHAPES) with `overrides`, random init, in training mode.
+
+    A bad override raises ValueError in one line: what was expected, what was given, and how to
+    fix it."""
     if name not in SHAPES:
         raise ValueError(f"hf_model: expected one of {', '.join(sorted(SHAPES))}, got {name!r}")
     transformers = _transformers()
     config_cls, model_cls, fields = SHAPES[name]
     aliases = _ALIASES[config_cls]
+    default = getattr(transformers, config_cls)()
+    # num_labels is a property of every config (from id2label), not a field of to_dict().
+    unknown = [k for k in overrides if not hasattr(default, aliases.get(k, k))]
+    if unknown:
+        raise ValueError(f"hf_model({name!r}): unknown override(s) {unknown}; expected "
+                         f"{', '.join(sorted(aliases))} or a field of {config_cls}")
+    for key, value in overrides.items():
+        if (key in _SIZES or aliases.get(key, key) in (aliases.get(k) for k in _SIZES)) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"hf_model({name!r}): {key} must be a positive integer, got "
+                             f"{value!r}; pass e.g. {key}=2")
     fields = dict(fields)
     for key, value in overrides.items():
         fields[aliases.get(key, key)] = value
@@ -86,13 +122,15 @@ def hf_model(name: str, **overrides: Any) -> torch.nn.Module:
     if config_cls == "LlamaConfig":
         fields["num_key_value_heads"] = min(fields["num_key_value_heads"],
                                             fields["num_attention_heads"])
-    known = getattr(transformers, config_cls)().to_dict()
-    unknown = [k for k in overrides if aliases.get(k, k) not in known]
-    if unknown:
-        raise ValueError(f"hf_model({name!r}): unknown override(s) {unknown}; expected "
-                         f"{', '.join(sorted(aliases))} or a field of {config_cls}")
-    config = getattr(transformers, config_cls)(**fields)
-    model = getattr(transformers, model_cls)(config).train()
+    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "no overrides"
+    try:
+        config = getattr(transformers, config_cls)(**fields)
+        model = getattr(transformers, model_cls)(config).train()
+    except (ValueError, TypeError, AssertionError, RuntimeError, *_config_errors()) as e:
+        raise ValueError(f"hf_model({name!r}) with {given}: transformers' {config_cls} or "
+                         f"{model_cls} refused it ({type(e).__name__}: {_one_line(e)}); change "
+                         f"the overrides to values {config_cls} accepts (heads must divide "
+                         f"hidden, for one)") from None
     model.example_inputs = types.MethodType(_example_inputs, model)
     return model
 

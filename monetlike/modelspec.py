@@ -85,6 +85,14 @@ def build_model(spec: str, **kwargs):
     except SystemExit as e:  # 'sys:exit' would end the command silently with rc 0, read as a pass
         raise ModelSpecError(f"{spec!r} exited (SystemExit {e.code!r}) instead of returning a "
                              f"model; {_HELP}") from None
+    except (ValueError, TypeError, ImportError, AttributeError, KeyError, AssertionError,
+            RuntimeError) as e:
+        # The factory refused what it was asked to build (a bad override of a named
+        # transformers shape, a missing optional package): one line, not a traceback.
+        text = " ".join(str(e).split()) or "no message"
+        raise ModelSpecError(f"model {spec!r}: its factory {name or 'callable'}() failed with "
+                             f"{type(e).__name__}: {text[:400]}; fix the factory or the arguments "
+                             f"it passes (--debug shows the traceback)") from e
     import torch
 
     if not isinstance(model, torch.nn.Module):

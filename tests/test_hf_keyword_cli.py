@@ -42,6 +42,18 @@ def gpt2_wide():  # another config: the same inputs, other parameter shapes
 def vit():
     return hf_models.vit_base(layers=2, hidden=32, heads=2, ffn=64, image=16, patch=4)
 
+def vit10():  # ten classes
+    return hf_models.vit_base(layers=2, hidden=32, heads=2, ffn=64, image=16, patch=4, classes=10)
+
+def gpt2_bad_heads():  # 5 heads do not divide 32
+    return hf_models.gpt2(layers=2, hidden=32, heads=5, vocab=100, positions={SEQ})
+
+def gpt2_bad_name():
+    return hf_models.gpt2(layer=2)
+
+def gpt2_bad_layers():
+    return hf_models.gpt2(layers=0)
+
 def mlp():  # no example_inputs: a positional float model
     import torch.nn as nn
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -215,9 +227,40 @@ BAD = [
 ]
 
 
+# A factory that fails (a bad override of a named shape): rc 2 and one line naming the factory,
+# what was wrong and the way out.
+_PROFILE = ["--batch", "2", "--cost", "analytical:A100-40GB"]
+BAD += [
+    ("factory-heads-do-not-divide-hidden",
+     lambda d: ["profile", _spec(d, "gpt2_bad_heads"), *_PROFILE],
+     "its factory gpt2_bad_heads() failed with ValueError: hf_model('gpt2') with layers=2, "
+     "hidden=32, heads=5, vocab=100, positions=16: transformers' GPT2Config or GPT2LMHeadModel "
+     "refused it (ValueError: `embed_dim` must be divisible by num_heads"),
+    ("factory-unknown-override",
+     lambda d: ["solve", _spec(d, "gpt2_bad_name"), *_PROFILE, "--budget", "1GiB"],
+     "hf_model('gpt2'): unknown override(s) ['layer']; expected ffn, heads, hidden, layers, "
+     "positions, vocab or a field of GPT2Config"),
+    ("factory-zero-layers",
+     lambda d: ["maxbatch", _spec(d, "gpt2_bad_layers"), "--budget", "1GiB"],
+     "layers must be a positive integer, got 0; pass e.g. layers=2"),
+]
+
+
 @pytest.mark.parametrize("argv,message", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_keyword_input_is_one_clear_line(models, capsys, argv, message):
     code, out, err = run_cli(argv(models), capsys)
     assert code == 2, err
     assert err.count("\n") == 1 and message in err, err
     assert "Traceback" not in err and out == ""
+
+
+def test_cli_profiles_a_vit_with_its_own_number_of_classes(models, tmp_path, capsys):
+    out = tmp_path / "vit10.json"
+    code, stdout, err = run_cli(["profile", _spec(models, "vit10"), "--batch", "2", "--cost",
+                                 "analytical:A100-40GB", "-o", str(out)], capsys)
+    assert code == 0, err
+    graph = solver.OpGraph.load(str(out))
+    # The classifier's weight has 10 rows; the labels are the second input.
+    assert ["classifier.weight", [10, 32], "float32", True] in \
+        [[n, list(s), d, g] for n, s, d, g in graph.params]
+    assert graph.summary()["input_shapes"] == [[2, 3, 16, 16], [2]]

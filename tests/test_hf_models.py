@@ -214,3 +214,37 @@ def test_cli_profiles_a_named_transformers_shape(tmp_path, capsys):
     assert graph.meta["capture"] == "export" and graph.model == "GPT2LMHeadModel"
     assert graph.summary()["input_shapes"] == [[1, 32], [1, 32], [1, 32]]
     assert "profiled gpt2 batch 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override", ["classes", "num_labels"])
+def test_vit_base_takes_a_number_of_classes(override):
+    model = monetlike.models.vit_base(layers=1, hidden=32, heads=2, ffn=64, image=16, patch=4,
+                                      **{override: 7})
+    assert model.config.num_labels == 7 and model.classifier.out_features == 7
+    batch = model.example_inputs(3)
+    assert batch["pixel_values"].shape == (3, 3, 16, 16)
+    assert int(batch["labels"].max()) < 7
+    assert model(**batch).logits.shape == (3, 7)
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("gpt2", dict(layers=-1), "hf_model('gpt2'): layers must be a positive integer, got -1; "
+                              "pass e.g. layers=2"),
+    ("bert_base", dict(layers="x"), "layers must be a positive integer, got 'x'"),
+    ("vit_base", dict(classes=0), "classes must be a positive integer, got 0"),
+    ("gpt2", dict(n_layer=True), "n_layer must be a positive integer, got True"),
+    ("gpt2", dict(hidden=30, heads=4), "hf_model('gpt2') with hidden=30, heads=4: transformers' "
+                                       "GPT2Config or GPT2LMHeadModel refused it (ValueError: "
+                                       "`embed_dim` must be divisible by num_heads"),
+    ("llama_1b", dict(hidden=64, heads=5), "The hidden size (64) is not a multiple of the number "
+                                           "of attention heads (5)"),
+    ("gpt2", dict(attn_pdrop="x"), "Field 'attn_pdrop' with value 'x'"),
+    ("vit_base", dict(bogus=1), "hf_model('vit_base'): unknown override(s) ['bogus']; expected "
+                                "classes, ffn, heads, hidden, image, layers, patch or a field of "
+                                "ViTConfig"),
+])
+def test_bad_override_is_one_clear_line(name, overrides, message):
+    with torch.device("meta"), pytest.raises(ValueError) as e:
+        getattr(monetlike.models, name)(**overrides)
+    text = str(e.value)
+    assert message in text and "\n" not in text, text
