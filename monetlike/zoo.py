@@ -4,6 +4,12 @@ The schedules live in the repository's `schedules/` folder and ship inside the w
 package `monetlike.schedules`. `schedules/index.json` lists one entry per schedule with what is
 needed to choose one without opening it. `load(name, model)` checks the schedule's fingerprint
 against the user's model before returning it, so a zoo schedule never runs on the wrong model.
+
+Models that make their own keyword batch (the named transformers shapes of monetlike.hf_models,
+`monetlike.models.gpt2`, `llama_1b`: input_ids, attention_mask, labels) are entries too: their
+`input_shape` is the shape after the batch dimension of the batch's first input, (seq_len,), as
+`--input-shape` is for them on the command line, and the batch is the model's
+`example_inputs(batch, seq_len)`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class ZooEntry:
     """Factory as given to the CLI, e.g. 'torchvision.models.resnet50'."""
     batch: int
     input_shape: tuple[int, ...]
+    """After the batch dimension: (3, H, W) for an image model, (seq_len,) for a model that makes
+    its own keyword batch (module docstring)."""
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_time: float
@@ -90,8 +98,9 @@ def entries() -> list[ZooEntry]:
 
 
 def _short(model: str) -> str:
-    """'torchvision.models.resnet50' and 'resnet50' both match 'resnet50'."""
-    return model.replace(":", ".").rsplit(".", 1)[-1].lower()
+    """'torchvision.models.resnet50' and 'resnet50' both match 'resnet50'; 'llama-1b' matches
+    'monetlike.models.llama_1b'."""
+    return model.replace(":", ".").rsplit(".", 1)[-1].lower().replace("-", "_")
 
 
 def get(name: str) -> ZooEntry:
@@ -127,16 +136,33 @@ def schedule(name: str) -> Schedule:
         raise FormatError(f"zoo schedule {name}.json is not valid JSON: {e}") from None
 
 
-def load(name: str, model) -> Schedule:
-    """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint)."""
+def example_batch(entry: ZooEntry, model, device="meta"):
+    """The batch `entry` was solved for, on `device`: the model's own keyword batch
+    (`example_inputs(batch, seq_len)`) when it makes one, else one float tensor."""
     import torch
 
+    if callable(getattr(model, "example_inputs", None)):
+        from .maxbatch import model_batch_maker
+
+        try:
+            return model_batch_maker(model, entry.input_shape, device)(entry.batch)
+        except ValueError as e:
+            raise ScheduleMismatchError(
+                f"zoo schedule {entry.name!r} was made for {entry.model} batch {entry.batch} "
+                f"input {list(entry.input_shape)}; the given {type(model).__name__} cannot make "
+                f"that batch: {e}") from None
+    return torch.empty(entry.batch, *entry.input_shape, device=device)
+
+
+def load(name: str, model) -> Schedule:
+    """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint).
+    The check profiles on the meta device: `model` may itself live there (build it under
+    `torch.device("meta")`; a 1B-parameter model then allocates nothing)."""
     from .profile import structure_fingerprint
 
     entry = get(name)
     sched = schedule(name)
-    x = torch.empty(entry.batch, *entry.input_shape, device="meta")
-    got = structure_fingerprint(model, x)
+    got = structure_fingerprint(model, example_batch(entry, model))
     if got != sched.fingerprint:
         raise ScheduleMismatchError(
             f"zoo schedule {name!r} was made for {entry.model} batch {entry.batch} input "

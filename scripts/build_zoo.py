@@ -1,12 +1,18 @@
-"""Build the schedule zoo: MONeT's models and batches at 5-10 GiB, plus a transformer.
+"""Build the schedule zoo: MONeT's models and batches at 5-10 GiB, a transformer, and two
+Hugging Face transformers shapes (GPT-2 small, Llama-style 1B) at four budgets each.
 
     python scripts/build_zoo.py                         # everything (long: one solve per entry)
     python scripts/build_zoo.py --models resnet50 --budgets 8GiB --time-limit 120
+    python scripts/build_zoo.py --models gpt2,llama_1b --time-limit 120   # their own budgets
 
 Every entry is solved in full mode with analytical costs for a named GPU (stated in the entry),
 checked by the simulator, and written as JSON into schedules/ with an index (schedules/index.json)
 that `monetlike zoo` reads. Sizes follow MONeT: 3x224x224 inputs, UNet at 3x416x608 (MONeT's
-UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3). A rebuilt entry
+UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3). The transformers
+shapes (monetlike.hf_models) make their own keyword batch (input_ids, attention_mask, labels; the
+input shape is the sequence length) and have budgets of their own, spread between the least
+feasible peak and store-all (HF_BUDGETS_GIB). Every model is built on the meta device: no weights
+are allocated (a 1B model would take 5 GB of RAM). A rebuilt entry
 replaces the old one only when its schedule is faster for the same graph and costs (a solve that
 stops at its time limit may end worse than an earlier one); --force replaces it anyway.
 """
@@ -39,8 +45,14 @@ MODELS = {
     "mobilenet_v2": ("torchvision.models.mobilenet_v2", 272, (3, 224, 224)),
     "vgg16": ("torchvision.models.vgg16", 176, (3, 224, 224)),
     "transformer": ("monetlike.models.transformer", 24, (512, 768)),
+    # Hugging Face shapes: batch x 1024 tokens (input shape = sequence length).
+    "gpt2": ("monetlike.models.gpt2", 8, (1024,)),
+    "llama_1b": ("monetlike.models.llama_1b", 4, (1024,)),
 }
 BUDGETS_GIB = (5, 6, 7, 8, 9, 10)
+# Budgets of the transformers shapes: four, spread from just above the least feasible peak to
+# just below store-all (analytical A100-40GB, no optimizer state; see docs/BENCHMARKS.md, Zoo).
+HF_BUDGETS_GIB = {"gpt2": (22, 24, 26, 28), "llama_1b": (22, 25, 28, 31)}
 DEFAULT_COST = "analytical:A100-40GB"
 OUT = os.path.join(ROOT, "schedules")
 
@@ -53,20 +65,32 @@ def keeps(old: dict | None, graph, new_time: float) -> bool:
             and old["predicted_time"] <= new_time)
 
 
+def example_batch(model, batch: int, shape):
+    """The profile's input on the meta device: the model's own keyword batch when it makes one
+    (shape = (seq_len,)), else one float tensor of shape (batch, *shape)."""
+    if callable(getattr(model, "example_inputs", None)):
+        return model.example_inputs(batch, shape[0] if len(shape) == 1 else None, device="meta")
+    return torch.randn(batch, *shape, device="meta")
+
+
 def build(names, budgets_gib, cost, time_limit, backend, force=False):
+    """budgets_gib: the budgets for every model, or None for each model's own (BUDGETS_GIB,
+    HF_BUDGETS_GIB)."""
     index_path = os.path.join(OUT, INDEX)
     entries = {}
     if os.path.exists(index_path):
         for e in json.load(open(index_path))["entries"]:
             entries[e["name"]] = e
-    jobs = [(n, b) for n in names for b in budgets_gib]
+    jobs = [(n, b) for n in names
+            for b in (budgets_gib or HF_BUDGETS_GIB.get(n, BUDGETS_GIB))]
     bar = tqdm(jobs, disable=not sys.stderr.isatty(), desc="zoo")
     graphs = {}
     for name, gib in bar:
         spec, batch, shape = MODELS[name]
         if name not in graphs:
-            model = build_model(spec)
-            graphs[name] = profile(model, torch.randn(batch, *shape, device="meta"), cost=cost)
+            with torch.device("meta"):  # shapes only: nothing allocated, no init time
+                model = build_model(spec)
+            graphs[name] = profile(model, example_batch(model, batch, shape), cost=cost)
         g = graphs[name]
         base = solver.simulate(g, solver.store_all_schedule(g))
         budget = gib * 2**30
@@ -111,8 +135,9 @@ def build(names, budgets_gib, cost, time_limit, backend, force=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
-    ap.add_argument("--budgets", default=",".join(f"{b}" for b in BUDGETS_GIB),
-                    help="comma-separated budgets in GiB")
+    ap.add_argument("--budgets", default=None,
+                    help="comma-separated budgets in GiB (default: each model's own, "
+                         f"{','.join(map(str, BUDGETS_GIB))} for MONeT's models)")
     ap.add_argument("--cost", default=DEFAULT_COST, help="analytical:DEVICE cost model")
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per solve")
     ap.add_argument("--backend", default="highs", help="MILP backend")
@@ -123,7 +148,8 @@ def main(argv=None):
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
-    budgets = [int(b.lower().replace("gib", "")) for b in args.budgets.split(",") if b]
+    budgets = None if args.budgets is None else \
+        [int(b.lower().replace("gib", "")) for b in args.budgets.split(",") if b]
     from monetlike.cli import interruptible
 
     # Ctrl-C ends the build at once (HiGHS would run on to its time limit): every entry is

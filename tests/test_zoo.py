@@ -1,6 +1,5 @@
 """The schedule zoo: every entry matches today's profiler, picks are right, and it ships in the wheel."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import pytest
 import torch
 import torchvision
 
+import monetlike.models
 import solver
 from monetlike import zoo
 from monetlike.modelspec import build_model
@@ -23,6 +23,13 @@ def test_the_zoo_is_not_empty():
     assert ENTRIES, "schedules/index.json lists no schedule; run scripts/build_zoo.py"
 
 
+def _meta_model(spec: str):
+    """The model with its parameters on the meta device: shapes only (a 1B model allocates
+    nothing)."""
+    with torch.device("meta"):
+        return build_model(spec)
+
+
 @pytest.fixture(scope="module")
 def graphs():
     """One analytical profile per (model, batch, shape) in the zoo (meta device: nothing real)."""
@@ -30,8 +37,8 @@ def graphs():
     for e in ENTRIES:
         key = (e.model, e.batch, e.input_shape)
         if key not in out:
-            x = torch.randn(e.batch, *e.input_shape, device="meta")
-            out[key] = profile(build_model(e.model), x, cost=e.cost_provenance)
+            model = _meta_model(e.model)
+            out[key] = profile(model, zoo.example_batch(e, model), cost=e.cost_provenance)
     return out
 
 
@@ -127,3 +134,57 @@ def test_a_rebuild_keeps_a_faster_entry_of_the_same_graph_and_costs():
                      t * 2)
     assert not keeps(e, SimpleNamespace(fingerprint=e["fingerprint"], cost_provenance="other"),
                      t * 2)
+
+
+# -- the Hugging Face transformers shapes (issue 19) ----------------------------------------------
+HF = {"monetlike.models.gpt2": (8, (1024,)), "monetlike.models.llama_1b": (4, (1024,))}
+
+
+@pytest.mark.parametrize("model", sorted(HF))
+def test_transformers_shapes_have_four_budgets_between_least_feasible_and_store_all(model, graphs):
+    pytest.importorskip("transformers")
+    batch, shape = HF[model]
+    mine = [e for e in ENTRIES if e.model == model]
+    assert len(mine) == 4, [e.name for e in mine]
+    assert {(e.batch, e.input_shape) for e in mine} == {(batch, shape)}
+    g = graphs[(model, batch, shape)]
+    assert g.meta["capture"] == "export"  # torch.export: attention at ATen level
+    store_all = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    for e in mine:
+        assert e.store_all_peak_bytes == store_all
+        assert e.predicted_peak_bytes <= e.budget_bytes < store_all
+        assert e.cost_provenance == "analytical:A100-40GB" and e.mode == "full"
+        assert e.status in ("optimal", "feasible-at-time-limit")
+
+
+@pytest.mark.parametrize("model", sorted(HF))
+def test_transformers_entries_load_against_their_model(model):
+    pytest.importorskip("transformers")
+    batch, _ = HF[model]
+    e = max((x for x in ENTRIES if x.model == model), key=lambda x: x.budget_bytes)
+    sched = zoo.load(e.name, _meta_model(model))  # the fingerprint check, on meta
+    assert sched.fingerprint == e.fingerprint
+    # Another configuration of the same family is refused.
+    with torch.device("meta"):
+        other = getattr(monetlike.models, model.rsplit(".", 1)[-1])(layers=2)
+    with pytest.raises(solver.ScheduleMismatchError, match="was made for"):
+        zoo.load(e.name, other)
+
+
+@pytest.mark.parametrize("spec, batch", [("gpt2", 8), ("llama-1b", 4), ("llama_1b", 4)])
+def test_zoo_pick_returns_the_transformers_entries(spec, batch, capsys, tmp_path):
+    from cli_support import run_cli
+
+    full = f"monetlike.models.{spec.replace('-', '_')}"
+    mine = [e for e in ENTRIES if e.model == full]
+    assert mine
+    top = max(e.budget_bytes for e in mine)
+    assert zoo.pick(spec, batch, top) == min(mine, key=lambda e: e.predicted_time)
+    low = min(mine, key=lambda e: e.predicted_peak_bytes)
+    assert zoo.pick(spec, batch, low.predicted_peak_bytes) == low
+    out = tmp_path / "s.json"
+    code, stdout, err = run_cli(["zoo", "pick", "--model", spec, "--batch", str(batch),
+                                 "--budget", str(low.budget_bytes), "-o", str(out)], capsys)
+    assert code == 0, err
+    assert low.name in stdout
+    assert solver.Schedule.load(str(out)).fingerprint == low.fingerprint
