@@ -26,7 +26,6 @@ downsample branch of a ResNet bottleneck when its add is written in place).
 from __future__ import annotations
 
 import contextlib
-
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,8 +243,8 @@ class ProfileRun(fx.Interpreter):
             self.groups[self.bcur].early_release.add(tag)
 
     def _apply_allocator_windows(self) -> None:
-        """Raise each Op's workspaces to what the allocator saw (the tracker's figures are a
-        lower bound: they miss kernel scratch)."""
+        """Each Op's workspaces and each stage's gradient memory from what the allocator saw
+        between the marks (the tracker's figures miss kernel scratch)."""
         a = self.alloc
         for gid, (s, e), persistent, nograd in self._fwd_windows:
             g = self.groups[gid]
