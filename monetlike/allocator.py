@@ -139,7 +139,8 @@ class AllocatorLog:
             self._levels.append(level)
         self._watch = []
 
-    def _index(self, label: object) -> int:
+    def position(self, label: object) -> int:
+        """Where mark `label` falls in the recording (an index for `level_at`)."""
         try:
             return self._marks[str(label)]
         except KeyError:
@@ -147,11 +148,7 @@ class AllocatorLog:
 
     def level(self, label: object) -> int:
         """Bytes allocated (net, since recording started) at mark `label`."""
-        return self._levels[self._index(label)]
-
-    def position(self, label: object) -> int:
-        """Where mark `label` falls in the recording (an index for `level_at`)."""
-        return self._index(label)
+        return self._levels[self.position(label)]
 
     def level_at(self, position: int) -> int:
         """Bytes allocated (net, since recording started) at `position`."""
@@ -160,8 +157,8 @@ class AllocatorLog:
     def peak_position(self, start: object, end: object | None = None) -> int:
         """The first position of the highest net level from mark `start` to mark `end` (or to
         the end of the recording)."""
-        i = self._index(start)
-        j = self._index(end) if end is not None else len(self._levels) - 1
+        i = self.position(start)
+        j = self.position(end) if end is not None else len(self._levels) - 1
         window = self._levels[i:j + 1]
         return i + window.index(max(window))
 

@@ -361,8 +361,8 @@ class Formulation:
         for t in range(T):
             k = g.backward_order[t]
             const, cols = 0, []
+            one = len(f.impls[k]) == 1
             for i in f.impls[k]:
-                one = len(f.impls[k]) == 1
                 for v in self._impl(k, i).early_release:
                     byt = values[v].bytes
                     if values[v].producer is None:

@@ -272,7 +272,9 @@ class ProfileRun(fx.Interpreter):
         # stage's end, is not used); those Values are the Op's early releases.
         # A group's later interval (autograd came back to one of its nodes after other stages
         # ran) happens while the simulator is in the latest stage started: it counts there.
-        frees = {a.position(m): ft for m, ft in self._value_frees.items()}
+        frees: dict[int, list[tuple[int, int]]] = {}  # group -> [(position, Value tag)]
+        for m, (fg, tag) in self._value_frees.items():
+            frees.setdefault(fg, []).append((a.position(m), tag))
         first_other: dict[int, int] = {}
         top: dict[int, int] = {}
         current = None
@@ -284,8 +286,9 @@ class ProfileRun(fx.Interpreter):
                 current = gid
             if first:
                 first_other[gid] = other0
+                start = a.position(s)
                 self.groups[gid].early_release.update(
-                    tag for i, (fg, tag) in frees.items() if fg == gid and a.position(s) <= i <= at)
+                    tag for i, tag in frees.get(gid, ()) if start <= i <= at)
             top[current] = max(top.get(current, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]
