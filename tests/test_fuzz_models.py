@@ -3,9 +3,10 @@
 Hypothesis draws small models from the grammar of tests/fuzz_models.py. For each, by the CPU
 allocator's own count (measure_step):
 - the wrapped store-all step's peak equals the predicted peak within 1%;
+- for two schedules drawn at random, the wrapped step peaks at most 1% above the prediction;
 - for the solver's schedules at two budgets between the least feasible peak and store-all, the
-  wrapped step peaks at or under the budget and at most 1% above the prediction (see
-  check_model for the one schedule seen under it by more);
+  wrapped step peaks at or under the budget and at most 1% above the prediction (check_model
+  says why not equal);
 - outputs, input and parameter gradients and BatchNorm statistics equal plain PyTorch's over two
   SGD steps, and dropout draws the same masks (the outputs would differ otherwise).
 
@@ -19,6 +20,7 @@ Every counterexample found so far is kept below as an explicit `@example`.
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -27,6 +29,7 @@ import monetlike
 import solver
 from fuzz_models import FUZZ_PROGRAMS, Step, build
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of
+from solver_cases import random_schedules
 from solver.simulate import store_all_schedule
 
 # Sixty models in the default run (about two minutes); FUZZ_EXAMPLES raises it for a longer hunt.
@@ -52,6 +55,17 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
     measured = measured_peak(graph, model, wrapped, (tokens,))
     assert _close(measured, predicted), ("store-all", measured, predicted)
 
+    # Two schedules drawn at random (kept sets, Impls): the solver's choices depend on its time
+    # limit, these do not.
+    rng = random.Random(seed)
+    drawn = (random_schedules(graph, rng)[2], random_schedules(graph, rng, random_impls=True)[1])
+    for schedule in drawn:
+        expected = peak_of(graph, schedule)
+        measured = measured_peak(graph, model,
+                                 monetlike.ScheduleWrapper(model, schedule, graph=graph),
+                                 (tokens,))
+        assert measured <= expected * (1 + PEAK_TOLERANCE), ("random", measured, expected)
+
     least = solver.min_budget(graph, time_limit_s=10)
     budgets = sorted({least + (predicted - least) * f // 4 for f in (1, 3)})
     for budget in budgets:
@@ -61,10 +75,10 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
                                  monetlike.ScheduleWrapper(model, schedule, graph=graph),
                                  (tokens,))
         assert measured <= budget, ("over budget", budget, measured, expected)
-        # At most 1% above the prediction; not asserted equal yet: in the full suite one
-        # solved schedule of the first case below peaked 3.4% under its prediction (29,608 B
-        # measured, 30,632 predicted; the solver's schedule depends on its time limit, so the
-        # case alone does not reproduce it). Cause not found yet: the simulator errs safe there.
+        # At most 1% above the prediction, not equal: a Value freed inside a stage's backward
+        # changes when later gradients are summed in ways the per-Op model does not follow, and
+        # the profiler then counts it as an early release on the safe side (_early_releases;
+        # seen up to 2,048 B, 6% of these tiny models' peaks, over).
         assert measured <= expected * (1 + PEAK_TOLERANCE), ("schedule", budget, measured,
                                                              expected)
         compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
@@ -120,5 +134,11 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
 @example(((Step("linear", (0, 0, 0), 0.1),) * 2 + (Step("gelu", (0, 0, 0), 0.1),
           Step("linear", (0, 0, 0), 0.1), Step("attention_matmul", (0, 39, 0), 0.1),
           Step("reshape_permute", (0, 0, 0), 0.1)), 1, 0))
+# A solved schedule held a mul's saved operand past its stage; the profile had it freed between
+# the stage's peak and an out-of-place gradient sum as high: 31,984 B measured, 29,936 predicted,
+# 30,960 budget (profile/interpreter.py, _early_releases).
+@example(((Step("linear", (0, 0, 0), 0.1), Step("relu_inplace", (0, 0, 0), 0.1),
+           Step("sigmoid_inplace", (34, 0, 0), 0.1), Step("mul", (57, 42, 0), 0.1),
+           Step("linear", (27, 0, 0), 0.1), Step("linear", (27, 0, 0), 0.1)), 1, 0))
 def test_fuzzed_models(case):
     check_model(*case)

@@ -88,6 +88,31 @@ class Group:
             self.unsafe.append(reason)
 
 
+def _early_releases(levels: list[int], frees: list[tuple[int, int, int]]) -> list[int]:
+    """The Values among `frees` ((position in `levels`, tag, bytes), in time order) that a stage
+    must count as early releases, given the allocator's `levels` over the stage.
+
+    The model charges the stage its natural peak max(levels) plus the bytes of each early
+    release a schedule holds past the stage. Every Value freed before the peak is one (holding it
+    raises the peak by its bytes, exactly). A Value freed after the peak is left out only if
+    holding it, together with those already left out, keeps every later level at or under the
+    peak: then no schedule, whatever it holds, peaks above the prediction (a later allocation,
+    e.g. an out-of-place gradient sum, can make a second peak that a held Value would raise)."""
+    if not frees:
+        return []
+    peak = max(levels)
+    first_peak = levels.index(peak)
+    raised = list(levels)  # the levels with the left-out Values held
+    early = []
+    for pos, tag, nbytes in sorted(frees):
+        if pos <= first_peak or max(raised[pos + 1:], default=0) + nbytes > peak:
+            early.append(tag)
+            continue
+        for q in range(pos + 1, len(raised)):
+            raised[q] += nbytes
+    return early
+
+
 class _NodeRec:
     __slots__ = ("node", "pos", "created", "writes", "reads", "saved", "unsafe", "cost",
                  "start_live", "peak", "nograd_transient", "marks", "nograd_marks", "random")
@@ -170,9 +195,10 @@ class ProfileRun(fx.Interpreter):
         self._bwd_open: tuple | None = None
         self._end: tuple[int, int] | None = None  # (mark, Value bytes) after the backward
         # Values freed inside a backward stage (autograd drops a saved Value once its node ran):
-        # mark -> (group, Value tag). Those freed before the stage's peak are the Op's
-        # `early_release`: a schedule that holds one longer adds its bytes back.
-        self._value_frees: dict[int, tuple[int, int]] = {}
+        # mark -> (group, Value tag, bytes). Those whose holding would raise the stage's peak
+        # are the Op's `early_release` (`_early_releases`): a schedule that holds one longer
+        # adds its bytes back.
+        self._value_frees: dict[int, tuple[int, int, int]] = {}
         self.tracker.on_free = self._on_free
         self.tracker.observers.append(self._on_aten)
         self.tracker.on_create = self._on_create
@@ -237,7 +263,7 @@ class ProfileRun(fx.Interpreter):
         if self.phase != "backward" or cls != VALUE or self.bcur is None:
             return
         if self.alloc is not None:
-            self._value_frees[self._mark()] = (self.bcur, tag)
+            self._value_frees[self._mark()] = (self.bcur, tag, nbytes)
         elif self.cuda is not None:  # pragma: no cover - no GPU in CI
             # The CUDA allocator's peak has no time: count every Value freed in the stage.
             self.groups[self.bcur].early_release.add(tag)
@@ -272,9 +298,9 @@ class ProfileRun(fx.Interpreter):
         # stage's end, is not used); those Values are the Op's early releases.
         # A group's later interval (autograd came back to one of its nodes after other stages
         # ran) happens while the simulator is in the latest stage started: it counts there.
-        frees: dict[int, list[tuple[int, int]]] = {}  # group -> [(position, Value tag)]
-        for m, (fg, tag) in self._value_frees.items():
-            frees.setdefault(fg, []).append((a.position(m), tag))
+        frees: dict[int, list[tuple[int, int, int]]] = {}  # group -> [(position, tag, bytes)]
+        for m, (fg, tag, nbytes) in self._value_frees.items():
+            frees.setdefault(fg, []).append((a.position(m), tag, nbytes))
         first_other: dict[int, int] = {}
         top: dict[int, int] = {}
         current = None
@@ -286,9 +312,11 @@ class ProfileRun(fx.Interpreter):
                 current = gid
             if first:
                 first_other[gid] = other0
-                start = a.position(s)
-                self.groups[gid].early_release.update(
-                    tag for i, tag in frees.get(gid, ()) if start <= i <= at)
+                start, end = a.position(s), a.position(e)
+                self.groups[gid].early_release.update(_early_releases(
+                    [a.level_at(i) for i in range(start, end + 1)],
+                    [(i - start, tag, n) for i, tag, n in frees.get(gid, ())
+                     if start <= i <= end]))
             top[current] = max(top.get(current, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]
