@@ -6,6 +6,7 @@
                   stages, per-Op timing.
 - memory.py       the storage-tracking TorchDispatchMode (also used by monetlike.measure).
 - costs.py        measured timers and the analytical roofline with device presets.
+- gpu_like.py     the analytical run's dropout and attention kernels: the preset GPU's, not meta's.
 - safety.py       recompute-unsafe detection.
 """
 

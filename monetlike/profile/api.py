@@ -22,8 +22,6 @@ import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from solver.graph import Impl, Op, OpGraph, Value
@@ -32,6 +30,7 @@ from ..capture import capture as capture_graph
 from ..capture import check_capture, split_example
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
+from .gpu_like import GpuLike
 from .interpreter import ProfileError, ProfileRun, TimingRun
 from .memory import storage_of
 
@@ -97,27 +96,6 @@ def _model_device(model: torch.nn.Module, inputs: tuple) -> torch.device:
     for t in model.buffers():
         return t.device
     return inputs[0].device
-
-
-class _GpuLikeDropout(TorchFunctionMode):
-    """During an analytical (GPU) profile, run `F.dropout` the way CUDA does.
-
-    On CUDA, training-mode dropout is the fused `native_dropout`, whose backward keeps a bool mask
-    (1 byte per element); the CPU and meta devices instead compute `x * bernoulli_noise` and keep
-    the noise in the input's dtype (4 bytes per element in float32). The graph structure (Ops,
-    Values, saved Values) is the same either way; only `internal_bytes` differs, and it should be
-    the target GPU's."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            names = ("input", "p", "training", "inplace")
-            a = dict(zip(names, args), **kwargs)
-            x, p = a.get("input"), a.get("p", 0.5)
-            if (a.get("training", True) and not a.get("inplace", False)
-                    and isinstance(x, torch.Tensor) and 0 < p < 1 and x.numel() > 0):
-                return torch.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
 
 
 def _device_name(dev: torch.device) -> str:
@@ -238,8 +216,10 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         n_nodes = len(gm.graph.nodes)
         bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
         try:
-            gpu_like = _GpuLikeDropout() if kind == "analytical" else contextlib.nullcontext()
-            with torch.enable_grad(), gpu_like:
+            # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).
+            gpu_like = ((lambda: GpuLike(preset.compute_capability)) if kind == "analytical"
+                        else contextlib.nullcontext)
+            with torch.enable_grad(), gpu_like():
                 run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
                                  device_note=note, progress=bar, device=device)
                 run.profile_step(xs)
@@ -260,7 +240,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 alternatives = measure_alternatives(
                     gm, work, xs, run, measured=kind == "measured", preset=preset,
                     device=device, repeat=repeat, note=note, clock=clock, target=impl_target,
-                    context=_GpuLikeDropout if kind == "analytical" else contextlib.nullcontext)
+                    context=gpu_like)
                 from ..impls.profiling import inplace_alternatives
 
                 for gid, alts in inplace_alternatives(gm, xs, run, measured=kind == "measured",

@@ -66,6 +66,9 @@ class DevicePreset:
     offloading a Value to host memory and fetching it back (OpGraph.host_bandwidth). A nominal
     figure derived from the link's specification (see each preset's comment), not a measurement:
     `profile(..., cost="measured")` on the GPU itself measures the real link."""
+    compute_capability: tuple = (8, 0)
+    """CUDA (major, minor): which attention kernels the part runs, so what they save
+    (NOTE [Attention on the meta device] in gpu_like.py)."""
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -76,7 +79,7 @@ PRESETS: dict[str, DevicePreset] = {
                               "NVIDIA Tesla P100 datasheet (SXM2)",
                               # Host link: PCIe 3.0 x16 on x86 hosts, 15.75 GB/s nominal per
                               # direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
-                              host_bandwidth=12.6 * GBPS),
+                              host_bandwidth=12.6 * GBPS, compute_capability=(6, 0)),
     # NVIDIA Tesla V100 (SXM2, 16 GB HBM2) datasheet: 7.8 TFLOPS FP64, 15.7 FP32,
     # 125 tensor (FP16); 900 GB/s. No TF32/BF16.
     "V100-16GB": DevicePreset("V100-16GB", {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS,
@@ -84,7 +87,7 @@ PRESETS: dict[str, DevicePreset] = {
                               "NVIDIA Tesla V100 datasheet (SXM2)",
                               # Host link: PCIe 3.0 x16 on x86 hosts (DGX-1), 15.75 GB/s nominal
                               # per direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
-                              host_bandwidth=12.6 * GBPS),
+                              host_bandwidth=12.6 * GBPS, compute_capability=(7, 0)),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4, 40 GB HBM2): 9.7 TFLOPS FP64, 19.5 FP32,
     # 156 TF32, 312 BF16/FP16 (dense); 1,555 GB/s.
     "A100-40GB": DevicePreset("A100-40GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
@@ -93,14 +96,14 @@ PRESETS: dict[str, DevicePreset] = {
                               "NVIDIA A100 datasheet (SXM4 40GB)",
                               # Host link: PCIe 4.0 x16 (the datasheet's "64 GB/s" is both
                               # directions), 31.5 GB/s nominal per direction; 80% of it, 25.2 GB/s.
-                              host_bandwidth=25.2 * GBPS),
+                              host_bandwidth=25.2 * GBPS, compute_capability=(8, 0)),
     # Same datasheet, SXM4 80 GB HBM2e: same compute, 2,039 GB/s.
     "A100-80GB": DevicePreset("A100-80GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
                                             "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
                                             "bf16": 312 * TFLOPS}, 2039 * GBPS, 80 * 2**30,
                               "NVIDIA A100 datasheet (SXM4 80GB)",
                               # Host link: PCIe 4.0 x16, as the 40 GB part.
-                              host_bandwidth=25.2 * GBPS),
+                              host_bandwidth=25.2 * GBPS, compute_capability=(8, 0)),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5, 80 GB HBM3): 34 TFLOPS FP64, 67 FP32,
     # 494.7 TF32, 989.4 BF16/FP16 (dense; the datasheet's headline figures are with sparsity,
     # twice these); 3.35 TB/s.
@@ -110,7 +113,7 @@ PRESETS: dict[str, DevicePreset] = {
                               "NVIDIA H100 datasheet (SXM5)",
                               # Host link: PCIe 5.0 x16 (the datasheet's "128 GB/s" is both
                               # directions), 63 GB/s nominal per direction; 80% of it, 50.4 GB/s.
-                              host_bandwidth=50.4 * GBPS),
+                              host_bandwidth=50.4 * GBPS, compute_capability=(9, 0)),
 }
 
 
