@@ -296,8 +296,8 @@ class ScheduleWrapper(torch.nn.Module):
         if matched is None and graph.cost_provenance.startswith("analytical:") \
                 and schedule.cost_provenance.startswith("measured:"):
             # The meta device can capture another graph than the device the schedule was
-            # measured on (scaled_dot_product_attention picks its kernel, and so what it saves,
-            # by device): ask that device before refusing.
+            # measured on (the meta run imitates a GPU preset's kernel choices, and a fused
+            # kernel's output layout or autocast's casts may differ): ask that device first.
             graph = self._profile_structure(inputs, measured=True)
             matched = self._match(graph, schedule)
         if matched is not None:
