@@ -74,6 +74,10 @@ PROBE_GAPS = (2.0, 1.5, 1.0)
 """The lines a probe tries to prove, in multiples of the target gap below the incumbent."""
 CUT_ROUNDS = 8
 """Root rounds of recompute-support cuts (LP, separate, add) before branch and bound."""
+# How far past a row's bound (in the MILP's scaled units, ~4096 at the budget) a backend's
+# solution may be and still count as its feasibility tolerance (HiGHS: 1e-6 per row) rather
+# than a bug in the formulation.
+ROW_TOLERANCE_UNITS = 1e-5
 CUT_TIME_SHARE = 0.15
 """At most this share of the time left goes to the cut rounds. Measured on the profiled
 GoogLeNet (batch 320): 2 rounds (5 s) at 9 GiB, 4 rounds (47 s) at 5 GiB."""
@@ -257,6 +261,16 @@ class _Shared:
         if not obj < self.obj - 1e-9 * max(1.0, abs(obj)):
             return False
         schedule = form.decode(x)
+        if form.objective == "time":
+            over = simulate(form.graph, schedule).peak_bytes - form.budget
+            if over > 0:
+                # Within the backend's feasibility tolerance a memory row can pass a few bytes
+                # over the budget (seen: 1 byte on GPT-2 at 8.8 GiB): not a schedule. More than
+                # the tolerance is a formulation bug.
+                assert over <= ROW_TOLERANCE_UNITS * form.mem_scale, (
+                    f"internal error: a MILP solution ({source}) peaks {over} bytes over the "
+                    f"budget {form.budget} in the simulator")
+                return False
         xs = {id(f): (np.array(x, dtype=float) if f is form else f.encode(schedule))
               for f in self.forms}
         with self.lock:

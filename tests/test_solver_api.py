@@ -246,3 +246,23 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     assert len(race) == 2 and "best" in race
     assert any(name.startswith("heuristic:lean/") for name in race)
     assert r.objective == pytest.approx(6.0) and simulate(g, r.schedule).peak_bytes <= 91
+
+
+def test_a_solution_bytes_over_the_budget_within_the_backends_tolerance_is_not_taken():
+    # HiGHS accepts a memory row up to its feasibility tolerance over its bound: on GPT-2 at
+    # 8.8 GiB a solution peaked 1 byte over the budget in the simulator. The incumbent pool
+    # refuses such a vector; beyond the tolerance it is a formulation bug and says so.
+    from solver.formulation import Formulation
+    from solver.simulate import simulate, store_all_schedule
+    from solver.solve import _Shared
+
+    g = resnet_like(blocks=(1, 1), batch=64)  # 2.1 GiB: a MILP unit is 2^19 bytes
+    sched = store_all_schedule(g)
+    peak = simulate(g, sched).peak_bytes
+    fits = Formulation(g, peak)
+    assert _Shared([fits]).offer(fits, fits.encode(sched), "test")
+    one_byte = Formulation(g, peak - 1)
+    assert not _Shared([one_byte]).offer(one_byte, one_byte.encode(sched), "test")
+    far = Formulation(g, peak // 2)
+    with pytest.raises(AssertionError, match="internal error"):
+        _Shared([far]).offer(far, far.encode(sched), "test")
