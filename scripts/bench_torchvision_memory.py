@@ -3,6 +3,7 @@
     python scripts/bench_torchvision_memory.py               # writes its section of BENCHMARKS.md
     python scripts/bench_torchvision_memory.py --no-write    # print only
     python scripts/bench_torchvision_memory.py --models resnet18,alexnet
+    python scripts/bench_torchvision_memory.py --rows tv_rows.csv --minutes 60   # resumable
 
 Each model of `torchvision.models.list_models(module=torchvision.models)` is built with random
 weights in training mode and profiled on this CPU (measured costs) at a small input. Then, by the
@@ -35,6 +36,7 @@ import monetlike  # noqa: E402
 import solver  # noqa: E402
 from bench_doc import header_with_commit, replace_section  # noqa: E402
 from bench_solver import markdown_table  # noqa: E402
+from solver.graph import atomic_write_text  # noqa: E402
 from solver.simulate import simulate, store_all_schedule  # noqa: E402
 
 MIB = 2 ** 20
@@ -99,12 +101,22 @@ def rows_for(name: str, batch: int, size: int, time_limit: float) -> list[dict]:
     return rows
 
 
-def run(names, batch, size, time_limit, max_params, minutes=None) -> tuple[pd.DataFrame, list[str]]:
+def run(names, batch, size, time_limit, max_params, minutes=None,
+        rows_path=None) -> tuple[pd.DataFrame, list[str]]:
+    """Measure `names`. With `rows_path`, the rows of each model are saved there (CSV, written
+    atomically) as soon as it is done, and models already in it are not run again: a run stopped
+    by --minutes or a reboot goes on where it stopped."""
     rows, notes = [], []
+    done = set()
+    if rows_path and os.path.exists(rows_path):
+        saved = pd.read_csv(rows_path)
+        rows = saved.astype(object).where(saved.notna(), None).to_dict("records")
+        done = set(saved["model"])
     started = time.perf_counter()
-    for k, name in enumerate(tqdm(names, desc="torchvision", unit="model")):
+    todo = [n for n in names if n not in done]
+    for k, name in enumerate(tqdm(todo, desc="torchvision", unit="model")):
         if minutes is not None and time.perf_counter() - started > 60 * minutes:
-            notes.append(f"not run (--minutes {minutes:g} reached): {', '.join(names[k:])}")
+            notes.append(f"not run (--minutes {minutes:g} reached): {', '.join(todo[k:])}")
             break
         try:
             n_params = sum(p.numel() for p in build(name, size).parameters())
@@ -113,6 +125,8 @@ def run(names, batch, size, time_limit, max_params, minutes=None) -> tuple[pd.Da
                              f"(over --max-params {max_params / 1e6:.0f}M)")
                 continue
             rows.extend(rows_for(name, batch, size, time_limit))
+            if rows_path:
+                atomic_write_text(rows_path, pd.DataFrame(rows).to_csv(index=False))
         except Exception as e:  # a model that does not trace or run is reported, not fatal
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             notes.append(f"{name}: {type(e).__name__}: {first[:160]}")
@@ -130,11 +144,15 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=None,
                     help="start no new model after this many minutes (the rest are listed)")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
+    ap.add_argument("--rows", default=None, metavar="CSV",
+                    help="keep each model's rows in this file as it finishes, and skip the "
+                         "models already there (resume a long run)")
     args = ap.parse_args(argv)
     names = ([n for n in args.models.split(",") if n] if args.models
              else sorted(torchvision.models.list_models(module=torchvision.models)))
     torch.set_num_threads(1)
-    df, notes = run(names, args.batch, args.size, args.time_limit, args.max_params, args.minutes)
+    df, notes = run(names, args.batch, args.size, args.time_limit, args.max_params, args.minutes,
+                    args.rows)
     solved = df[df["within_budget"].notna()] if len(df) else df
     summary = (f"{df['model'].nunique() if len(df) else 0} models measured (the others below). "
                f"Worst |error| {df['error_%'].abs().max():.2f}% (target 1%); solved rows over "
