@@ -52,7 +52,7 @@ MODELS = {
 BUDGETS_GIB = (5, 6, 7, 8, 9, 10)
 # Budgets of the transformers shapes: four, spread from just above the least feasible peak to
 # just below store-all (analytical A100-40GB, no optimizer state; see docs/BENCHMARKS.md, Zoo).
-HF_BUDGETS_GIB = {"gpt2": (22, 24, 26, 28), "llama_1b": (22, 25, 28, 31)}
+HF_BUDGETS_GIB = {"gpt2": (8, 10, 12, 14), "llama_1b": (16, 19, 22, 25)}
 DEFAULT_COST = "analytical:A100-40GB"
 OUT = os.path.join(ROOT, "schedules")
 
