@@ -74,10 +74,10 @@ PROBE_GAPS = (2.0, 1.5, 1.0)
 """The lines a probe tries to prove, in multiples of the target gap below the incumbent."""
 CUT_ROUNDS = 8
 """Root rounds of recompute-support cuts (LP, separate, add) before branch and bound."""
-# How far past a row's bound (in the MILP's scaled units, ~4096 at the budget) a backend's
-# solution may be and still count as its feasibility tolerance (HiGHS: 1e-6 per row) rather
-# than a bug in the formulation.
 ROW_TOLERANCE_UNITS = 1e-5
+"""How far past a row's bound (in the MILP's scaled units, ~4096 at the budget) a backend's
+solution may be and still count as its feasibility tolerance (HiGHS: 1e-6 per row) rather than
+a bug in the formulation."""
 CUT_TIME_SHARE = 0.15
 """At most this share of the time left goes to the cut rounds. Measured on the profiled
 GoogLeNet (batch 320): 2 rounds (5 s) at 9 GiB, 4 rounds (47 s) at 5 GiB."""
@@ -255,14 +255,18 @@ class _Shared:
             if replace or self.guide is None:
                 self.guide = (1 if self.guide is None else self.guide[0] + 1, mapped)
 
-    def offer(self, form: Formulation, x: np.ndarray, source: str) -> bool:
-        """Take x (a vector of `form`) if it beats the best; True if it did."""
+    def offer(self, form: Formulation, x: np.ndarray, source: str,
+              peak: int | None = None) -> bool:
+        """Take x (a vector of `form`) if it beats the best; True if it did. `peak`: the
+        simulated peak of its schedule, when the caller has it already."""
         obj = form.milp.objective(x)
         if not obj < self.obj - 1e-9 * max(1.0, abs(obj)):
             return False
         schedule = form.decode(x)
         if form.objective == "time":
-            over = simulate(form.graph, schedule).peak_bytes - form.budget
+            if peak is None:
+                peak = simulate(form.graph, schedule).peak_bytes
+            over = peak - form.budget
             if over > 0:
                 # Within the backend's feasibility tolerance a memory row can pass a few bytes
                 # over the budget (seen: 1 byte on GPT-2 at 8.8 GiB): not a schedule. More than
@@ -636,6 +640,7 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
         """Share a solution of branch and bound once the simulator accepts it."""
         if len(x) != fb.milp.num_vars:
             return
+        peak = None
         if fb.recompute_points is not None:
             tl = simulate(graph, fb.decode(x))
             if tl.peak_bytes > budget:
@@ -643,7 +648,8 @@ def _solve_concurrently(form: Formulation, form_bb: Formulation, shared: _Shared
                                       if p.phase == "recompute" and p.bytes > budget}
                 state["stop"] = True
                 return
-        if shared.offer(fb, x, "highs"):
+            peak = tl.peak_bytes
+        if shared.offer(fb, x, "highs", peak):
             progress.update(incumbent=fb.milp.objective(x))
 
     def on_improving(e):
