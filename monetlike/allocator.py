@@ -60,9 +60,7 @@ class AllocatorLog:
     """`with AllocatorLog() as log: ...` records the CPU allocator's events; afterwards
     `level(label)`, `peak_between(a, b)` and `peak()` replay them (bytes, relative to the start)."""
 
-    def __init__(self, *, collect: bool = True) -> None:
-        # False when the caller has just run a full collection itself (measure_step).
-        self._collect = collect
+    def __init__(self) -> None:
         self._prof: profile | None = None
         self._gc_was_enabled = False
         self._active = False
@@ -75,8 +73,7 @@ class AllocatorLog:
     def __enter__(self) -> "AllocatorLog":
         # Cyclic garbage collected mid-recording (a previous step's graph) would free storages
         # at random points: a window's level would drop by memory that is not its business.
-        if self._collect:
-            gc.collect()
+        gc.collect()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

@@ -89,10 +89,10 @@ def measure_step(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3,
 
 
 def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
-    # Garbage from before the step (a previous step's reference cycles) is collected first, by
-    # live_cpu_storages: freed by a collection inside the step, it would lower the step's peak at
-    # random. One full collection is enough (each costs a walk over every object of the process).
-    log = AllocatorLog(collect=False)
+    # Garbage from before the step (a previous step's reference cycles) is collected now: freed
+    # by a collection inside the step, it would lower the step's peak at random.
+    gc.collect()
+    log = AllocatorLog()
     start_bytes = _watch_start(log)
     with log:
         result = fn()
