@@ -56,10 +56,7 @@ def _cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
 
 
 def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
-    try:
-        from solver.solve import solve
-    except ImportError as e:  # pragma: no cover - only before solver/solve.py existed
-        raise MonetlikeError(f"solver.solve is not available ({e}); install the solver") from e
+    from solver import solve
     return solve(graph, budget, **kwargs)
 
 

@@ -202,10 +202,8 @@ def time_block(bench: Bench, cfgs: list[Config], rounds: int) -> float:
 # Ours
 # ----------------------------------------------------------------------------------------------
 def _solver_module():
-    # solver/solve.py: `solve` and `min_budget` (imported late: it may land after this file).
-    # (importlib: `import solver.solve as m` yields the function once solver/__init__ exports it)
-    import importlib
-    return importlib.import_module("solver.solve")
+    import solver.search
+    return solver.search
 
 
 def solve(graph, budget: int, time_limit: float):
@@ -351,7 +349,7 @@ def mirror_schedule(graph, blocks: list[list[str]], *, save_kinds=frozenset()):
     (and, for SAC, the outputs of `save_kinds` Ops inside blocks), recompute the rest of a block
     in its backward. Returns (predicted peak bytes, predicted overhead over store-all)."""
     from solver import simulate, store_all_schedule
-    from solver.baselines import schedule_from_keep
+    from solver.rules import schedule_from_keep
     owner: dict[int, int] = {}
     for b, quals in enumerate(blocks):
         for o in block_ops(graph, quals):

@@ -56,7 +56,7 @@ def schedules_for(graph, fractions):
     chen = baselines.chen_sqrt_n(graph)
     low = chen.predicted_peak_bytes if chen.ok else high
     try:
-        from solver.solve import solve
+        from solver import solve
     except ImportError:
         solve = None
     for f in fractions:

@@ -3,7 +3,7 @@
     python scripts/min_budgets.py --model mobilenet_v2 --time-limit 600
 
 Profiles the model at MONeT's batch (scripts/build_zoo.py's table) on the meta device with
-analytical costs, then runs the exact min-peak MILP per mode (solver.solve.min_budget_details) and
+analytical costs, then runs the exact min-peak MILP per mode (solver.search.min_budget_details) and
 prints the least feasible peak found, the proven lower bound and whether it is proven optimal.
 It also sums, per registered Impl, the bytes the matching Ops' backwards hold (saved Values plus
 internals, default -> that Impl), as in docs/impls.md. Prints only; writes nothing.
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import torch  # noqa: E402
 
 import solver  # noqa: E402
-from solver.solve import min_budget_details  # noqa: E402
+from solver.search import min_budget_details  # noqa: E402
 from build_zoo import DEFAULT_COST, MODELS  # noqa: E402
 from monetlike.modelspec import build_model  # noqa: E402
 from monetlike.profile import profile  # noqa: E402

@@ -18,7 +18,7 @@ __all__ = [
 ]
 
 # The MILP side: solve, the minimum feasible budget, the baselines.
+from .search import min_budget, solve  # noqa: E402
 from . import baselines  # noqa: E402
-from .solve import min_budget, solve  # noqa: E402
 
 __all__ += ["solve", "min_budget", "baselines"]

@@ -26,7 +26,7 @@ schedule, so bounds stay valid and optima unchanged.
 
 There are O(paths x T^2) of them, so they are separated from an LP solution (`separate`) and the
 violated ones added as rows (the `recompute_support` block of docs/formulation.md), a few rounds
-at the root before branch and bound (solve.py).
+at the root before branch and bound (search/branch_and_bound.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ computes), and the objective is exactly the simulator's step time. What keeps it
   nonzeros per change of residency) instead of one full sum per point;
 - dominance cuts that keep an optimal schedule (no useless residency, no useless or duplicate
   recomputation), so bounds from this model are valid lower bounds;
-- recompute-support cuts (solver/cuts.py), valid inequalities that solve.py separates from LP
+- recompute-support cuts (solver/cuts.py), valid inequalities that the search separates from LP
   solutions and passes in as `support_cuts`: they cut off the LP's ramps (a Value made resident
   by tiny recomputations at many stages), which left GoogLeNet's LP bound 3 points low.
 """
@@ -242,7 +242,7 @@ class Formulation:
         self.recompute_points = None if recompute_points is None else frozenset(recompute_points)
         """None: a memory row at every candidate recomputation. A set of (stage, op): rows only
         there, a relaxation (valid for bounds) whose solutions the simulator must check; the
-        lazy-row loop in solve.py adds the points they violate."""
+        lazy-row loop in search/branch_and_bound.py adds the points they violate."""
         self.support_cuts = frozenset(support_cuts)
         """Recompute-support cuts (solver/cuts.py) to add as rows: valid inequalities, chosen by
         separation from LP solutions; they change no 0/1 solution, only the relaxation."""

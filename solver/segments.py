@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from .analysis import GraphFacts
-from .baselines import schedule_from_keep
+from .rules import schedule_from_keep
 from .graph import OpGraph
 from .schedule import Schedule
 

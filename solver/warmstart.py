@@ -16,7 +16,7 @@ costs one LP solve and often lands far closer to the optimum at tight budgets th
 from __future__ import annotations
 
 from .analysis import GraphFacts
-from .baselines import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
+from .rules import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
 from .canonical import canonicalize
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from solver.analysis import GraphFacts
-from solver.baselines import chen_schedule, schedule_from_keep
+from solver.rules import chen_schedule, schedule_from_keep
 from solver.graph import Impl, Op, OpGraph, Value
 from solver.simulate import store_all_schedule
 
@@ -341,19 +341,16 @@ def resnet_like(blocks=(3, 4, 6, 3), *, batch: int = 184, width: int = 64,
 
 
 def branch_and_bound_finding_nothing(seconds: float):
-    """A stand-in for solve's branch-and-bound runner (`solver.solve._HighsWithCallbacks`) that
-    waits `seconds` and finds nothing, so a test sees what the other thread (LP, LNS) does."""
+    """A stand-in for the search's branch-and-bound runner (`solver.search.branch_and_bound.
+    run_milp`) that waits `seconds` and finds nothing, so a test sees what the other thread (LP,
+    LNS) does."""
     import time
 
     from solver.backends.base import BackendResult
 
-    class FindsNothing:
-        def __init__(self, *a, **k):
-            pass
+    def finds_nothing(backend, milp, **kw):
+        time.sleep(seconds)
+        return BackendResult(status="time_limit", x=None, objective=None, bound=None,
+                             seconds=seconds, message="stub: nothing found")
 
-        def solve(self, milp, **kw):
-            time.sleep(seconds)
-            return BackendResult(status="time_limit", x=None, objective=None, bound=None,
-                                 seconds=seconds, message="stub: nothing found")
-
-    return FindsNothing
+    return finds_nothing

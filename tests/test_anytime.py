@@ -89,14 +89,14 @@ def test_on_incumbent_reports_better_schedules_with_valid_bounds_in_seconds():
 def test_on_incumbent_bounds_are_in_seconds():
     """The pool keeps bounds in the MILP's scaled units; on_incumbent gets seconds."""
     from solver.formulation import Formulation
-    from solver.solve import _Shared
+    from solver.search.pool import Pool
 
     g = resnet_like()
     base = simulate(g, store_all_schedule(g))
     form = Formulation(g, base.peak_bytes, mode="full")
     assert form.time_scale != 1.0  # else this test could not tell the units apart
-    pool = _Shared([form])
-    pool.lp_bound = 0.5 * base.total_time * form.time_scale
+    pool = Pool([form])
+    pool.raise_bound("lp", 0.5 * base.total_time * form.time_scale)
     seen = []
     pool.on_incumbent = lambda s, bound: seen.append((s, bound))
     assert pool.offer_schedule(form, store_all_schedule(g), "test")

@@ -10,7 +10,8 @@ import pytest
 import solver
 from solver import InfeasibleBudgetError, baselines, simulate
 from solver.analysis import GraphFacts
-from solver.baselines import articulation_values, schedule_from_keep
+from solver import rules
+from solver.rules import articulation_values, schedule_from_keep
 from solver_cases import GraphBuilder, random_dag
 from test_solver_catalogue import chain, diamond, skip
 
@@ -147,14 +148,14 @@ def test_ranked_keeps_feature_maps_no_backward_reads():
     top = simulate(g, schedule_from_keep(g, (), retain="none", facts=facts)).peak_bytes
     store_all = simulate(g, solver.store_all_schedule(g))
     budget = (top + store_all.peak_bytes) // 2
-    ranked = baselines.ranked_schedule(g, budget, facts)
+    ranked = rules.ranked_schedule(g, budget, facts)
     assert ranked is not None
     tl = simulate(g, ranked)
     assert tl.peak_bytes <= budget < store_all.peak_bytes
     assert set(feats[:-1]) <= set(ranked.forward_keep)  # the last one is read by the head only
     recomputed = {g.ops[j].name for st in ranked.stages for j in st.recompute}
     assert recomputed and all(n.startswith(("cat", "norm")) for n in recomputed), recomputed
-    greedy = baselines.greedy_schedule(g, budget, facts)
+    greedy = rules.greedy_schedule(g, budget, facts)
     g_tl = simulate(g, greedy)
     assert g_tl.peak_bytes > budget or g_tl.total_time > tl.total_time
 
@@ -162,4 +163,4 @@ def test_ranked_keeps_feature_maps_no_backward_reads():
 def test_ranked_none_when_nothing_fits():
     g, _ = dense_like()
     facts = GraphFacts(g, "checkpoint")
-    assert baselines.ranked_schedule(g, 1, facts) is None
+    assert rules.ranked_schedule(g, 1, facts) is None

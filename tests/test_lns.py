@@ -123,8 +123,8 @@ def test_a_guide_equal_to_the_incumbent_frees_nothing_and_is_skipped():
 def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
     """Branch and bound is stubbed to find nothing, so the LP (solved beside it, also the guide)
     and LNS do the work; the answer is still the optimum."""
-    solve_mod = importlib.import_module("solver.solve")
-    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", branch_and_bound_finding_nothing(4.0))
+    bb = importlib.import_module("solver.search.branch_and_bound")
+    monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(4.0))
     for g, budget, _, opt in CASES:
         r = solver.solve(g, budget, time_limit_s=25, mip_gap=0)
         assert r.objective == pytest.approx(opt, rel=1e-9)
@@ -134,52 +134,59 @@ def test_solve_reports_rins_steps_with_the_lp_as_guide(monkeypatch):
         pytest.fail("no case ran a RINS step")
 
 
-# -- probes (solve._probe_bounds): branch and bound under an objective cutoff proves bounds ------
-def _incumbent(form, schedule_or_x):
-    from solver.solve import _Progress, _Shared
+# -- probes (search/probes.py): branch and bound under an objective cutoff proves bounds ---------
+def _incumbent(form, schedule_or_x, mip_gap):
+    """A search context whose pool holds `schedule_or_x`, with 30 s to go."""
+    from solver.search.context import SearchContext
+    from solver.search.pool import Pool
+    from solver.search.progress import Progress
 
-    shared = _Shared([form])
+    pool = Pool([form])
     x = schedule_or_x if isinstance(schedule_or_x, np.ndarray) else form.encode(schedule_or_x)
-    assert shared.offer(form, x, "test")
-    return shared, _Progress(False, 10, 1.0, 1.0, "test")
+    assert pool.offer(form, x, "test")
+    return SearchContext(form=form, bb_form=form, pool=pool, backend=HighsBackend(),
+                         deadline=time.perf_counter() + 30, mip_gap=mip_gap,
+                         progress=Progress(False, 10, 1.0, 1.0, "test"))
 
 
 def test_probes_prove_both_lines_below_an_optimal_incumbent():
-    from solver.solve import _probe_bounds
+    from solver.search.probes import probe_bounds
 
     for g, budget, _, opt in CASES[:3]:
         form = Formulation(g, budget)
         r = HighsBackend().solve(form.milp, time_limit_s=30, mip_gap=0)
-        shared, progress = _incumbent(form, r.x)
-        _probe_bounds(form, shared, progress, time.perf_counter() + 30, 0.05, lambda: False)
+        ctx = _incumbent(form, r.x, 0.05)
+        probe_bounds(ctx, form, 0.05, lambda: False)
         # nothing costs less than the optimum, so every line (10%, 7.5% and 5% below) is proven
-        assert [(gap, status) for gap, status, _ in shared.probes] == [
+        assert [(gap, status) for gap, status, _ in ctx.probes] == [
             (0.1, "proved"), (0.075, "proved"), (0.05, "proved")]
-        assert shared.proven <= r.objective
-        assert shared.proven == pytest.approx(0.95 * r.objective, rel=1e-8)
+        proven = ctx.pool.bound("probe")
+        assert proven <= r.objective
+        assert proven == pytest.approx(0.95 * r.objective, rel=1e-8)
 
 
 def test_a_probe_above_the_optimum_hands_over_a_better_schedule():
-    solve_mod = importlib.import_module("solver.solve")
-    _probe_bounds = solve_mod._probe_bounds
+    probes = importlib.import_module("solver.search.probes")
 
     for g, budget, start, opt in CASES:
         form = Formulation(g, budget)
-        shared, progress = _incumbent(form, start)
-        start_obj = shared.obj
+        ctx = _incumbent(form, start, 0.0)
+        pool = ctx.pool
+        start_obj = pool.obj
         gap = (1 - opt * form.time_scale / start_obj) / 4  # the first line lies above the optimum
-        assert solve_mod.PROBE_GAPS[0] == 2.0
+        assert probes.PROBE_GAPS[0] == 2.0
         if gap < 1e-4:
             continue
-        _probe_bounds(form, shared, progress, time.perf_counter() + 30, gap, lambda: False)
-        assert shared.obj < start_obj and shared.source == "highs/probe"
-        assert len(shared.probes) == 1  # it returned at once, for LNS to go on from there
-        x, obj, _ = shared.get(form)
+        probes.probe_bounds(ctx, form, gap, lambda: False)
+        assert pool.obj < start_obj and pool.source == "highs/probe"
+        assert len(ctx.probes) == 1  # it returned at once, for LNS to go on from there
+        x, obj, _ = pool.get(form)
         tl = simulate(g, form.decode(x))
         assert tl.peak_bytes <= budget
         assert tl.total_time == pytest.approx(obj / form.time_scale, rel=1e-9)
         # whatever the probe proved is a lower bound of the optimum
-        assert shared.proven is None or shared.proven <= opt * form.time_scale * (1 + 1e-9)
+        proven = pool.bound("probe")
+        assert proven is None or proven <= opt * form.time_scale * (1 + 1e-9)
         return
     pytest.fail("no case whose start is far enough from the optimum")
 
@@ -187,16 +194,16 @@ def test_a_probe_above_the_optimum_hands_over_a_better_schedule():
 def test_solve_turns_to_probes_when_lns_is_quiet(monkeypatch):
     # Branch and bound proper finds nothing (stubbed); probes may run at once. The bound the
     # solve reports then comes from the probes, and it is valid.
-    solve_mod = importlib.import_module("solver.solve")
-    real = solve_mod._HighsWithCallbacks
+    bb = importlib.import_module("solver.search.branch_and_bound")
+    real = bb.run_milp
     stub = branch_and_bound_finding_nothing(6.0)
 
-    def runner(*args, **kw):
-        probe = "objective_bound" in (args[4] if len(args) > 4 else kw.get("options") or {})
-        return real(*args, **kw) if probe else stub()
+    def runner(backend, milp, **kw):
+        probe = kw.get("cutoff") is not None
+        return real(backend, milp, **kw) if probe else stub(backend, milp, **kw)
 
-    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", runner)
-    monkeypatch.setattr(solve_mod, "PROBE_QUIET_S", 0.0)
+    monkeypatch.setattr(bb, "run_milp", runner)
+    monkeypatch.setattr(importlib.import_module("solver.search.local"), "PROBE_QUIET_S", 0.0)
     for g, budget, _, opt in CASES:
         r = solver.solve(g, budget, time_limit_s=20, mip_gap=0.05)
         if r.stats["probes"]:

@@ -117,8 +117,6 @@ def test_optimize_infeasible_budget_names_the_minimum(tmp_path, monkeypatch):
     assert e.value.min_budget and e.value.min_budget > 1000
 
 
-@pytest.mark.skipif(importlib.util.find_spec("solver.solve") is None,
-                    reason="solver.solve has not landed yet")
 def test_optimize_with_the_real_solver(tmp_path):
     model = small_cnn()
     x = torch.randn(8, 3, 16, 16)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.analysis import GraphFacts
-from solver.baselines import articulation_values
+from solver.rules import articulation_values
 from solver.segments import cut_lengths, cut_schedule, cut_widths, narrow_cuts
 from solver.simulate import simulate, store_all_schedule
 from solver_cases import GraphBuilder, random_dag

@@ -145,7 +145,7 @@ def test_lazy_recomputation_rows_restart_when_a_solution_breaks_the_budget(monke
     # one row.
     from test_solver_catalogue import multi_output
 
-    monkeypatch.setattr(importlib.import_module("solver.solve"), "ALL_ROWS_NNZ", 0)
+    monkeypatch.setattr(importlib.import_module("solver.search.models"), "ALL_ROWS_NNZ", 0)
 
     r = solver.solve(multi_output(), 30, warm_start=False, time_limit_s=20)
     assert r.status == "optimal" and r.objective == pytest.approx(13.0)
@@ -174,7 +174,7 @@ def test_phase1_pushes_the_peak_below_the_budget_or_proves_it_cannot(monkeypatch
     from solver_cases import random_dag
     from solver_reference import exact_min_peak
 
-    solve_mod = importlib.import_module("solver.solve")
+    solve_mod = importlib.import_module("solver.search.pipeline")
     for seed in (3, 5):  # graphs whose store-all peak is above the least
         g = random_dag(random.Random(seed), 5, two_impl=True)
         least = exact_min_peak(g)
@@ -216,13 +216,13 @@ def test_race_starts_are_distinct_vectors_best_first():
     from solver.formulation import Formulation
     from test_impls_catalogue import relu_graph
 
-    solve_mod = importlib.import_module("solver.solve")
+    local = importlib.import_module("solver.search.local")
     g = relu_graph()
     form = Formulation(g, 91)
     top = store_all_schedule(g)
     lean = store_all_schedule(g, (0, 1, 0))
     x0 = form.encode(top)
-    starts = solve_mod._race_starts(form, x0, [("heuristic:a", top), ("heuristic:b", lean)])
+    starts = local.race_starts(form, x0, [("heuristic:a", top), ("heuristic:b", lean)])
     assert [n for n, _ in starts] == ["best", "heuristic:b"]
     assert form.decode(starts[1][1]).impl == (0, 1, 0)
 
@@ -236,10 +236,11 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     from solver_cases import branch_and_bound_finding_nothing
     from test_impls_catalogue import relu_graph
 
-    solve_mod = importlib.import_module("solver.solve")
-    monkeypatch.setattr(solve_mod, "_HighsWithCallbacks", branch_and_bound_finding_nothing(3.0))
-    monkeypatch.setattr(solve_mod, "RACE_MIN_REMAINING_S", 0.0)
-    monkeypatch.setattr(solve_mod, "RACE_SLICE_S", 0.5)
+    bb = importlib.import_module("solver.search.branch_and_bound")
+    local = importlib.import_module("solver.search.local")
+    monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(3.0))
+    monkeypatch.setattr(local, "RACE_MIN_REMAINING_S", 0.0)
+    monkeypatch.setattr(local, "RACE_SLICE_S", 0.5)
     g = relu_graph()
     r = solver.solve(g, 91, time_limit_s=10)
     race = r.stats["lns"]["race"]
@@ -254,15 +255,15 @@ def test_a_solution_bytes_over_the_budget_within_the_backends_tolerance_is_not_t
     # refuses such a vector; beyond the tolerance it is a formulation bug and says so.
     from solver.formulation import Formulation
     from solver.simulate import simulate, store_all_schedule
-    from solver.solve import _Shared
+    from solver.search.pool import Pool
 
     g = resnet_like(blocks=(1, 1), batch=64)  # 2.1 GiB: a MILP unit is 2^19 bytes
     sched = store_all_schedule(g)
     peak = simulate(g, sched).peak_bytes
     fits = Formulation(g, peak)
-    assert _Shared([fits]).offer(fits, fits.encode(sched), "test")
+    assert Pool([fits]).offer(fits, fits.encode(sched), "test")
     one_byte = Formulation(g, peak - 1)
-    assert not _Shared([one_byte]).offer(one_byte, one_byte.encode(sched), "test")
+    assert not Pool([one_byte]).offer(one_byte, one_byte.encode(sched), "test")
     far = Formulation(g, peak // 2)
     with pytest.raises(AssertionError, match="internal error"):
-        _Shared([far]).offer(far, far.encode(sched), "test")
+        Pool([far]).offer(far, far.encode(sched), "test")

@@ -25,7 +25,7 @@ from solver_cases import random_chain, random_dag
 from solver_reference import exact_optimum
 
 FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.35)
-SOLVE = importlib.import_module("solver.solve")  # the module (solver.solve is the function)
+MODELS = importlib.import_module("solver.search.models")
 
 # The tests that run every backend draw the same examples in every run (derandomize): on
 # 2026-11-24 one random example kept scipy.optimize.milp (the cvxpy-scipy backend) busy for more
@@ -59,7 +59,7 @@ def test_chain_optimum_equals_exhaustive_search(seed, n, mode, warm):
     for frac in FRACTIONS:
         budget = int(top * frac)
         ref = exact_optimum(g, budget, mode=mode)
-        with mock.patch.object(SOLVE, "ALL_ROWS_NNZ", SOLVE.ALL_ROWS_NNZ if warm else 0):
+        with mock.patch.object(MODELS, "ALL_ROWS_NNZ", MODELS.ALL_ROWS_NNZ if warm else 0):
             r = _solve_or_none(g, budget, mode=mode, warm_start=warm)
         if ref is None:
             assert r is None, f"solver found {r.objective} where no schedule fits {budget}"

@@ -41,6 +41,21 @@ Progress = Callable[[float, "float | None", "float | None"], None]
 """progress(seconds, incumbent objective or None, lower bound or None), called as the solve runs."""
 
 
+@dataclass
+class SearchCallbacks:
+    """What a backend with CALLBACKS calls while it searches (from the solver's own thread, so
+    each must be quick): the hooks through which it shares incumbents with other searches."""
+
+    on_solution: "Callable[[np.ndarray], None] | None" = None
+    """Told of each improving solution (a full column vector)."""
+    offer: "Callable[[float], np.ndarray | None] | None" = None
+    """Given the backend's incumbent objective: a better full vector for it to take, or None."""
+    on_bound: "Callable[[float], None] | None" = None
+    """Told of its proven (dual) bound as it rises."""
+    should_stop: "Callable[[float], bool] | None" = None
+    """Given its dual bound: True to stop the search now (the incumbent is returned)."""
+
+
 class Backend:
     """Base class: subclasses set the capability attributes and implement `_solve`."""
 
@@ -57,6 +72,12 @@ class Backend:
     """Reports a proven lower bound (so a gap can be stated)."""
     PROGRESS: ClassVar[bool] = False
     """Reports incumbents and bounds while it runs."""
+    CALLBACKS: ClassVar[bool] = False
+    """Takes `callbacks=SearchCallbacks(...)`: shares incumbents and bounds while it runs, and
+    stops when asked (what lets the search run it beside other strategies)."""
+    OBJECTIVE_CUTOFF: ClassVar[bool] = False
+    """Takes `cutoff=`: it prunes everything whose objective is not below the cutoff, so status
+    'infeasible' then means that no solution is below it (what bound probes need)."""
 
     @classmethod
     def available(cls) -> bool:
@@ -64,7 +85,14 @@ class Backend:
 
     def solve(self, milp, *, time_limit_s: float, mip_gap: float,
               warm_start: np.ndarray | None = None, verbose: bool = False,
-              progress: Progress | None = None) -> BackendResult:
+              progress: Progress | None = None, callbacks: SearchCallbacks | None = None,
+              cutoff: float | None = None) -> BackendResult:
+        if callbacks is not None and not self.CALLBACKS:
+            raise ValueError(f"backend {self.name!r} takes no search callbacks (CALLBACKS is "
+                             f"False); ask `backend.CALLBACKS` before passing them")
+        if cutoff is not None and not self.OBJECTIVE_CUTOFF:
+            raise ValueError(f"backend {self.name!r} takes no objective cutoff "
+                             f"(OBJECTIVE_CUTOFF is False)")
         if milp.num_vars == 0:  # nothing to decide; several solvers refuse an empty model
             ok = bool(np.all(milp.row_lo <= 0) and np.all(milp.row_hi >= 0))
             return BackendResult(status=OPTIMAL if ok else INFEASIBLE,
@@ -73,16 +101,21 @@ class Backend:
                                  bound=milp.offset if ok else None, seconds=0.0,
                                  first_incumbent_s=0.0 if ok else None,
                                  message="empty model: nothing to decide")
+        extra = {}
+        if self.CALLBACKS:
+            extra["callbacks"] = callbacks
+        if self.OBJECTIVE_CUTOFF:
+            extra["cutoff"] = cutoff
         try:
             return self._solve(milp, time_limit_s=time_limit_s, mip_gap=mip_gap,
                                warm_start=warm_start if self.WARM_START else None,
-                               verbose=verbose, progress=progress)
+                               verbose=verbose, progress=progress, **extra)
         except Exception as e:  # a crash of the solver is an answer, not a traceback
             return BackendResult(status=ERROR, x=None, objective=None, bound=None, seconds=0.0,
                                  message=f"{self.name} failed: {type(e).__name__}: {e}")
 
-    def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
-        raise NotImplementedError
+    def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress, **extra):
+        raise NotImplementedError(f"backend {self.name!r} does not implement _solve")
 
 
 def finite(a: np.ndarray, inf: float) -> np.ndarray:

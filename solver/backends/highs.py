@@ -23,15 +23,14 @@ class HighsBackend(Backend):
     WARM_START = True
     DUAL_BOUND = True
     PROGRESS = True
+    CALLBACKS = True
+    OBJECTIVE_CUTOFF = True
 
     options: dict = {}
     """Extra HiGHS options (name -> value) applied after the defaults; for experiments."""
-    extra_callbacks = None
-    """(on_improving, on_user_solution, on_logging, on_interrupt or None) for a caller that
-    shares incumbents with HiGHS while it runs (solve.py); each takes a highspy callback event.
-    None: not used."""
 
-    def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
+    def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress,
+               callbacks=None, cutoff=None):
         import highspy
 
         start = time.perf_counter()
@@ -43,6 +42,8 @@ class HighsBackend(Backend):
         h.setOptionValue("mip_abs_gap", 1e-9)
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", 0)
+        if cutoff is not None:
+            h.setOptionValue("objective_bound", float(cutoff))
         for k, v in self.options.items():
             h.setOptionValue(k, v)
 
@@ -90,13 +91,8 @@ class HighsBackend(Backend):
         h.cbMipImprovingSolution.subscribe(on_improving)
         if progress is not None:
             h.cbMipLogging.subscribe(on_logging)
-        if self.extra_callbacks is not None:
-            improving, user_solution, logging, interrupt = self.extra_callbacks
-            h.cbMipImprovingSolution.subscribe(improving)
-            h.cbMipUserSolution.subscribe(user_solution)
-            h.cbMipLogging.subscribe(logging)
-            if interrupt is not None:
-                h.cbMipInterrupt.subscribe(interrupt)
+        if callbacks is not None:
+            _subscribe(h, callbacks, n)
 
         if warm_start is not None:
             sol = highspy.HighsSolution()
@@ -122,7 +118,8 @@ class HighsBackend(Backend):
             rest = time_limit_s - (time.perf_counter() - start)
             if rest > 0.01:
                 return self._solve(milp, time_limit_s=rest, mip_gap=mip_gap, warm_start=None,
-                                   verbose=verbose, progress=progress)
+                                   verbose=verbose, progress=progress, callbacks=callbacks,
+                                   cutoff=cutoff)
             obj = milp.objective(x)  # out of time: report the vector it gave, as it is
             inconsistent = True
         if ms == highspy.HighsModelStatus.kOptimal and not inconsistent:
@@ -145,3 +142,31 @@ class HighsBackend(Backend):
         return BackendResult(status=status, x=x, objective=obj, bound=bound, seconds=seconds,
                              first_incumbent_s=first[0], log=log,
                              message=f"HiGHS: {h.modelStatusToString(ms)}")
+
+
+def _subscribe(h, callbacks, num_vars: int) -> None:
+    """Translate HiGHS's MIP callback events into the backend-neutral SearchCallbacks."""
+    cb = callbacks
+    if cb.on_solution is not None:
+        def improving(e):
+            x = np.array(e.data_out.mip_solution, dtype=float)
+            if len(x) == num_vars:
+                cb.on_solution(x)
+        h.cbMipImprovingSolution.subscribe(improving)
+    if cb.offer is not None:
+        def user_solution(e):
+            x = cb.offer(e.data_out.mip_primal_bound)
+            if x is not None:
+                e.data_in.setSolution(x)
+                e.data_in.user_has_solution = True
+        h.cbMipUserSolution.subscribe(user_solution)
+    if cb.on_bound is not None:
+        def logging(e):
+            if np.isfinite(e.data_out.mip_dual_bound):
+                cb.on_bound(e.data_out.mip_dual_bound)
+        h.cbMipLogging.subscribe(logging)
+    if cb.should_stop is not None:
+        def interrupt(e):
+            if cb.should_stop(e.data_out.mip_dual_bound):
+                e.interrupt()
+        h.cbMipInterrupt.subscribe(interrupt)

@@ -1,0 +1,193 @@
+"""Simple rules that build schedules: a kept set plus a recomputation policy, and the rules
+that choose the kept set (Chen's segments, greedy dropping, ranking by recompute cost per byte).
+
+Every schedule is built by `schedule_from_keep`, cleaned by `canonical.canonicalize` and judged
+by the simulator; nothing here predicts memory. baselines.py wraps some of them as SolveResults;
+warmstart.py offers them all to the MILP as first incumbents.
+"""
+
+from __future__ import annotations
+
+from .analysis import GraphFacts
+from .canonical import canonicalize
+from .graph import OpGraph
+from .schedule import Schedule, StageSchedule
+from .simulate import simulate, store_all_schedule
+
+
+def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved",
+                       facts: GraphFacts | None = None, mode: str = "store_all",
+                       created_by: str = "") -> Schedule:
+    """The schedule that keeps `keep` from the forward pass and recomputes the rest on demand.
+
+    At each backward stage, a Value the stage's backward reads that is not resident is rebuilt by
+    recomputing the fewest ops back to resident Values. What a stage recomputed is then held for
+    later stages according to `retain`: 'all' (every recomputed Value, Chen's segment policy),
+    'saved' (only Values some later backward reads) or 'none' (recompute again when needed).
+    Kept Values are held until their last use. Outputs of ops that must never be recomputed are
+    always kept when anything later may read them. The result is canonical.
+    """
+    facts = facts or GraphFacts(graph, "full")
+    impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
+    ops, sched = graph.ops, facts.scheduled
+    T = len(graph.backward_order)
+    keep = {v for v in keep if sched[v]}
+    for op in ops:
+        if op.recompute_unsafe is not None:
+            keep |= {w for w in op.outputs if sched[w] and facts.horizon[w] >= 0}
+    needs = [{v for v in ops[k].impls[impl[k]].saved if sched[v]} for k in graph.backward_order]
+    later_need = [set() for _ in range(T + 1)]
+    for t in range(T - 1, -1, -1):
+        later_need[t] = later_need[t + 1] | needs[t]
+
+    resident = set(keep)
+    stages = []
+    for t, k in enumerate(graph.backward_order):
+        todo: set[int] = set()
+
+        def require(v: int) -> None:
+            if not sched[v] or v in resident:
+                return
+            p = graph.values[v].producer
+            if p in todo:
+                return
+            if ops[p].recompute_unsafe is not None:
+                raise AssertionError(f"value {v} of an unsafe op is not resident")
+            todo.add(p)
+            for u in ops[p].inputs:
+                require(u)
+
+        for v in sorted(needs[t]):
+            require(v)
+        made = {w for j in todo for w in ops[j].outputs if sched[w]}
+        present = resident | made
+        if retain == "all":
+            carry = set(present)
+        elif retain == "saved":
+            carry = {v for v in present if v in keep or v in later_need[t + 1]}
+        else:
+            carry = {v for v in present if v in keep}
+        carry = {v for v in carry if facts.horizon[v] > t}
+        stages.append(StageSchedule(op=k, recompute=tuple(sorted(todo)),
+                                    drop=tuple(sorted(present - carry))))
+        resident = carry
+    s = Schedule(fingerprint=graph.fingerprint, graph_summary=graph.summary(), impl=impl,
+                 forward_keep=tuple(sorted(keep)), stages=tuple(stages), mode=mode,
+                 created_by=created_by, cost_provenance=graph.cost_provenance)
+    return canonicalize(graph, s, facts)
+
+
+def articulation_values(graph: OpGraph, facts: GraphFacts | None = None) -> list[int]:
+    """Values that every path of the forward graph crosses: after their producer runs, they are
+    the only scheduled Value that later ops still read. Ordered by producer."""
+    facts = facts or GraphFacts(graph, "full")
+    sched, last = facts.scheduled, facts.last_use
+    n = len(graph.ops)
+    crossing = [0] * (n + 1)  # scheduled values live across the boundary after op i
+    for v in graph.values:
+        if sched[v.id] and last[v.id] > v.producer:
+            crossing[v.producer + 1] += 1
+            crossing[last[v.id] + 1] -= 1
+    live = 0
+    count = []
+    for i in range(n):
+        live += crossing[i + 1]
+        count.append(live)
+    out = []
+    for op in graph.ops:
+        if count[op.id] == 1:
+            alive = [w for w in op.outputs if sched[w] and last[w] > op.id]
+            if len(alive) == 1:
+                out.append(alive[0])
+    return out
+
+
+def segment_boundaries(graph: OpGraph, facts: GraphFacts, length: float) -> list[int]:
+    """Articulation Values about `length` ops apart (the segment boundaries to keep)."""
+    arts = articulation_values(graph, facts)
+    chosen, last = [], -1
+    for v in arts:
+        p = graph.values[v].producer
+        if p - last >= length:
+            chosen.append(v)
+            last = p
+    return chosen
+
+
+def chen_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None) -> Schedule:
+    return schedule_from_keep(graph, segment_boundaries(graph, facts, length), impl=impl, retain="all",
+                              facts=facts, mode="checkpoint", created_by="baseline:chen_sqrt_n")
+
+
+def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
+                    retain: str = "saved") -> Schedule:
+    """Stop keeping Values, best bytes per recompute second first, until the peak fits; then
+    keep again, in reverse order, those whose return still fits (a cheap clean-up pass)."""
+    ops = graph.ops
+    impl = tuple(impl) if impl is not None else (0,) * len(ops)
+    base = store_all_schedule(graph, impl)
+    keep = set(base.forward_keep)
+
+    def cost(v: int) -> float:
+        p = graph.values[v].producer
+        return ops[p].impls[impl[p]].fwd_time
+
+    order = sorted((v for v in keep if ops[graph.values[v].producer].recompute_unsafe is None),
+                   key=lambda v: -graph.values[v].bytes / max(cost(v), 1e-12))
+
+    def build(k):
+        return schedule_from_keep(graph, k, impl=impl, retain=retain, facts=facts,
+                                  mode="checkpoint", created_by="baseline:greedy")
+
+    s = build(keep)
+    dropped = []
+    for v in order:
+        if simulate(graph, s).peak_bytes <= budget:
+            break
+        keep.discard(v)
+        dropped.append(v)
+        s = build(keep)
+    if simulate(graph, s).peak_bytes <= budget:
+        for v in reversed(dropped):
+            trial = build(keep | {v})
+            if simulate(graph, trial).peak_bytes <= budget:
+                keep.add(v)
+                s = trial
+    return s
+
+
+def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
+                    retain: str = "saved") -> Schedule | None:
+    """Keep the Values whose recomputation costs the most time per byte, as many as fit.
+
+    Candidates are all scheduled Values a later stage could read, including those no backward
+    reads (DenseNet's feature maps feed only concatenations: keeping them and recomputing the
+    concatenation is the memory-efficient DenseNet trick, which a rule that only drops from
+    store-all's keep set cannot find). The longest prefix of the ranking that fits the budget is
+    found by bisection (the peak is close to monotone in it, and the result is checked). None if
+    even the empty prefix does not fit."""
+    ops = graph.ops
+    impl = tuple(impl) if impl is not None else (0,) * len(ops)
+
+    def seconds_per_byte(v: int) -> float:
+        p = graph.values[v].producer
+        return ops[p].impls[impl[p]].fwd_time / max(graph.values[v].bytes, 1)
+
+    order = sorted((v for v in range(len(graph.values))
+                    if facts.scheduled[v] and facts.horizon[v] >= 0
+                    and ops[graph.values[v].producer].recompute_unsafe is None),
+                   key=lambda v: (-seconds_per_byte(v), v))
+
+    def build(k: int) -> Schedule:
+        return schedule_from_keep(graph, order[:k], impl=impl, retain=retain, facts=facts,
+                                  mode="checkpoint", created_by="baseline:ranked")
+
+    lo, hi, best = 0, len(order), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        s = build(mid)
+        if simulate(graph, s).peak_bytes <= budget:
+            best, lo = s, mid + 1
+        else:
+            hi = mid - 1
+    return best

@@ -1,0 +1,357 @@
+"""`solve` and `min_budget`: validate, find a first incumbent, run the portfolio, certify.
+
+1. Validate: parse the budget, build the MILP (formulation.py), and answer a budget below what
+   some point of the step needs whatever the schedule with InfeasibleBudgetError at once.
+2. First incumbent: the fastest heuristic schedule of each Impl family that fits (warmstart.py);
+   when none fits, the least-memory schedule of an exact min-peak solve (which also proves
+   infeasibility), pushed below the budget by a min-peak phase when that solve left the budget
+   undecided (`min_peak_below`).
+3. Portfolio (context.run_portfolio): with a backend that shares while it runs (CALLBACKS), both
+   cores work: branch and bound in one thread (branch_and_bound.py), and in the other the LP
+   relaxation (relaxation.py) then large-neighbourhood search (local.py), which turns to bound
+   probes (probes.py) when it goes quiet; other backends solve once.
+4. Certify: decode the best vector and replay it in the simulator; the peak must fit the budget
+   and the time must equal the MILP's objective, or it is a bug and says so. The gap is
+   (incumbent - lower bound) / incumbent on the whole step time, as MONeT reports it, the bound
+   being the best any relaxation proved (pool.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from ..analysis import MODES
+from ..backends import get_backend
+from ..backends.base import INFEASIBLE, OPTIMAL as B_OPTIMAL
+from ..errors import InfeasibleBudgetError
+from ..formulation import Formulation
+from ..graph import OpGraph
+from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
+from ..simulate import simulate, store_all_schedule
+from ..units import format_bytes, parse_bytes
+from ..warmstart import (family_starts, heuristic_schedules, least_memory,
+                         low_memory_schedules)
+from .branch_and_bound import BranchAndBound, OneShot
+from .context import SearchContext, run_portfolio
+from .local import LargeNeighbourhood
+from .models import branch_and_bound_form, tight_points
+from .pool import Pool
+from .progress import Progress
+from .relaxation import LpRounding
+
+MIN_BUDGET_TIME_LIMIT_S = 120.0
+PHASE1_SHARE = 0.7
+"""Share of the time left the min-peak phase may take when the budget is undecided."""
+MIN_PEAK_SHARE = 0.3
+"""Share of the time limit the min-peak solve for a first incumbent may take."""
+
+
+def _sharing(be) -> bool:
+    """The backend can run beside other strategies, sharing incumbents (and prove probes)."""
+    return be.CALLBACKS and be.OBJECTIVE_CUTOFF
+
+
+def _search(form: Formulation, form_bb: Formulation, be, pool: Pool, deadline: float,
+            mip_gap: float, verbose: bool, progress: Progress, target: float | None = None,
+            race=()) -> SearchContext:
+    """Run the portfolio until `deadline`; the context holds what it did."""
+    ctx = SearchContext(form=form, bb_form=form_bb, pool=pool, backend=be, deadline=deadline,
+                        mip_gap=mip_gap, progress=progress, verbose=verbose, target=target)
+    if _sharing(be):
+        run_portfolio(ctx, BranchAndBound(), [LpRounding(form_bb), LargeNeighbourhood(race)])
+    else:
+        run_portfolio(ctx, OneShot(), [])
+    return ctx
+
+
+def _lower_peak(form: Formulation, pool: Pool) -> int:
+    """The least peak (bytes) the relaxations proved."""
+    lower = form.const_peak
+    bound = pool.bound()
+    if bound is not None:
+        lower = max(lower, int(math.ceil(bound * form.mem_scale - 1e-6 * form.mem_scale)))
+    return lower
+
+
+# ----------------------------------------------------------------------------------------------
+# Min budget
+# ----------------------------------------------------------------------------------------------
+_MIN_BUDGET_CACHE: dict[tuple, tuple[int, int, bool, Schedule]] = {}
+
+
+def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
+                       time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, verbose: bool = False,
+                       offload: bool = False) -> tuple[int, int, bool, Schedule]:
+    """(least feasible peak found, proven lower bound, proven optimal?, a schedule at that peak).
+
+    An exact min-peak MILP (the same model with the peak as objective), started from the
+    least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
+    bound). Cached per graph and mode."""
+    key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
+                                    graph.param_bytes, graph.optimizer_bytes,
+                                    tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
+                                           i.recompute_transient, i.early_release)
+                                          for op in graph.ops for i in op.impls))), mode,
+           graph.host_bandwidth if offload else None)
+    if key in _MIN_BUDGET_CACHE:
+        return _MIN_BUDGET_CACHE[key]
+    started = time.perf_counter()
+    be = get_backend(backend)
+    form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
+    name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts))
+    form_bb = branch_and_bound_form(form) if _sharing(be) else form
+    pool = Pool([form, form_bb])
+    pool.offer_schedule(form, s0, f"heuristic:{name}")
+    progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
+                        peak=form.mem_scale)
+    try:
+        ctx = _search(form, form_bb, be, pool, started + time_limit_s, 1e-6, verbose, progress)
+    finally:
+        progress.close()
+    best_s = form.decode(pool.get(form)[0])
+    best_peak = simulate(graph, best_s).peak_bytes
+    if best_peak > peak0:  # never worse than the rule we started from
+        best_s, best_peak = s0, peak0
+    lower = _lower_peak(form, pool)
+    # optimal: branch and bound proved its incumbent within 1e-6, and best_peak is no higher
+    proven = lower >= best_peak or ctx.bb_result.status == B_OPTIMAL
+    lower = min(lower, best_peak)
+    out = (best_peak, lower, proven, best_s)
+    _MIN_BUDGET_CACHE[key] = out
+    return out
+
+
+def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
+               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, offload: bool = False) -> int:
+    """The least budget (bytes) at which a schedule exists: an exact min-peak solve, warm-started
+    from the least-memory rules. Exact when the solve proves it within `time_limit_s` (seconds on
+    the models measured); otherwise the least feasible peak found, an upper bound."""
+    return min_budget_details(graph, mode, backend=backend, time_limit_s=time_limit_s,
+                              offload=offload)[0]
+
+
+def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
+                why: str = "", offload: bool = False) -> InfeasibleBudgetError:
+    peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
+                                                time_limit_s=time_limit_s, offload=offload)
+    what = f"{graph.model} batch {graph.batch}"
+    if proven:
+        msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
+               f"{format_bytes(peak)} for {what} ({mode} mode); raise --budget")
+    else:
+        msg = (f"budget {format_bytes(budget)} is infeasible for {what} ({mode} mode): the "
+               f"minimum feasible budget is between {format_bytes(max(lower, budget + 1))} and "
+               f"{format_bytes(peak)} (not proven within the time limit); raise --budget")
+    if why:
+        msg += f" ({why})"
+    return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
+
+
+def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, deadline: float,
+                   verbose: bool, offload: bool, be) -> tuple[Schedule | None, int]:
+    """Phase 1 of a solve whose budget no rule meets: minimise the peak (the min-peak MILP, LNS
+    beside branch and bound, from `start`) until a schedule fits `budget`, the peak is proven
+    to stay above it, or `deadline`. Returns (a schedule that fits, or None; a proven lower
+    bound on the least peak, in bytes). Branch and bound runs with the budget as its objective
+    cutoff, so it only explores what could fit: its 'infeasible' then means that no schedule
+    peaks at or below the budget (the cutoff sits half a memory unit above it, so a schedule
+    exactly at the budget is never cut off)."""
+    form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
+    form_bb = branch_and_bound_form(form)
+    pool = Pool([form, form_bb])
+    pool.offer_schedule(form, start, "min_peak")
+    progress = Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
+                        f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
+    try:
+        ctx = _search(form, form_bb, be, pool, deadline, 1e-6, verbose,
+                      progress, target=budget / form.mem_scale)
+    finally:
+        progress.close()
+    s = form.decode(pool.get(form)[0])
+    if simulate(graph, s).peak_bytes <= budget:
+        return s, 0
+    lower = _lower_peak(form, pool)
+    if ctx.bb_result.status == INFEASIBLE:
+        lower = max(lower, budget + 1)  # nothing below the cutoff, which lies above the budget
+    return None, lower
+
+
+# ----------------------------------------------------------------------------------------------
+# Solve
+# ----------------------------------------------------------------------------------------------
+def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
+          time_limit_s: float = 600, mip_gap: float = 0.01, warm_start: bool = True,
+          verbose: bool = False, offload: bool = False, on_incumbent=None) -> SolveResult:
+    """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
+
+    mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
+    offload: also let the MILP copy Values to host memory and back (full mode; needs the graph's
+    host_bandwidth, a GPU feature at run time).
+    on_incumbent: called as on_incumbent(schedule, lower_bound) each time a better schedule is
+    found (from the solver's threads: keep it quick), lower_bound being the best valid bound on
+    the step time proven so far or None; the schedule is as the MILP decoded it, not yet
+    replayed (simulate.with_predictions gives its peak and time). The CLI keeps the last one so
+    that Ctrl-C can write the best schedule found so far.
+    Returns a SolveResult whose schedule has been replayed by the simulator; raises
+    InfeasibleBudgetError (with the minimum feasible budget) when no schedule fits, and
+    BackendUnavailableError for an unknown or missing backend. A time-out with no schedule, or a
+    solver failure, is a SolveResult with status 'error' and a message.
+    time_limit_s bounds every part of the solve, but HiGHS checks its own limit (and calls back)
+    only at some points: at the root of a large model it can run past it. Measured on the
+    transformer stack (batch 24, 1.09 M nonzeros in branch and bound's model) at 5 GiB with 300 s:
+    the solve returned after 336-341 s; HiGHS's log shows 115 s at the root with no LP iteration
+    and no log line (in cut separation), ending 41 s past its own limit (a known HiGHS limit:
+    ERGO-Code/HiGHS issues 885 and 1278, procedures that check the time too seldom).
+    """
+    started = time.perf_counter()
+    # -- 1. validate ---------------------------------------------------------------------------
+    budget = parse_bytes(budget)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    be = get_backend(backend)
+    deadline = started + time_limit_s
+    form = Formulation(graph, budget, mode=mode, offload=offload)
+    stats = {**form.stats(), "build_s": round(time.perf_counter() - started, 3), "mode": mode}
+    if form.infeasible_points:
+        where, need = max(form.infeasible_points, key=lambda p: p[1])
+        raise _infeasible(graph, budget, mode, backend, min(MIN_BUDGET_TIME_LIMIT_S,
+                                                            time_limit_s),
+                          why=f"the {where} alone needs {format_bytes(need)}", offload=offload)
+    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    pool = Pool([form], start=started)
+    pool.on_incumbent = on_incumbent
+
+    # -- 2. first incumbent --------------------------------------------------------------------
+    race = _first_incumbent(graph, budget, mode, be, form, pool, deadline, time_limit_s,
+                            verbose, offload, stats) if warm_start else []
+    stats["heuristic"] = pool.source or None
+    stats["heuristic_objective_s"] = pool.obj / form.time_scale if pool.has else None
+
+    # -- 3. portfolio --------------------------------------------------------------------------
+    progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
+                        form.time_scale, f"{graph.model} {format_bytes(budget)}")
+    if pool.has:
+        progress.update(incumbent=pool.obj)
+    form_bb = form
+    if _sharing(be):
+        points = (tight_points(graph, form.decode(pool.get(form)[0]), budget)
+                  if pool.has else None)
+        form_bb = branch_and_bound_form(form, points)
+    if form_bb.infeasible_points:
+        progress.close()
+        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
+    pool.add_form(form_bb)
+    try:
+        ctx = _search(form, form_bb, be, pool, deadline, mip_gap, verbose, progress, race=race)
+    finally:
+        progress.close()
+
+    # -- 4. certify ----------------------------------------------------------------------------
+    return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
+
+
+def _first_incumbent(graph, budget, mode, be, form, pool, deadline, time_limit_s, verbose,
+                     offload, stats) -> list[tuple[str, Schedule]]:
+    """Offer the pool a first schedule that fits; return the LNS starts to race. Raises
+    InfeasibleBudgetError when no schedule can fit."""
+    starts = family_starts(graph, budget, heuristic_schedules(graph, budget, form.facts))
+    if starts:
+        pool.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
+        return [(f"heuristic:{n}", s) for n, s, _ in starts]
+    # No rule fits: the least-memory schedule decides feasibility and is a start.
+    peak, lower, proven, s = min_budget_details(
+        graph, mode, backend=be.name if be.WARM_START else "highs",
+        time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, MIN_PEAK_SHARE * time_limit_s)),
+        offload=offload)
+    if peak <= budget:
+        pool.offer_schedule(form, s, "min_peak")
+    elif lower > budget:
+        raise _infeasible(graph, budget, mode, be.name, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
+    elif _sharing(be):
+        # Undecided: the budget lies between the proven least peak and the least found. Phase 1
+        # (as MOCCASIN's): push the peak below the budget, or prove it cannot go there, before
+        # optimising time. Branch and bound on the time model with no incumbent found nothing in
+        # 600 s on MobileNetV2 (batch 272) at 7 GiB, while the min-peak search (LNS on the peak)
+        # went below 7 GiB in about 100 s.
+        now = time.perf_counter()
+        s1, lower1 = min_peak_below(graph, budget, mode, s, now + PHASE1_SHARE * (deadline - now),
+                                    verbose, offload, be)
+        stats["phase1_s"] = round(time.perf_counter() - pool.start, 3)
+        if s1 is not None:
+            pool.offer_schedule(form, s1, "min_peak/phase1")
+        elif lower1 > budget:
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(budget)} is infeasible for {graph.model} batch "
+                f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
+                f"(the least peak found is {format_bytes(peak)}); raise --budget",
+                budget=budget, min_budget=peak)
+    return []
+
+
+def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limit_s: float,
+             started: float, stats: dict) -> SolveResult:
+    """The SolveResult of a search: its best schedule replayed by the simulator, with the gap."""
+    form, pool, r = ctx.form, ctx.pool, ctx.bb_result
+    graph, budget = form.graph, form.budget
+    if ctx.lns is not None:
+        stats["lns"] = ctx.lns.as_dict()
+    solve_s = time.perf_counter() - started
+    if r.status == INFEASIBLE:
+        raise _infeasible(graph, budget, form.mode, be.name, MIN_BUDGET_TIME_LIMIT_S,
+                          offload=form.offload)
+    x, _, _ = pool.get(form)
+    stats["message"] = r.message
+    fb = ctx.bb_form
+    if fb is not form:
+        stats["branch_and_bound_model"] = {
+            **fb.stats(), "recompute_rows": None if fb.recompute_points is None
+            else len(fb.recompute_points), "restarts": ctx.restarts,
+            "support_cuts": len(fb.support_cuts)}
+    if r.status == "error":  # a solver failure is reported, even with a heuristic in hand
+        return SolveResult.failure(status=ERROR, backend=be.name, solve_time_s=solve_s,
+                                   stats=stats, message=r.message)
+    if x is None:
+        return SolveResult.failure(
+            status=ERROR, backend=be.name, solve_time_s=solve_s, stats=stats,
+            message=f"no schedule found within the time limit of {time_limit_s:g} s "
+                    f"({r.message}); raise --time-limit")
+
+    schedule = form.decode(x)
+    tl = simulate(graph, schedule)
+    claimed = form.seconds(x)
+    # The MILP and the simulator must agree: anything else is a bug in the formulation.
+    assert tl.peak_bytes <= budget, (
+        f"internal error: the MILP's schedule peaks at {tl.peak_bytes} bytes in the simulator, "
+        f"over the budget {budget}")
+    assert abs(tl.total_time - claimed) <= 1e-7 * max(1.0, tl.total_time), (
+        f"internal error: the MILP claims {claimed} s, the simulator says {tl.total_time} s")
+    bound = pool.bound()
+    lower = None if bound is None else min(bound / form.time_scale, tl.total_time)
+    gap = None if lower is None else max(0.0, (tl.total_time - lower) / tl.total_time)
+    proven = gap is not None and gap <= mip_gap + 1e-9
+    status = OPTIMAL if proven else FEASIBLE_AT_TIME_LIMIT
+    schedule = Schedule(**{**schedule.__dict__, "created_by": be.name,
+                           "predicted_peak_bytes": tl.peak_bytes,
+                           "predicted_time": tl.total_time,
+                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
+                                    "store_all_time_s": base_time}})
+
+    def seconds(source):
+        b = pool.bound(source)
+        return None if b is None else b / form.time_scale
+
+    stats.update({"first_incumbent_s": None if pool.first_s is None else round(pool.first_s, 3),
+                  "best_found_s": None if pool.last_s is None else round(pool.last_s, 3),
+                  "lower_bound_s": lower, "incumbent_source": pool.source,
+                  # which relaxation gave the bound: the LP's, branch and bound's, the probes'
+                  "lp_bound_s": seconds("lp"), "bb_bound_s": seconds("branch_and_bound"),
+                  "probe_bound_s": seconds("probe"),
+                  "probes": list(ctx.probes),  # each probe's (gap, status, seconds)
+                  "store_all_time_s": base_time, "backend_status": r.status})
+    return SolveResult(status=status, schedule=schedule, objective=tl.total_time,
+                       predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
+                       mip_gap=gap, solve_time_s=solve_s, backend=be.name, stats=stats)
