@@ -13,8 +13,8 @@ Two things the events do not carry, supplied here:
   (it never saw them allocated). `free_when_dead` watches such a storage and, when it dies,
   leaves a mark carrying its size, which the replay subtracts.
 
-The event tree (`kineto_results.experimental_event_tree`) is private profiler API; this module is
-the only place that reads it.
+The events come from the profiler's private event tree, read through
+`torch_private.profiler_events`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from . import torch_private
 
 __all__ = ["AllocatorLog"]
 
@@ -113,22 +115,16 @@ class AllocatorLog:
 
     # -- replay -----------------------------------------------------------------------------
     def _replay(self) -> None:
-        from torch._C._profiler import _EventType  # private: see the module docstring
-
         events: list[tuple[int, int, object]] = []  # (time, bytes, mark label or None)
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            kind = node.typed[0]
-            if kind == _EventType.Allocation:
-                f = node.extra_fields
-                if f.device.type == "cpu" and f.alloc_size != 0:
-                    events.append((node.start_time_ns, int(f.alloc_size), None))
-            elif node.name.startswith(_MARK):
-                events.append((node.start_time_ns, 0, node.name[len(_MARK):]))
-            elif node.name.startswith(_FREE):
-                events.append((node.start_time_ns, -int(node.name[len(_FREE):]), None))
+        for start, name, alloc in torch_private.profiler_events(self._prof):
+            if alloc is not None:
+                device, nbytes = alloc
+                if device == "cpu" and nbytes != 0:
+                    events.append((start, nbytes, None))
+            elif name.startswith(_MARK):
+                events.append((start, 0, name[len(_MARK):]))
+            elif name.startswith(_FREE):
+                events.append((start, -int(name[len(_FREE):]), None))
         events.sort(key=lambda e: e[0])
         level = 0
         for t, nbytes, label in events:

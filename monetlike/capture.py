@@ -48,8 +48,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
+from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
 from .trace import TraceError, trace
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
@@ -85,7 +85,7 @@ class CallSpec:
         it = iter(tensors)
         consts = dict(self.consts)
         leaves = [consts[i] if i in consts else next(it) for i in range(self.n_leaves)]
-        return pytree.tree_unflatten(leaves, self.treespec)
+        return tree_unflatten(leaves, self.treespec)
 
 
 class FlatInputs(tuple):
@@ -129,7 +129,7 @@ def _canonical(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 def call_spec(model: torch.nn.Module, args: tuple, kwargs: dict) -> FlatInputs:
     """The call's tensor leaves in graph order (canonical form, NOTE [Export inputs])."""
     cargs, ckwargs = _canonical(model, tuple(args), dict(kwargs))
-    leaves, treespec = pytree.tree_flatten((cargs, ckwargs))
+    leaves, treespec = tree_flatten((cargs, ckwargs))
     tensors, consts = [], []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -274,9 +274,9 @@ def _flatten_signature(gm: fx.GraphModule, spec: CallSpec) -> None:
         else:
             names.append(n.name)
     old = graph._codegen
-    out_spec = old.pytree_info.out_spec if isinstance(old, fx.graph._PyTreeCodeGen) else None
-    in_spec = pytree.tree_flatten(tuple(range(len(names))))[1]
-    graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(names, in_spec, out_spec))
+    out_spec = old.pytree_info.out_spec if isinstance(old, PyTreeCodeGen) else None
+    in_spec = tree_flatten(tuple(range(len(names))))[1]
+    graph._codegen = PyTreeCodeGen(PyTreeInfo(names, in_spec, out_spec))
     gm._in_spec = in_spec
     gm.recompile()
 

@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from torch.utils._pytree import tree_leaves
-
 from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.units import format_bytes
@@ -33,6 +31,7 @@ from solver.units import format_bytes
 from .capture import split_example
 from .measure import measure_step
 from .runtime import ScheduleWrapper
+from .torch_private import tree_leaves
 
 __all__ = ["CheckReport", "check_schedule"]
 

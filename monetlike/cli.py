@@ -528,7 +528,8 @@ def _check_inputs(model, sched, args, batch: int, shape: tuple[int, ...]):
         raise UsageError(f"{args.model}: {flag}: {_one_line(e)}") from None
     if not given and not args.batch and isinstance(shapes, list):
         import torch
-        from torch.utils._pytree import tree_leaves
+
+        from .torch_private import tree_leaves
 
         made = [list(t.shape) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
         if sorted(made) != sorted(s for s in shapes if isinstance(s, list)) \

@@ -44,7 +44,8 @@ class MaxBatchResult:
 def _example_batch(example) -> int:
     """The batch of an example: the first dimension of its first tensor."""
     import torch
-    from torch.utils._pytree import tree_leaves
+
+    from .torch_private import tree_leaves
 
     for t in tree_leaves(example):
         if isinstance(t, torch.Tensor):
@@ -63,7 +64,8 @@ def scale_batch(example, batch: int, device=None):
     every tensor whose first dimension is the example's batch is resized along it, the rows
     repeated in turn; everything else is kept. On `device` when given."""
     import torch
-    from torch.utils._pytree import tree_map
+
+    from .torch_private import tree_map
 
     if isinstance(example, (tuple, list)) and not example or \
             not isinstance(example, (torch.Tensor, tuple, list, Mapping)):
@@ -174,7 +176,8 @@ def _batch_maker(model, input_shape, example_inputs, device) -> Callable:
 
 def _first_tensor(batch):
     import torch
-    from torch.utils._pytree import tree_leaves
+
+    from .torch_private import tree_leaves
 
     return next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), None)
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..torch_private import HARDTANH, RELU6_INPLACE, RELU6_OUT
 from .registry import ImplSpec, register
 from .relu import Activation, bn_lean_matcher, mask_matcher
 
@@ -55,10 +56,6 @@ def _arg(n, i: int, name: str, default):
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
-_RELU6_INPLACE = {torch._C._nn.relu6_} if hasattr(torch._C._nn, "relu6_") else set()
-_RELU6_OUT = {torch._C._nn.relu6} if hasattr(torch._C._nn, "relu6") else set()
-
-
 def hardtanh_call(gm, n) -> "tuple[bool, Hardtanh] | None":
     """(inplace, Hardtanh(min, max)) when node `n` is a hardtanh / ReLU6 with constant bounds."""
     inplace, lo, hi = None, None, None
@@ -71,12 +68,12 @@ def hardtanh_call(gm, n) -> "tuple[bool, Hardtanh] | None":
     elif n.op == "call_function":
         if n.target is F.relu6:
             inplace, lo, hi = _arg(n, 1, "inplace", False), 0.0, 6.0
-        elif n.target in _RELU6_INPLACE or n.target in _RELU6_OUT:
-            inplace, lo, hi = n.target in _RELU6_INPLACE, 0.0, 6.0
+        elif n.target in RELU6_INPLACE or n.target in RELU6_OUT:
+            inplace, lo, hi = n.target in RELU6_INPLACE, 0.0, 6.0
         elif n.target is F.hardtanh:
             inplace = _arg(n, 3, "inplace", False)
             lo, hi = _arg(n, 1, "min_val", -1.0), _arg(n, 2, "max_val", 1.0)
-        elif n.target is F.hardtanh_ or n.target is torch._C._nn.hardtanh:
+        elif n.target is F.hardtanh_ or n.target is HARDTANH:
             inplace = n.target is F.hardtanh_
             lo, hi = _arg(n, 1, "min_val", -1.0), _arg(n, 2, "max_val", 1.0)
         else:

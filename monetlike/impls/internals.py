@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..runtime import recompute as rc
+from ..torch_private import tree_flatten, tree_unflatten
 from .registry import ImplSpec, module_of, register
 
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).

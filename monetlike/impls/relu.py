@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..torch_private import BatchNormBase
 from .registry import ImplSpec, module_of, register
 
 
@@ -170,7 +170,7 @@ def mask_matcher(act_call):
 
 
 def _plain_bn(mod) -> bool:
-    return (isinstance(mod, _BatchNorm) and type(mod).__module__ == "torch.nn.modules.batchnorm"
+    return (isinstance(mod, BatchNormBase) and type(mod).__module__ == "torch.nn.modules.batchnorm"
             and type(mod).__name__ != "SyncBatchNorm")
 
 

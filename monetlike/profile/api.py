@@ -22,12 +22,12 @@ import warnings
 from typing import Any, Iterable, Mapping
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..capture import capture as capture_graph
 from ..capture import check_capture, split_example
+from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .gpu_like import GpuLike

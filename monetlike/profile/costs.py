@@ -29,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from solver.errors import MonetlikeError
+
+from ..torch_private import tree_leaves
 
 __all__ = ["CostSpecError", "DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost",
            "get_preset",

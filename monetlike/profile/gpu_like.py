@@ -33,9 +33,9 @@ query's layout, as CUDA does for a dense query; for a query that is a slice of a
 CUDA's output is (batch, L, heads, dim)-contiguous and the meta one is contiguous, which can add
 a copy (an Op) downstream on meta that CUDA does not make.
 
-The profiler's private torch APIs for attention are kept in this module: the fused aten ops
-`_scaled_dot_product_{flash,efficient}_attention`, `torch._C._SDPBackend` and
-`torch._C._get_sdp_priority_order` (checked against torch 2.14's meta registrations).
+The fused aten ops `_scaled_dot_product_{flash,efficient}_attention` are called here (checked
+against torch 2.14's meta registrations); torch's SDPA priority order, which has no public getter,
+is read through `torch_private.sdp_priority_order`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
+
+from ..torch_private import sdp_priority_order
 
 __all__ = ["GpuLike", "sdpa_backend"]
 
@@ -87,14 +90,14 @@ class GpuLike(TorchFunctionMode):
 
 def _enabled_order() -> list[str]:
     """The fused backends CUDA would try, in torch's priority order, up to math (always usable)."""
-    b = torch._C._SDPBackend
+    b = SDPBackend
     enabled = {b.FLASH_ATTENTION: ("flash", torch.backends.cuda.flash_sdp_enabled()),
                b.EFFICIENT_ATTENTION: ("efficient",
                                        torch.backends.cuda.mem_efficient_sdp_enabled()),
                b.MATH: ("math", torch.backends.cuda.math_sdp_enabled())}
     out = []
-    for code in torch._C._get_sdp_priority_order():
-        name, on = enabled.get(b(code), (None, False))
+    for backend in sdp_priority_order():
+        name, on = enabled.get(backend, (None, False))
         if on:
             out.append(name)
         if name == "math" and on:

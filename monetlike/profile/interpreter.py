@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
 from solver.errors import MonetlikeError
 
 from ..allocator import AllocatorLog
+from ..torch_private import tree_leaves
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
 from .safety import aten_unsafe_reason, is_bn_buffer, module_hook_reason, written_tensors

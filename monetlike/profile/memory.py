@@ -24,8 +24,8 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from ..torch_private import TorchDispatchMode, tree_leaves
 
 # Classes of storages the profiler distinguishes; the tracker itself only sums them.
 VALUE, INTERNAL, FIXED, INPUT, OTHER = "value", "internal", "fixed", "input", "other"

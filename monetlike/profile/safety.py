@@ -21,7 +21,8 @@ user wrote `x.nonzero()`, `torch.nonzero(x)` or a module that calls it):
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from ..torch_private import tree_leaves
 
 __all__ = ["aten_unsafe_reason", "written_tensors", "module_hook_reason", "is_bn_buffer"]
 

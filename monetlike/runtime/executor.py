@@ -56,10 +56,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from solver.errors import ScheduleError
 
+from ..torch_private import (PyTreeCodeGen, current_graph_task_id, queue_engine_callback,
+                             tree_flatten, tree_leaves, tree_unflatten)
 from . import recompute as rc
 from .hooks import CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message
 from .offload import HostCopies
@@ -168,10 +169,10 @@ class StepState:
         status = self.stage_status
         if status[t] == RUNNING:
             return
-        gid = torch._C._current_graph_task_id()
+        gid = current_graph_task_id()
         if gid != self.task_id:
             self.task_id = gid
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_task)
+            queue_engine_callback(self._end_task)
         # Another stage starts: the running ones whose roots have all run are over.
         for s in [s for s in self.running if self.roots_pending[s] <= 0]:
             self._end_stage(s)
@@ -653,7 +654,7 @@ def _live_forward(gm: fx.GraphModule, root: torch.nn.Module):
             except AttributeError:
                 return None
     codegen = gm.graph._codegen
-    pytree_io = isinstance(codegen, fx.graph._PyTreeCodeGen)
+    pytree_io = isinstance(codegen, PyTreeCodeGen)
     if pytree_io:
         # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs
         # (a ModelOutput) with specs kept on the GraphModule, which the live model does not

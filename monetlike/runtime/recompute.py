@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
+
+from ..torch_private import BatchNormBase, InstanceNormBase, global_module_hooks
 
 # NOTE [RNG capture]
 # The CPU generator state is 5 KB. The executor holds it as a clone of the generator
@@ -182,12 +182,13 @@ def rng_free(kinds: list[str]) -> bool:
 def _is_plain_batchnorm(mod: torch.nn.Module) -> bool:
     # SyncBatchNorm is a collective and must never be recomputed (the profiler marks it unsafe);
     # any other subclass may override forward, so only the library classes are rewritten.
-    return type(mod).__module__ == "torch.nn.modules.batchnorm" and isinstance(mod, _BatchNorm) \
-        and type(mod).__name__ != "SyncBatchNorm"
+    return type(mod).__module__ == "torch.nn.modules.batchnorm" \
+        and isinstance(mod, BatchNormBase) and type(mod).__name__ != "SyncBatchNorm"
 
 
 def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
-    return type(mod).__module__ == "torch.nn.modules.instancenorm" and isinstance(mod, _InstanceNorm)
+    return type(mod).__module__ == "torch.nn.modules.instancenorm" \
+        and isinstance(mod, InstanceNormBase)
 
 
 def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -254,10 +255,7 @@ def _bind_norm(fn, args, kwargs, names) -> dict:
 # Side effects
 # ----------------------------------------------------------------------------------------------
 def module_has_hooks(mod: torch.nn.Module) -> bool:
-    from torch.nn.modules import module as m
-
-    return bool(mod._forward_hooks or mod._forward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks)
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or global_module_hooks())
 
 
 def buffer_versions(mod: torch.nn.Module) -> list[tuple[str, int]]:

@@ -1,0 +1,110 @@
+"""The only module of monetlike that touches private torch APIs.
+
+Private torch names (`torch._C...`, `torch.utils._pytree`, underscore-named classes, the autograd
+engine, the profiler's event tree) can change or vanish in any torch release without notice.
+Every use of one is here, one small function or constant per need, each saying which public API
+is missing, so that a torch upgrade has one place to check and to fix.
+tests/test_torch_private.py fails if another module of monetlike reaches for a private torch name.
+
+Checked against torch 2.14.1.
+
+Not covered: underscore-named attributes read from torch objects the caller already holds (a
+tensor's `_version`, `_base` and `_is_view()`, a storage's `_cdata`, an nn.Module's hook and
+parameter dictionaries, an fx.Graph's `_codegen`); they are read where the object is.
+
+Imports stay as cheap as before: everything imported at the top here is already imported by
+`import torch`; the profiler's event types are imported when a recording is replayed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.fx
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
+
+__all__ = [
+    "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
+    "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "current_graph_task_id",
+    "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+]
+
+# -- pytree and dispatch modes -------------------------------------------------------------------
+# tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten (imported above): torch's
+# nested-container <-> leaves + spec utilities, the ones torch.export's specs are made of; torch
+# has no public pytree module (torch.utils.pytree does not exist in 2.14).
+# TorchDispatchMode (imported above): the base class of a mode that sees every aten call; torch
+# exports it only from the private torch.utils._python_dispatch.
+
+
+# -- classes of torch.nn and torch.fx ------------------------------------------------------------
+BatchNormBase = _BatchNorm
+"""The common base of BatchNorm1d/2d/3d (and SyncBatchNorm); torch.nn has no public name for it."""
+
+InstanceNormBase = _InstanceNorm
+"""The common base of InstanceNorm1d/2d/3d; torch.nn has no public name for it."""
+
+PyTreeCodeGen = torch.fx.graph._PyTreeCodeGen
+"""The fx codegen of an exported graph (flattens inputs, rebuilds outputs); no public name."""
+
+PyTreeInfo = torch.fx.graph._PyTreeInfo
+"""The (arg names, in_spec, out_spec) record PyTreeCodeGen takes; no public name."""
+
+
+def global_module_hooks() -> bool:
+    """Whether a global nn.Module forward (pre-)hook is registered; torch has no public query."""
+    from torch.nn.modules import module as m
+
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+# -- ReLU6 / hardtanh: the C bindings torch.nn.functional calls -----------------------------------
+RELU6_INPLACE = {torch._C._nn.relu6_} if hasattr(torch._C._nn, "relu6_") else set()
+"""The in-place ReLU6 binding F.relu6(inplace=True) calls, as a graph may record it; not public."""
+
+RELU6_OUT = {torch._C._nn.relu6} if hasattr(torch._C._nn, "relu6") else set()
+"""The out-of-place ReLU6 binding F.relu6 calls, as a graph may record it; not public."""
+
+HARDTANH = torch._C._nn.hardtanh
+"""The out-of-place hardtanh binding F.hardtanh calls, as a graph may record it; not public."""
+
+
+# -- autograd engine -----------------------------------------------------------------------------
+def current_graph_task_id() -> int:
+    """The id of the running backward (graph task), -1 outside one; no public API gives it."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_engine_callback(fn: Callable[[], None]) -> None:
+    """Run `fn` when the running backward finishes; no public API (autograd engine's queue)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+# -- attention -----------------------------------------------------------------------------------
+def sdp_priority_order() -> list:
+    """SDPA's backends (torch.nn.attention.SDPBackend) in the order torch tries them; no getter."""
+    b = torch._C._SDPBackend
+    return [b(code) for code in torch._C._get_sdp_priority_order()]
+
+
+# -- profiler ------------------------------------------------------------------------------------
+# No public API gives the allocation events with their times: prof.events() and key_averages()
+# fold them into the operators' totals.
+def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int] | None]]:
+    """A finished profile's events: (start ns, name, (device, bytes) of an allocation or None)."""
+    from torch._C._profiler import _EventType
+
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            f = node.extra_fields
+            yield node.start_time_ns, node.name, (f.device.type, int(f.alloc_size))
+        else:
+            yield node.start_time_ns, node.name, None
