@@ -8,6 +8,8 @@ warmstart.py offers them all to the MILP as first incumbents.
 
 from __future__ import annotations
 
+import time
+
 from .analysis import GraphFacts
 from .canonical import canonicalize
 from .graph import OpGraph
@@ -120,39 +122,61 @@ def chen_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None
 
 
 def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
-                    retain: str = "saved") -> Schedule:
+                    retain: str = "saved", deadline: float | None = None) -> Schedule:
     """Stop keeping Values, best bytes per recompute second first, until the peak fits; then
-    keep again, in reverse order, those whose return still fits (a cheap clean-up pass)."""
+    keep again, in reverse order, those whose return still fits (a cheap clean-up pass, cut
+    short at `deadline`, a time.perf_counter() value). The shortest prefix of the order to drop
+    is found by galloping and bisection (the peak is close to monotone in it; the result is
+    checked): a scan one Value at a time took 35-48 s on an 817-op transformer."""
     ops = graph.ops
     impl = tuple(impl) if impl is not None else (0,) * len(ops)
     base = store_all_schedule(graph, impl)
-    keep = set(base.forward_keep)
+    kept = set(base.forward_keep)
 
     def cost(v: int) -> float:
         p = graph.values[v].producer
         return ops[p].impls[impl[p]].fwd_time
 
-    order = sorted((v for v in keep if ops[graph.values[v].producer].recompute_unsafe is None),
+    order = sorted((v for v in kept if ops[graph.values[v].producer].recompute_unsafe is None),
                    key=lambda v: -graph.values[v].bytes / max(cost(v), 1e-12))
 
     def build(k):
         return schedule_from_keep(graph, k, impl=impl, retain=retain, facts=facts,
                                   mode="checkpoint", created_by="baseline:greedy")
 
-    s = build(keep)
-    dropped = []
-    for v in order:
-        if simulate(graph, s).peak_bytes <= budget:
+    built: dict[int, tuple[Schedule, bool]] = {}
+
+    def dropping(k: int) -> tuple[Schedule, bool]:
+        """The schedule without the first k Values of the order, and whether it fits."""
+        if k not in built:
+            s = build(kept - set(order[:k]))
+            built[k] = (s, simulate(graph, s).peak_bytes <= budget)
+        return built[k]
+
+    n = len(order)
+    lo, hi = 0, 1  # invariant once found: dropping(lo) does not fit, dropping(hi) fits
+    if dropping(0)[1]:
+        hi = 0
+    else:
+        while hi < n and not dropping(hi)[1]:
+            lo, hi = hi, min(n, 2 * hi)
+        if not dropping(hi)[1]:
+            return dropping(n)[0]  # nothing fits: the rule's least-memory schedule
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if dropping(mid)[1]:
+                hi = mid
+            else:
+                lo = mid
+    s = dropping(hi)[0]
+    keep = kept - set(order[:hi])
+    for v in reversed(order[:hi]):
+        if deadline is not None and time.perf_counter() > deadline:
             break
-        keep.discard(v)
-        dropped.append(v)
-        s = build(keep)
-    if simulate(graph, s).peak_bytes <= budget:
-        for v in reversed(dropped):
-            trial = build(keep | {v})
-            if simulate(graph, trial).peak_bytes <= budget:
-                keep.add(v)
-                s = trial
+        trial = build(keep | {v})
+        if simulate(graph, trial).peak_bytes <= budget:
+            keep.add(v)
+            s = trial
     return s
 
 

@@ -5,7 +5,8 @@ ranked rule (keep what is dearest to recompute per byte, as much as fits; it als
 backward reads, such as DenseNet's feature maps), Chen's segments at several lengths, segments at
 narrow cuts (segments.py: per-block checkpointing where a mask or position tensor crosses every
 block, so no single Value cuts the graph) at lengths 1, 2, 4, ... ops, per-block checkpointing
-read off the model's module paths (what a user would write with torch.utils.checkpoint), and
+read off the model's module paths (what a user would write with torch.utils.checkpoint) and on
+the repeated blocks found in the graph itself (blocks.py: identical layers), and
 "keep nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
 keeps the fastest that fits the budget. `lp_rounding`
 solves the MILP's LP relaxation and rounds its residency columns at several thresholds
@@ -15,7 +16,10 @@ costs one LP solve and often lands far closer to the optimum at tight budgets th
 
 from __future__ import annotations
 
+import time
+
 from .analysis import GraphFacts
+from .blocks import find_blocks, repeated_block_checkpoint_schedule
 from .rules import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
 from .canonical import canonicalize
 from .graph import OpGraph
@@ -38,33 +42,64 @@ def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
     return tuple(out) if any(out) else None
 
 
-def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts) -> list[tuple[str, Schedule]]:
+def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
+                        deadline: float | None = None) -> list[tuple[str, Schedule]]:
     """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
-    not fit the budget."""
-    out: list[tuple[str, Schedule]] = []
+    not fit the budget. With `deadline` (a time.perf_counter() value) the rules run cheapest
+    first and those not started by then are left out (greedy's clean-up pass is cut short):
+    on an 817-op transformer store-all, Chen's and the cut segments take under a second, the
+    ranked and greedy rules seconds each, keep-nothing about 5 s."""
     variants = [("", None)]
     lean = lean_impls(graph, facts) if facts.mode == "full" else None
     if lean is not None:
         variants.append(("lean/", lean))
     n = len(graph.ops)
+    found = []
+
+    def chain():
+        """The graph's repeated blocks (blocks.py), found once."""
+        if not found:
+            found.append(find_blocks(graph))
+        return found[0]
+
+    rules = []  # (name, thunk), cheapest first
     for tag, impl in variants:
-        out.append((f"{tag}store_all", store_all_schedule(graph, impl)))
-        for retain in ("saved", "none"):
-            out.append((f"{tag}greedy/{retain}",
-                        greedy_schedule(graph, budget, facts, retain=retain, impl=impl)))
-        for retain in ("saved", "all"):
-            ranked = ranked_schedule(graph, budget, facts, retain=retain, impl=impl)
-            if ranked is not None:
-                out.append((f"{tag}ranked/{retain}", ranked))
+        rules.append((f"{tag}store_all", lambda impl=impl: store_all_schedule(graph, impl)))
         for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
-            out.append((f"{tag}chen/{length}", chen_schedule(graph, facts, length, impl=impl)))
+            rules.append((f"{tag}chen/{length}",
+                          lambda impl=impl, length=length: chen_schedule(graph, facts, length,
+                                                                         impl=impl)))
         for length in cut_lengths(graph):
-            out.append((f"{tag}cuts/{length}", cut_schedule(graph, facts, length, impl=impl)))
-        per_block = block_schedule(graph, facts, impl=impl)
-        if per_block is not None:
-            out.append((f"{tag}per_block", per_block))
-        out.append((f"{tag}keep_nothing", schedule_from_keep(graph, (), retain="none",
-                                                             facts=facts, impl=impl)))
+            rules.append((f"{tag}cuts/{length}",
+                          lambda impl=impl, length=length: cut_schedule(graph, facts, length,
+                                                                        impl=impl)))
+        rules.append((f"{tag}per_block", lambda impl=impl: block_schedule(graph, facts,
+                                                                          impl=impl)))
+        rules.append((f"{tag}repeated_blocks",
+                      lambda impl=impl: repeated_block_checkpoint_schedule(
+                          graph, facts, impl=impl, chain=chain())))
+    for tag, impl in variants:
+        for retain in ("saved", "all"):
+            rules.append((f"{tag}ranked/{retain}",
+                          lambda impl=impl, retain=retain: ranked_schedule(
+                              graph, budget, facts, retain=retain, impl=impl)))
+    for tag, impl in variants:
+        for retain in ("saved", "none"):
+            rules.append((f"{tag}greedy/{retain}",
+                          lambda impl=impl, retain=retain: greedy_schedule(
+                              graph, budget, facts, retain=retain, impl=impl,
+                              deadline=deadline)))
+    for tag, impl in variants:
+        rules.append((f"{tag}keep_nothing",
+                      lambda impl=impl: schedule_from_keep(graph, (), retain="none", facts=facts,
+                                                           impl=impl)))
+    out: list[tuple[str, Schedule]] = []
+    for name, make in rules:
+        if out and deadline is not None and time.perf_counter() > deadline:
+            break
+        s = make()
+        if s is not None:
+            out.append((name, s))
     return out
 
 
@@ -145,10 +180,11 @@ def least_memory(graph: OpGraph, candidates) -> tuple[str, Schedule, int]:
     return best
 
 
-def low_memory_schedules(graph: OpGraph, facts: GraphFacts) -> list[tuple[str, Schedule]]:
-    """Candidates for the least peak: the greedy rule pushed towards ever smaller budgets, Chen's
-    segments, segments at narrow cuts, and keeping nothing (which is not always the least: long recomputation chains
-    hold their branch points)."""
+def low_memory_schedules(graph: OpGraph, facts: GraphFacts,
+                         deadline: float | None = None) -> list[tuple[str, Schedule]]:
+    """Candidates for the least peak: keeping nothing (which is not always the least: long
+    recomputation chains hold their branch points), Chen's segments, segments at narrow cuts,
+    and the greedy rule pushed towards ever smaller budgets (left out past `deadline`)."""
     out = [("keep_nothing", schedule_from_keep(graph, (), retain="none", facts=facts))]
     n = len(graph.ops)
     for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
@@ -157,8 +193,10 @@ def low_memory_schedules(graph: OpGraph, facts: GraphFacts) -> list[tuple[str, S
         out.append((f"cuts/{length}", cut_schedule(graph, facts, length)))
     top = simulate(graph, store_all_schedule(graph)).peak_bytes
     for frac in (0.5, 0.35, 0.25, 0.15, 0.0):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         out.append((f"greedy/none@{frac}", greedy_schedule(graph, int(top * frac), facts,
-                                                           retain="none")))
+                                                           retain="none", deadline=deadline)))
     return out
 
 

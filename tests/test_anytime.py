@@ -9,6 +9,7 @@ time limits far too short for the MILP to finish.
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -103,3 +104,26 @@ def test_on_incumbent_bounds_are_in_seconds():
     (s, bound), = seen
     assert bound == pytest.approx(0.5 * base.total_time, rel=1e-12)
     assert simulate(g, s).total_time == pytest.approx(base.total_time, rel=1e-12)
+
+
+def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time():
+    """The rules run before the MILP is built (on an 817-op transformer the build takes 18 s):
+    their best schedule is reported at once, and with less than MIN_SEARCH_S left after the
+    build it is the answer, unproven, with the reason in the statistics."""
+    pipeline = importlib.import_module("solver.search.pipeline")
+    g = resnet_like()
+    peak = simulate(g, store_all_schedule(g)).peak_bytes
+    budget = int(peak * 0.6)
+    seen = []
+    limit = 0.05  # far less than the MILP's build (0.3 s here)
+    r = solver.solve(g, budget, time_limit_s=limit,
+                     on_incumbent=lambda s, bound: seen.append((s, bound)))
+    assert r.stats["search"].startswith("skipped") and r.stats["build_s"] > limit
+    assert r.status == "feasible-at-time-limit" and r.mip_gap is None
+    assert r.stats["incumbent_source"].startswith("heuristic:")
+    assert r.stats["first_incumbent_s"] <= r.stats["build_s"]
+    (s, bound), = seen  # reported once, before the build, with no bound
+    assert bound is None and simulate(g, s).total_time == pytest.approx(r.predicted_time)
+    assert r.predicted_peak_bytes <= budget
+    assert r.predicted_time <= _best_rule_time(g, budget) * (1 + 1e-12)
+    assert pipeline.MIN_SEARCH_S > limit

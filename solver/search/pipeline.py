@@ -22,9 +22,10 @@ import math
 import sys
 import time
 
-from ..analysis import MODES
+from ..analysis import MODES, GraphFacts
 from ..backends import get_backend
-from ..backends.base import INFEASIBLE, OPTIMAL as B_OPTIMAL
+from ..backends.base import INFEASIBLE, TIME_LIMIT, BackendResult
+from ..backends.base import OPTIMAL as B_OPTIMAL
 from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
@@ -46,6 +47,14 @@ PHASE1_SHARE = 0.7
 """Share of the time left the min-peak phase may take when the budget is undecided."""
 MIN_PEAK_SHARE = 0.3
 """Share of the time limit the min-peak solve for a first incumbent may take."""
+MIN_SEARCH_S = 1.0
+"""With less time than this left once the MILP is built, the best rule is the answer."""
+RULES_SHARE = 0.1
+RULES_MIN_S = 10.0
+"""The simple rules may take this share of the time limit, and at least RULES_MIN_S, for a first
+incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
+greedy's clean-up stops there). Without a limit they took 686 s of a 120 s solve of Llama-1B
+(608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few seconds."""
 
 
 def _sharing(be) -> bool:
@@ -100,7 +109,9 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     started = time.perf_counter()
     be = get_backend(backend)
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
-    name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts))
+    rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
+    name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts,
+                                                               deadline=rules_deadline))
     form_bb = branch_and_bound_form(form) if _sharing(be) else form
     pool = Pool([form, form_bb])
     pool.offer_schedule(form, s0, f"heuristic:{name}")
@@ -214,6 +225,18 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
     be = get_backend(backend)
     deadline = started + time_limit_s
+
+    # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
+    starts, rules_s = [], None
+    if warm_start:
+        rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
+        starts = family_starts(graph, budget, heuristic_schedules(
+            graph, budget, GraphFacts(graph, mode), deadline=rules_deadline))
+        if starts:
+            rules_s = time.perf_counter() - started
+            if on_incumbent is not None:
+                on_incumbent(starts[0][1], None)
+
     form = Formulation(graph, budget, mode=mode, offload=offload)
     stats = {**form.stats(), "build_s": round(time.perf_counter() - started, 3), "mode": mode}
     if form.infeasible_points:
@@ -223,15 +246,28 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                           why=f"the {where} alone needs {format_bytes(need)}", offload=offload)
     base_time = simulate(graph, store_all_schedule(graph)).total_time
     pool = Pool([form], start=started)
-    pool.on_incumbent = on_incumbent
 
-    # -- 2. first incumbent --------------------------------------------------------------------
-    race = _first_incumbent(graph, budget, mode, be, form, pool, deadline, time_limit_s,
-                            verbose, offload, stats) if warm_start else []
+    # -- 2b. first incumbent -------------------------------------------------------------------
+    race = []
+    if starts:
+        pool.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
+        pool.first_s = rules_s
+        race = [(f"heuristic:{n}", sched) for n, sched, _ in starts]
+    elif warm_start:
+        _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, verbose,
+                      offload, stats)
+    pool.on_incumbent = on_incumbent
     stats["heuristic"] = pool.source or None
     stats["heuristic_objective_s"] = pool.obj / form.time_scale if pool.has else None
 
     # -- 3. portfolio --------------------------------------------------------------------------
+    if pool.has and deadline - time.perf_counter() < MIN_SEARCH_S:
+        # No time left to search (building the MILP took it): the best rule, unproven.
+        stats["search"] = (f"skipped: {deadline - time.perf_counter():.1f} s left of "
+                           f"{time_limit_s:g} s after building the MILP")
+        ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=be, deadline=deadline,
+                            mip_gap=mip_gap, progress=Progress(False, 1, 1.0, 1.0, ""))
+        return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
     progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
                         form.time_scale, f"{graph.model} {format_bytes(budget)}")
     if pool.has:
@@ -254,14 +290,11 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
 
 
-def _first_incumbent(graph, budget, mode, be, form, pool, deadline, time_limit_s, verbose,
-                     offload, stats) -> list[tuple[str, Schedule]]:
-    """Offer the pool a first schedule that fits; return the LNS starts to race. Raises
-    InfeasibleBudgetError when no schedule can fit."""
-    starts = family_starts(graph, budget, heuristic_schedules(graph, budget, form.facts))
-    if starts:
-        pool.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
-        return [(f"heuristic:{n}", s) for n, s, _ in starts]
+def _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, verbose, offload,
+                  stats) -> None:
+    """No rule fits: offer the pool the least-memory schedule of an exact min-peak solve when it
+    fits, or one pushed below the budget by a min-peak phase; raise InfeasibleBudgetError when
+    no schedule can fit."""
     # No rule fits: the least-memory schedule decides feasibility and is a start.
     peak, lower, proven, s = min_budget_details(
         graph, mode, backend=be.name if be.WARM_START else "highs",
@@ -289,13 +322,14 @@ def _first_incumbent(graph, budget, mode, be, form, pool, deadline, time_limit_s
                 f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
                 f"(the least peak found is {format_bytes(peak)}); raise --budget",
                 budget=budget, min_budget=peak)
-    return []
 
 
 def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limit_s: float,
              started: float, stats: dict) -> SolveResult:
     """The SolveResult of a search: its best schedule replayed by the simulator, with the gap."""
-    form, pool, r = ctx.form, ctx.pool, ctx.bb_result
+    form, pool = ctx.form, ctx.pool
+    r = ctx.bb_result or BackendResult(status=TIME_LIMIT, x=None, objective=None, bound=None,
+                                       seconds=0.0, message=stats.get("search", "no search"))
     graph, budget = form.graph, form.budget
     if ctx.lns is not None:
         stats["lns"] = ctx.lns.as_dict()

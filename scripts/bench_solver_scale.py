@@ -1,0 +1,143 @@
+"""Solver at scale (issue 20): big graphs at fractions of their store-all peak.
+
+    python scripts/bench_solver_scale.py                      # every row, 300 s per solve
+    python scripts/bench_solver_scale.py --models gpt12 --fractions 0.5 --time-limit 60
+
+Models (profiled on the meta device with analytical A100-40GB costs): a GPT with fine-grained
+ops (monetlike.models.transformer: d 768, 12 heads, sequence 1024, batch 8, dropout 0.1) at 12,
+24 and 48 layers, and torchvision's DenseNet-121 and -169 at batch 64 (3x224x224). Each row is
+one solve at a fraction of store-all: the seconds to the first schedule, to the final one and to
+the end, the gap to the proven bound, the predicted overhead over store-all, the best simple
+rule's overhead (the first incumbent: store-all, Chen's and the cut segments, per-block and
+repeated-block checkpointing, the ranked and greedy rules), where the answer came from, the size
+of the MILP, and the process's peak resident memory after the solve (the solver's own memory).
+Rows are appended to a JSON-lines file as they finish; the table goes to the "solver-scale"
+section of docs/BENCHMARKS.md. CI does not run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import solver  # noqa: E402
+from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
+
+MODELS = ("gpt12", "gpt24", "gpt48", "densenet121", "densenet169")
+
+
+def profile(name: str):
+    import torch
+    import torchvision
+
+    import monetlike
+    from monetlike.models import transformer
+
+    if name.startswith("gpt"):
+        model = transformer(depth=int(name[3:]), dim=768, heads=12, dropout=0.1)
+        x = torch.randn(8, 1024, 768, device="meta")
+    else:
+        model = getattr(torchvision.models, name)()
+        x = torch.randn(64, 3, 224, 224, device="meta")
+    return monetlike.profile(model, x, cost="analytical:A100-40GB")
+
+
+def run_one(name: str, graph, fraction: float, args) -> dict:
+    base = simulate(graph, store_all_schedule(graph))
+    budget = int(base.peak_bytes * fraction)
+    row = {"model": name, "ops": len(graph.ops), "fraction": fraction,
+           "budget": format_bytes(budget), "commit": args.commit}
+    started = time.perf_counter()
+    cpu0 = time.process_time()
+    try:
+        r = solver.solve(graph, budget, time_limit_s=args.time_limit, mip_gap=args.mip_gap)
+    except solver.InfeasibleBudgetError as e:
+        row.update(status="infeasible", solve_s=round(time.perf_counter() - started, 1),
+                   note=str(e)[:200])
+        return row
+    st = r.stats
+    rule = st.get("heuristic_objective_s")
+    row.update(
+        status=r.status, first_s=st.get("first_incumbent_s"), best_s=st.get("best_found_s"),
+        solve_s=round(r.solve_time_s, 1),
+        gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
+        overhead_pct=round(100 * (r.predicted_time / base.total_time - 1), 2),
+        rule_pct=None if rule is None else round(100 * (rule / base.total_time - 1), 2),
+        rule=st.get("heuristic"), source=st.get("incumbent_source"),
+        nonzeros=st.get("nonzeros"), build_s=st.get("build_s"),
+        rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        cpu_pct=round(100 * (time.process_time() - cpu0)
+                      / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
+        note=st.get("search", ""))
+    return row
+
+
+def render(rows: list[dict], args) -> str:
+    import pandas as pd
+
+    from bench_doc import header
+    from bench_solver import markdown_table
+
+    df = pd.DataFrame(rows)
+    cols = [c for c in ("model", "ops", "fraction", "budget", "status", "first_s", "best_s",
+                        "solve_s", "gap_pct", "overhead_pct", "rule_pct", "rule", "source",
+                        "nonzeros", "build_s", "rss_gib", "cpu_pct", "commit", "note")
+            if c in df.columns]
+    df = df[cols].astype(object).where(df[cols].notna(), "")
+    command = "python scripts/bench_solver_scale.py " + " ".join(sys.argv[1:])
+    return "\n".join([
+        header(command.strip()),
+        f"Time limit {args.time_limit:g} s per solve, target gap {100 * args.mip_gap:g}%, "
+        f"analytical A100-40GB costs. fraction: budget over the store-all peak. overhead_pct: "
+        f"the answer's predicted step time over store-all; rule_pct: the best simple rule's "
+        f"(the first incumbent). gap_pct: to the proven lower bound (empty: none proven). "
+        f"build_s: seconds before the search could start (the rules and the MILP's build). "
+        f"rss_gib: the process's peak resident memory so far (profiles included). cpu_pct: CPU "
+        f"time over wall time on all cores (well under 100: other processes shared them).",
+        "", markdown_table(df)]) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--fractions", default="0.5,0.33")
+    ap.add_argument("--time-limit", type=float, default=300.0)
+    ap.add_argument("--mip-gap", type=float, default=0.02)
+    ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(),
+                                                      "monetlike_bench_solver_scale.jsonl"))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown models {unknown}; expected some of {list(MODELS)}")
+    from bench_solver import code_version
+    args.commit = code_version()
+    rows = []
+    for name in models:
+        graph = profile(name)
+        for fraction in (float(f) for f in args.fractions.split(",")):
+            row = run_one(name, graph, fraction, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.results, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+    text = render(rows, args)
+    print(text)
+    if not args.no_write:
+        from bench_doc import replace_section
+        replace_section("solver-scale", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
