@@ -312,9 +312,8 @@ class Ours:
 # ----------------------------------------------------------------------------------------------
 # Mirrors: a peer's checkpoints written as a schedule of ours
 # ----------------------------------------------------------------------------------------------
-# Op kinds whose outputs the SAC policy saves (convolutions and matmuls).
-SAC_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", "conv2d", "linear",
-                       "scaled_dot_product_attention"})
+# Op kinds whose outputs the SAC policy saves (convolutions and matmuls): the solver's rule.
+from solver.rules import SAC_SAVE_KINDS as SAC_KINDS  # noqa: E402
 
 
 def _fx_name(qualname: str) -> str:

@@ -131,6 +131,9 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             with open(args.results, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
+            if not args.no_write:  # row by row, so a run stopped early still leaves its rows
+                from bench_doc import replace_section
+                replace_section("solver-scale", render(rows, args))
     text = render(rows, args)
     print(text)
     if not args.no_write:

@@ -447,12 +447,14 @@ def _digest(encoding: tuple) -> str:
 # A rule built on it
 # ----------------------------------------------------------------------------------------------
 def repeated_block_checkpoint_schedule(graph: OpGraph, facts: GraphFacts, impl=None, *,
-                                       chain: BlockChain | None = None) -> Schedule | None:
+                                       chain: BlockChain | None = None,
+                                       save_kinds=frozenset()) -> Schedule | None:
     """Per-block checkpointing on the repeated blocks `find_blocks` finds (torch.utils.checkpoint
     around each layer): keep the cuts at the boundaries of every block and everything made in
-    the one-off segments (prologue, epilogue: not checkpointed), recompute a block's inside once,
-    at its first backward stage that needs it (schedule_from_keep, retain='all'). None when the
-    graph has no repeated blocks."""
+    the one-off segments (prologue, epilogue: not checkpointed), and, as selective activation
+    checkpointing does, the outputs of Ops of `save_kinds` inside blocks; recompute the rest of
+    a block's inside once, at its first backward stage that needs it (schedule_from_keep,
+    retain='all'). None when the graph has no repeated blocks."""
     chain = chain if chain is not None else find_blocks(graph)
     if not chain.classes:
         return None
@@ -465,5 +467,8 @@ def repeated_block_checkpoint_schedule(graph: OpGraph, facts: GraphFacts, impl=N
                 keep |= chain.cuts[i - 1]
             if i < len(chain.cuts):
                 keep |= chain.cuts[i]
+            keep.update(w for j in seg.ops if graph.ops[j].kind in save_kinds
+                        for w in graph.ops[j].outputs)
     return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
-                              mode="checkpoint", created_by="baseline:repeated_blocks")
+                              mode="checkpoint", created_by="baseline:repeated_blocks"
+                              + ("/sac" if save_kinds else ""))

@@ -17,6 +17,13 @@ from .schedule import Schedule, StageSchedule
 from .simulate import simulate, store_all_schedule
 
 
+SAC_SAVE_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", "conv2d",
+                            "linear", "scaled_dot_product_attention"})
+"""Op kinds whose outputs selective activation checkpointing saves inside a checkpointed block
+(the policy PyTorch users write: keep convolutions, matmuls and attention, dear to recompute;
+recompute norms, activations and adds, cheap per byte)."""
+
+
 def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved",
                        facts: GraphFacts | None = None, mode: str = "store_all",
                        created_by: str = "") -> Schedule:

@@ -92,9 +92,12 @@ def op_blocks(graph: OpGraph) -> list[str | None] | None:
     return blocks if len({b for b in blocks if b is not None}) >= 2 else None
 
 
-def block_schedule(graph: OpGraph, facts: GraphFacts, *, impl=None) -> Schedule | None:
+def block_schedule(graph: OpGraph, facts: GraphFacts, *, impl=None,
+                   save_kinds=frozenset()) -> Schedule | None:
     """Per-block checkpointing: keep what crosses a block boundary or is made outside every
-    block, recompute each block's inside once at its backward. None without block structure."""
+    block (and, as selective activation checkpointing does, the outputs of Ops of `save_kinds`),
+    recompute the rest of each block's inside once at its backward. None without block
+    structure."""
     blocks = op_blocks(graph)
     if blocks is None:
         return None
@@ -103,10 +106,12 @@ def block_schedule(graph: OpGraph, facts: GraphFacts, *, impl=None) -> Schedule 
         if v.producer is None:
             continue
         b = blocks[v.producer]
-        if b is None or any(blocks[o.id] != b for o in graph.ops if v.id in o.inputs):
+        if (b is None or graph.ops[v.producer].kind in save_kinds
+                or any(blocks[o.id] != b for o in graph.ops if v.id in o.inputs)):
             keep.add(v.id)
     return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
-                              mode="checkpoint", created_by="baseline:per_block")
+                              mode="checkpoint",
+                              created_by="baseline:per_block" + ("/sac" if save_kinds else ""))
 
 
 def cut_lengths(graph: OpGraph) -> list[int]:

@@ -6,7 +6,9 @@ backward reads, such as DenseNet's feature maps), Chen's segments at several len
 narrow cuts (segments.py: per-block checkpointing where a mask or position tensor crosses every
 block, so no single Value cuts the graph) at lengths 1, 2, 4, ... ops, per-block checkpointing
 read off the model's module paths (what a user would write with torch.utils.checkpoint) and on
-the repeated blocks found in the graph itself (blocks.py: identical layers), and
+the repeated blocks found in the graph itself (blocks.py: identical layers), both also with
+selective activation checkpointing's policy (rules.SAC_SAVE_KINDS: matmul, convolution and
+attention outputs kept inside a block; the plans peers' users write, as starts), and
 "keep nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
 keeps the fastest that fits the budget. `lp_rounding`
 solves the MILP's LP relaxation and rounds its residency columns at several thresholds
@@ -20,7 +22,8 @@ import time
 
 from .analysis import GraphFacts
 from .blocks import find_blocks, repeated_block_checkpoint_schedule
-from .rules import chen_schedule, greedy_schedule, ranked_schedule, schedule_from_keep
+from .rules import (SAC_SAVE_KINDS, chen_schedule, greedy_schedule, ranked_schedule,
+                    schedule_from_keep)
 from .canonical import canonicalize
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -73,11 +76,13 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
             rules.append((f"{tag}cuts/{length}",
                           lambda impl=impl, length=length: cut_schedule(graph, facts, length,
                                                                         impl=impl)))
-        rules.append((f"{tag}per_block", lambda impl=impl: block_schedule(graph, facts,
-                                                                          impl=impl)))
-        rules.append((f"{tag}repeated_blocks",
-                      lambda impl=impl: repeated_block_checkpoint_schedule(
-                          graph, facts, impl=impl, chain=chain())))
+        for sac, kinds in (("", frozenset()), ("/sac", SAC_SAVE_KINDS)):
+            rules.append((f"{tag}per_block{sac}",
+                          lambda impl=impl, kinds=kinds: block_schedule(
+                              graph, facts, impl=impl, save_kinds=kinds)))
+            rules.append((f"{tag}repeated_blocks{sac}",
+                          lambda impl=impl, kinds=kinds: repeated_block_checkpoint_schedule(
+                              graph, facts, impl=impl, chain=chain(), save_kinds=kinds)))
     for tag, impl in variants:
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",

@@ -127,3 +127,34 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     assert r.predicted_peak_bytes <= budget
     assert r.predicted_time <= _best_rule_time(g, budget) * (1 + 1e-12)
     assert pipeline.MIN_SEARCH_S > limit
+
+
+def test_never_worse_than_the_plans_checkpointing_users_write():
+    """Issue 21: per-block checkpointing (module paths and repeated blocks) and selective
+    activation checkpointing (matmul and attention outputs kept in each block), translated into
+    schedules of ours, are starts: a solve at such a plan's peak is never slower than it."""
+    import torch
+
+    import monetlike
+    from monetlike.models import transformer
+    from solver.analysis import GraphFacts
+    from solver.blocks import repeated_block_checkpoint_schedule
+    from solver.rules import SAC_SAVE_KINDS
+    from solver.segments import block_schedule
+
+    g = monetlike.profile(transformer(depth=3, dim=64, heads=4),
+                          torch.randn(2, 32, 64, device="meta"), cost="analytical:A100-40GB")
+    facts = GraphFacts(g, "full")
+    plans = {"per_block": block_schedule(g, facts),
+             "per_block/sac": block_schedule(g, facts, save_kinds=SAC_SAVE_KINDS),
+             "repeated_blocks/sac": repeated_block_checkpoint_schedule(
+                 g, facts, save_kinds=SAC_SAVE_KINDS)}
+    assert all(s is not None for s in plans.values())
+    sac = plans["per_block/sac"]
+    assert set(sac.forward_keep) > set(plans["per_block"].forward_keep)  # matmuls kept too
+    for name, plan in plans.items():
+        tl = simulate(g, plan)
+        r = solver.solve(g, tl.peak_bytes, time_limit_s=2)
+        assert r.predicted_peak_bytes <= tl.peak_bytes
+        assert r.predicted_time <= tl.total_time * (1 + 1e-12), (name, r.predicted_time,
+                                                                 tl.total_time)
