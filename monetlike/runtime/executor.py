@@ -40,6 +40,26 @@ call per tensor, and a tensor saved that way keeps its history, so double backwa
 right. A schedule that recomputes nothing (store-all) runs as plain autograd: fx's generated code
 for the traced graph, bound to the live model; no hooks, no stage prehooks, no recorded contexts.
 
+NOTE [In place on a view]
+An in-place Impl (monetlike/impls/inplace.py) runs `x.add_(y)` or `torch.relu_(x)` where the model
+wrote `x + y` or `torch.relu(x)`, and claims the out-of-place op's backward: the same saved
+tensors, the same gradient memory (the profile measured Impl 0's). That holds when x is an
+ordinary tensor, not when autograd tracks x as a view of another tensor, which the result of
+an Op often is: a Linear on a 3-d input returns a view of its 2-d addmm, and
+`layer(x.transpose(1, 2)).transpose(1, 2)` a transposed view. Written in place, a view makes
+autograd rebase the view's history onto its base (CopySlices): the backward then clones the
+incoming gradient into a base-sized buffer and hands the Op's inputs two gradient tensors where
+the out-of-place add hands them one, so a gradient-sized buffer more stays alive until the
+base's backward has run (a GPT's last residual add run in place: +262,144 B at the next stage's
+peak, over the schedule's budget; tests/test_peak_fidelity_cases.py).
+It also leaves the view's own grad_fn, on which the Op's stage hook sits, out of the graph. So
+the runtime writes through a plain alias of x (aten._unsafe_view to x's own size: same storage
+and strides, not a view to autograd, its backward a reshape of the gradient to the same shape,
+which copies nothing): the in-place kernel's backward is then the out-of-place one's, node
+for node, plus that reshape. Nothing checks versions on x's storage afterwards, and nothing
+needs to: the in-place Impl is only offered where no backward reads that storage. Under
+no_grad (recomputation) there is no view tracking and nothing to do.
+
 NOTE [No reference cycles]
 A step's state must die with its autograd graph, also with the garbage collector disabled
 (a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
@@ -532,6 +552,9 @@ class ScheduledForward(fx.Interpreter):
         if self.plan.impl_calls:
             sub = self.plan.impl_calls.get(n.name)
             if sub is not None:  # the node of an Op run with a registered Impl (monetlike.impls)
+                where = self.plan.overwritten_args.get(n.name)
+                if where is not None and torch.is_grad_enabled():
+                    args, kwargs = _unviewed(args, kwargs, where)
                 return sub(self, n, args, kwargs)
         op = n.op
         if op == "call_module":
@@ -674,6 +697,18 @@ def _live_forward(gm: fx.GraphModule, root: torch.nn.Module):
         return codegen.process_outputs(flat_forward(root, *codegen.process_inputs(*args)))
 
     return forward
+
+
+def _unviewed(args: tuple, kwargs: dict, where: tuple) -> tuple[tuple, dict]:
+    """NOTE [In place on a view]: the arguments with each overwritten tensor in `where` that
+    autograd tracks as a view replaced by a plain alias of it (same storage, size and strides)."""
+    args, kwargs = list(args), dict(kwargs)
+    for i in where:
+        box = args if isinstance(i, int) else kwargs
+        t = box[i]
+        if isinstance(t, torch.Tensor) and t.requires_grad and t._is_view():
+            box[i] = torch.ops.aten._unsafe_view(t, t.size())
+    return tuple(args), kwargs
 
 
 def _forget(vkey: dict, v: int, key: int, _ref) -> None:

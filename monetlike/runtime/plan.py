@@ -115,6 +115,9 @@ class Plan:
     """fx node name -> replacement callable, for the nodes of Ops whose Impl is not 'default'."""
     overwrites: dict = field(default_factory=dict)
     """Op id -> the Value its chosen in-place Impl overwrites (monetlike/impls/inplace.py)."""
+    overwritten_args: dict = field(default_factory=dict)
+    """fx node name -> the positions (ints) and keywords (strs) of its arguments that are the
+    Value its in-place Impl overwrites (NOTE [In place on a view] in executor.py)."""
     storage_values: list = field(default_factory=list)
     """Per Op, the Values a storage it touches may be, outputs first: the candidates when a saved
     tensor or a node's result is matched to a Value by storage (NOTE [Storage identity] in
@@ -182,6 +185,18 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     op_values = [frozenset(op.inputs) | frozenset(op.outputs) for op in graph.ops]
     overwrites = {op.id: op.impls[k].overwrites for op, k in zip(graph.ops, schedule.impl)
                   if op.impls[k].overwrites is not None}
+    overwritten_args: dict[str, tuple] = {}
+    for j, x in overwrites.items():
+        xv = graph.values[x]
+        for node in op_nodes[j]:
+            if node.name not in impl_calls or xv.index is not None:
+                continue
+            where = tuple(i for i, a in enumerate(node.args)
+                          if isinstance(a, fx.Node) and a.name == xv.name)
+            where += tuple(k for k, a in node.kwargs.items()
+                           if isinstance(a, fx.Node) and a.name == xv.name)
+            if where:
+                overwritten_args[node.name] = where
     storage_values = [tuple(op.outputs) + tuple(
         v for v in op.inputs if v not in op.outputs and v != overwrites.get(op.id))
         for op in graph.ops]
@@ -247,6 +262,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 hooked_ops=hooked_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
                 impl_saved=impl_saved, impl_calls=impl_calls, overwrites=overwrites,
+                overwritten_args=overwritten_args,
                 storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()})
 
