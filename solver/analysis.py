@@ -171,6 +171,15 @@ class GraphFacts:
         return self.graph.users
 
     @cached_property
+    def time_floor(self) -> float:
+        """A lower bound on any schedule's step time: every op forward and backward once on its
+        fastest allowed Impl, nothing recomputed or transferred (the simulator's total is that
+        plus recomputation and transfers, both never negative)."""
+        ops = self.graph.ops
+        return sum(min(ops[j].impls[i].fwd_time + ops[j].impls[i].bwd_time
+                       for i in self.impls[j]) for j in range(len(ops)))
+
+    @cached_property
     def overwrites(self) -> dict[tuple[int, int], int]:
         """(op j, allowed Impl i) -> the Value that in-place Impl overwrites."""
         return {(j, i): self.graph.ops[j].impls[i].overwrites

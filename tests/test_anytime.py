@@ -119,7 +119,10 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     r = solver.solve(g, budget, time_limit_s=limit,
                      on_incumbent=lambda s, bound: seen.append((s, bound)))
     assert r.stats["search"].startswith("skipped") and r.stats["build_s"] > limit
-    assert r.status == "feasible-at-time-limit" and r.mip_gap is None
+    # the only bound is the floor: every op once on its fastest Impl, nothing recomputed
+    assert r.status == "feasible-at-time-limit"
+    assert r.stats["lower_bound_s"] == r.stats["floor_bound_s"] < r.predicted_time
+    assert r.mip_gap == pytest.approx(1 - r.stats["floor_bound_s"] / r.predicted_time)
     assert r.stats["incumbent_source"].startswith("heuristic:")
     assert r.stats["first_incumbent_s"] <= r.stats["build_s"]
     (s, bound), = seen  # reported once, before the build, with no bound
@@ -158,3 +161,24 @@ def test_never_worse_than_the_plans_checkpointing_users_write():
         assert r.predicted_peak_bytes <= tl.peak_bytes
         assert r.predicted_time <= tl.total_time * (1 + 1e-12), (name, r.predicted_time,
                                                                  tl.total_time)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), mode=st.sampled_from(["full",
+                                                                             "checkpoint"]))
+def test_the_time_floor_is_below_every_schedule(seed, n, mode):
+    """GraphFacts.time_floor bounds the step time of every schedule from below (it is reported
+    as a bound): checked against the exhaustive optimum at the least and the store-all budget."""
+    from solver.analysis import GraphFacts
+    from solver_reference import exact_min_peak, exact_optimum
+
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    floor = GraphFacts(g, mode).time_floor
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    for budget in {exact_min_peak(g), top}:
+        ref = exact_optimum(g, budget, mode=mode)
+        if ref is not None:
+            assert floor <= ref[0] * (1 + 1e-12), (floor, ref[0], budget)
+    if mode == "checkpoint":  # one Impl per op: at store-all's peak the floor is the optimum
+        assert exact_optimum(g, top, mode=mode)[0] == pytest.approx(floor, rel=1e-12)

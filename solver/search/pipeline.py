@@ -246,6 +246,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                           why=f"the {where} alone needs {format_bytes(need)}", offload=offload)
     base_time = simulate(graph, store_all_schedule(graph)).total_time
     pool = Pool([form], start=started)
+    pool.raise_bound("floor", form.facts.time_floor * form.time_scale)
 
     # -- 2b. first incumbent -------------------------------------------------------------------
     race = []
@@ -382,7 +383,8 @@ def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limi
                   "best_found_s": None if pool.last_s is None else round(pool.last_s, 3),
                   "lower_bound_s": lower, "incumbent_source": pool.source,
                   # which relaxation gave the bound: the LP's, branch and bound's, the probes'
-                  "lp_bound_s": seconds("lp"), "bb_bound_s": seconds("branch_and_bound"),
+                  "floor_bound_s": seconds("floor"), "lp_bound_s": seconds("lp"),
+                  "bb_bound_s": seconds("branch_and_bound"),
                   "probe_bound_s": seconds("probe"),
                   "probes": list(ctx.probes),  # each probe's (gap, status, seconds)
                   "store_all_time_s": base_time, "backend_status": r.status})

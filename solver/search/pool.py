@@ -29,10 +29,12 @@ ROW_TOLERANCE_UNITS = 1e-5
 solution may be and still count as its feasibility tolerance (HiGHS: 1e-6 per row) rather than
 a bug in the formulation."""
 
-BOUND_SOURCES = ("lp", "branch_and_bound", "probe")
-"""Where a valid lower bound can come from: the LP relaxation (with the cuts, if any), branch
-and bound's dual bound (its model is a relaxation: lazy rows only leave rows out), and the bound
-probes (branch and bound under a cutoff)."""
+BOUND_SOURCES = ("floor", "lp", "branch_and_bound", "probe")
+"""Where a valid lower bound can come from: the step with nothing recomputed on the fastest
+Impls (GraphFacts.time_floor: weak, but there before anything is solved, so a gap can be stated
+on graphs too big for the LP), the LP relaxation (with the cuts, if any), branch and bound's dual
+bound (its model is a relaxation: lazy rows only leave rows out), and the bound probes (branch
+and bound under a cutoff)."""
 
 
 class Pool:
