@@ -24,6 +24,25 @@ SAC_SAVE_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", 
 recompute norms, activations and adds, cheap per byte)."""
 
 
+def recompute_closure(graph: OpGraph, scheduled, present, targets) -> set[int]:
+    """The ops to recompute so that every scheduled Value of `targets` exists: the producer of
+    each one missing from `present`, and back through its inputs until Values that are present
+    (iteratively: chains of thousands of ops would pass Python's recursion limit)."""
+    ops, values = graph.ops, graph.values
+    todo: set[int] = set()
+    stack = [v for v in targets]
+    while stack:
+        v = stack.pop()
+        if not scheduled[v] or v in present:
+            continue
+        p = values[v].producer
+        if p in todo:
+            continue
+        todo.add(p)
+        stack.extend(ops[p].inputs)
+    return todo
+
+
 def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved",
                        facts: GraphFacts | None = None, mode: str = "store_all",
                        created_by: str = "") -> Schedule:
@@ -52,22 +71,9 @@ def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved"
     resident = set(keep)
     stages = []
     for t, k in enumerate(graph.backward_order):
-        todo: set[int] = set()
-
-        def require(v: int) -> None:
-            if not sched[v] or v in resident:
-                return
-            p = graph.values[v].producer
-            if p in todo:
-                return
-            if ops[p].recompute_unsafe is not None:
-                raise AssertionError(f"value {v} of an unsafe op is not resident")
-            todo.add(p)
-            for u in ops[p].inputs:
-                require(u)
-
-        for v in sorted(needs[t]):
-            require(v)
+        todo = recompute_closure(graph, sched, resident, needs[t])
+        unsafe = [j for j in todo if ops[j].recompute_unsafe is not None]
+        assert not unsafe, f"op {unsafe[0]}, which must never be recomputed, lost its outputs"
         made = {w for j in todo for w in ops[j].outputs if sched[w]}
         present = resident | made
         if retain == "all":

@@ -23,7 +23,7 @@ import time
 from .analysis import GraphFacts
 from .blocks import find_blocks, repeated_block_checkpoint_schedule
 from .rules import (SAC_SAVE_KINDS, chen_schedule, greedy_schedule, ranked_schedule,
-                    schedule_from_keep)
+                    recompute_closure, schedule_from_keep)
 from .canonical import canonicalize
 from .graph import OpGraph
 from .schedule import Schedule, StageSchedule
@@ -145,25 +145,8 @@ def schedule_from_residency(graph: OpGraph, resident: list[set[int]], facts: Gra
     stages = []
     for t, k in enumerate(graph.backward_order):
         targets = {v for v in ops[k].impls[impl[k]].saved if sched[v]} | set(resident[t + 1])
-        todo: set[int] = set()
-
-        def require(v: int) -> None:
-            if not sched[v] or v in held:
-                return
-            p = graph.values[v].producer
-            if p in todo:
-                return
-            todo.add(p)
-            for u in ops[p].inputs:
-                require(u)
-
-        unsafe = False
-        for v in sorted(targets):
-            p = graph.values[v].producer
-            if sched[v] and v not in held and ops[p].recompute_unsafe is not None:
-                unsafe = True
-            require(v)
-        if unsafe or any(ops[j].recompute_unsafe is not None for j in todo):
+        todo = recompute_closure(graph, sched, held, targets)
+        if any(ops[j].recompute_unsafe is not None for j in todo):
             raise ValueError("the plan needs an op that must never be recomputed")
         present = held | {w for j in todo for w in ops[j].outputs if sched[w]}
         nxt = set(resident[t + 1]) if t + 1 < T else set()

@@ -18,19 +18,14 @@ import numpy as np
 
 from ..backends.base import Backend, BackendResult
 from ..formulation import Formulation
+from ..lns import LnsStats
 from .pool import Pool
 from .progress import Progress
 
 
 @dataclass
-class LnsTally:
+class LnsTally(LnsStats):
     """What the local search did, summed over its runs (SolveResult.stats['lns'])."""
-    windows: int = 0
-    improved: int = 0
-    timed_out: int = 0
-    rins: int = 0
-    rins_improved: int = 0
-    seconds: float = 0.0
     race: dict[str, float] | None = None
     """Start name -> its objective (seconds) after its race slice, when starts were raced."""
 
