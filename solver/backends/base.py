@@ -2,7 +2,7 @@
 
 A backend translates a `formulation.MILP` into its solver's input, runs it under a time limit and
 translates the answer back: the best incumbent (a full column vector), its objective, and the
-solver's proven lower bound when it reports one. It never sees a graph or a schedule; solve.py
+solver's proven lower bound when it reports one. It never sees a graph or a schedule; the search
 decodes and checks the answer with the simulator. Capabilities are class attributes, so callers
 can ask before they pass a warm start or expect a bound, and availability is checked with
 `importlib.util.find_spec`, which does not load native code.
@@ -16,7 +16,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-# Backend status vocabulary (solve.py maps it onto the SolveResult statuses).
+# Backend status vocabulary (search/pipeline.py maps it onto the SolveResult statuses).
 OPTIMAL = "optimal"          # proven within the requested gap
 TIME_LIMIT = "time_limit"    # stopped by the time limit (x is the incumbent, if any)
 INFEASIBLE = "infeasible"    # proven infeasible
