@@ -7,6 +7,9 @@ gradients, not only parameters, make up the peak (see the activation share in CA
 """
 
 import gc
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -37,7 +40,6 @@ CASES = {
                                                       torch.randn(2, 32)), 0.25),
 }
 
-GAPS = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,6 +69,19 @@ def plain_step(model, xs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_store_all_peak_matches_pytorch(name):
+    """Run in a fresh interpreter: tensors that earlier tests of the suite left alive, and that
+    die during the measured step, made its peak read lower than the prediction plus them (UNet
+    in a full run: +24%, its activation share 0.14 where 0.15 is required)."""
+    code = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"torch.set_num_threads(1); import test_profile_models as t; "
+            f"t.check_store_all(sys.argv[1])")
+    r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
+                       timeout=900)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+
+
+def check_store_all(name):
     make, make_x, min_share = CASES[name]
     torch.manual_seed(0)
     model, xs = make(), make_x()
@@ -84,7 +99,6 @@ def test_store_all_peak_matches_pytorch(name):
     assert foreign >= 0
     predicted += foreign
     gap = (predicted - m.peak_bytes) / m.peak_bytes
-    GAPS[name] = gap
     act_share = ((m.peak_bytes - (m.start_bytes - grads) - g.final_grad_bytes)
                  / (m.peak_bytes - foreign))
     print(f"{name}: predicted {predicted} measured {m.peak_bytes} gap {gap:+.4%} "
