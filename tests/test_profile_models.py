@@ -41,7 +41,6 @@ CASES = {
 }
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # Two OpenMP threads on a shared 2-core box can slow small convolutions down 100x (spinning
