@@ -223,7 +223,8 @@ class Formulation:
     def __init__(self, graph: OpGraph, budget: int | None = None, *, mode: str = "full",
                  objective: str = "time", running_sums: bool = True,
                  recompute_points: "frozenset[tuple[int, int]] | None" = None,
-                 offload: bool = False, support_cuts: "frozenset[SupportCut]" = frozenset()):
+                 offload: bool = False, support_cuts: "frozenset[SupportCut]" = frozenset(),
+                 facts: GraphFacts | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if offload and graph.host_bandwidth is None:
@@ -237,7 +238,9 @@ class Formulation:
         if objective == "time" and budget is None:
             raise ValueError("objective 'time' needs a budget")
         self.graph, self.budget, self.mode, self.objective = graph, budget, mode, objective
-        self.facts = GraphFacts(graph, mode)
+        # `facts`: the caller's, when it has them for this graph and mode (they are not cheap)
+        self.facts = (facts if facts is not None and facts.graph is graph and facts.mode == mode
+                      else GraphFacts(graph, mode))
         self.running_sums = running_sums
         self.recompute_points = None if recompute_points is None else frozenset(recompute_points)
         """None: a memory row at every candidate recomputation. A set of (stage, op): rows only

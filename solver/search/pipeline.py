@@ -228,16 +228,17 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 
     # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
     starts, rules_s = [], None
+    facts = GraphFacts(graph, mode)
     if warm_start:
         rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
         starts = family_starts(graph, budget, heuristic_schedules(
-            graph, budget, GraphFacts(graph, mode), deadline=rules_deadline))
+            graph, budget, facts, deadline=rules_deadline))
         if starts:
             rules_s = time.perf_counter() - started
             if on_incumbent is not None:
                 on_incumbent(starts[0][1], None)
 
-    form = Formulation(graph, budget, mode=mode, offload=offload)
+    form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
     stats = {**form.stats(), "build_s": round(time.perf_counter() - started, 3), "mode": mode}
     if form.infeasible_points:
         where, need = max(form.infeasible_points, key=lambda p: p[1])
