@@ -1,8 +1,8 @@
-"""The scheduled training step: an fx.Interpreter for the forward, hooks for the backward stages.
+"""The scheduled training step: generated code for the forward, hooks for the backward stages.
 
-`ScheduledForward` runs the traced model node by node with grad enabled, building one ordinary
-autograd graph, inside `torch.autograd.graph.saved_tensors_hooks` (docs/execution-model.md
-section 5). `StepState` is everything one step needs after the forward returns: the resident
+`ScheduledForward` runs the traced model with grad enabled, building one ordinary autograd graph,
+the nodes that touch a scheduled Value inside `torch.autograd.graph.saved_tensors_hooks`
+(docs/execution-model.md section 5). `StepState` is everything one step needs after the forward returns: the resident
 Values, the geometry of nodes a recomputation reads, the RNG and autocast state of recomputed
 Ops, and the progress of the backward stages. Only autograd references it (through the saved
 handles and the stage hooks), so it dies with the step's autograd graph.
@@ -20,7 +20,11 @@ engine, which runs the ready node created last, runs part of it, then the other 
 For contiguous Ops the two rules agree, because when a node runs every node created after it
 that will run has run. If the engine prunes a root (torch.autograd.grad with `inputs=`), the
 stage ends with the backward: later than the schedule says, never too early. Hooking roots only,
-rather than every node an Op created, costs microseconds per Op.
+rather than every node an Op created, costs microseconds per Op. Only the active stages are
+hooked (`Plan.active_stages`: those that fetch, recompute or release a Value the runtime holds);
+the others leave everything to autograd, and a running stage then ends when the next active
+stage starts. That is later than the schedule's stage end, which only matters for handles whose
+node did not run or was retained (retain_graph=True): their Values are let go at that point.
 
 NOTE [Storage identity]
 A saved tensor is matched to a Value by storage identity (`untyped_storage()._cdata`), and only
@@ -39,6 +43,16 @@ node saves its tensors the ordinary way, with autograd's own version checks and 
 call per tensor, and a tensor saved that way keeps its history, so double backward through it is
 right. A schedule that recomputes nothing (store-all) runs as plain autograd: fx's generated code
 for the traced graph, bound to the live model; no hooks, no stage prehooks, no recorded contexts.
+
+NOTE [Generated forward]
+The forward is the traced graph's own Python code (fx codegen), bound to the live model, in which
+only the nodes a schedule needs at run time call back into the runtime (`Plan.runtime_nodes`): the
+nodes of Ops that read or make a scheduled Value (saved-tensor hooks), of recomputed Ops (RNG and
+autocast capture, buffer checks), of Ops making a Value the runtime holds or offloads (their
+storage is registered), of Ops whose stage is active (stage hooks) or run with a registered Impl,
+and the nodes whose geometry a recomputation rebuilds its arguments from. Every other node costs
+what it costs in the model's own forward: a schedule recomputing 4 Ops of DenseNet-121's 600 runs
+a few dozen nodes through Python bookkeeping, not 1,300 through an interpreter.
 
 NOTE [In place on a view]
 An in-place Impl (monetlike/impls/inplace.py) runs `x.add_(y)` or `torch.relu_(x)` where the model
@@ -63,14 +77,15 @@ no_grad (recomputation) there is no view tracking and nothing to do.
 NOTE [No reference cycles]
 A step's state must die with its autograd graph, also with the garbage collector disabled
 (a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
-grad_fn: `resident` holds detached aliases, the Interpreter's environment is cleared after the
-forward, and node lists live only on the stack while the forward runs. Autograd holds the state
-(handles and hooks point to it), never the other way round.
+grad_fn: `resident` holds detached aliases, the generated forward's locals die when it returns,
+and node lists live only on the stack while the forward runs. Autograd holds the state (handles
+and hooks point to it), never the other way round.
 """
 
 from __future__ import annotations
 
 import functools
+import linecache
 import weakref
 from typing import Any
 
@@ -246,7 +261,7 @@ class StepState:
         for t in list(self.running):
             self._end_stage(t)
         self.task_id = None
-        if all(s == DONE for s in self.stage_status):
+        if all(self.stage_status[t] == DONE for t in self.plan.active_stages):
             # Every stage ran: nothing can need the rest any more. Releasing it here rather than
             # when the graph dies matters when the caller keeps the loss (and so the graph's
             # nodes) alive after backward.
@@ -420,10 +435,7 @@ class StepState:
                 leaves.append((_RERUN,))
         self.node_meta[node.name] = (spec, leaves)
 
-    def hook_stage(self, op: int, nodes: list) -> None:
-        t = self.plan.stage_of_op.get(op)
-        if t is None:
-            return
+    def hook_stage(self, t: int, nodes: list) -> None:
         pre = functools.partial(self.on_stage, t)
         post = functools.partial(self.on_root_done, t)
         for fn in nodes:
@@ -442,7 +454,7 @@ class StepState:
         self.current_op = None
         if self.plan.store_all:
             return
-        missing = [t for t, n in enumerate(self.stage_hooked) if n == 0]
+        missing = [t for t in sorted(self.plan.active_stages) if self.stage_hooked[t] == 0]
         if missing:
             graph = self.plan.graph
             names = ", ".join(f"op {graph.backward_order[t]} "
@@ -453,11 +465,11 @@ class StepState:
                 f"it was profiled (requires_grad or train/eval changed?): profile and solve again")
 
 
-class ScheduledForward(fx.Interpreter):
-    """Runs the traced forward node by node for one StepState (reused across steps)."""
+class ScheduledForward:
+    """Runs the traced forward for one StepState (reused across steps): fx's generated code, with
+    the nodes a schedule needs routed through `_run` (NOTE [Generated forward])."""
 
     def __init__(self, plan: Plan, root: torch.nn.Module):
-        super().__init__(plan.gm, garbage_collect_values=True)
         self.plan = plan
         self.root = root
         self.state: StepState | None = None
@@ -466,87 +478,46 @@ class ScheduledForward(fx.Interpreter):
         self._capturer: rc.ContextCapturer | None = None
         self._hooks = None
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
-        # Non-default Impls replace some nodes (plan.impl_calls): only the interpreter runs them.
-        self._fast = _live_forward(plan.gm, root) if plan.store_all and not plan.impl_calls \
-            else None
-        self._nodes = list(self.graph.nodes)
-        self._free_after = {n: list(ms) for n, ms in self.user_to_last_uses.items()}
-        # Nodes whose arguments are a flat tuple of nodes and constants (most): fetched without
-        # fx's recursive map_arg.
-        self._flat_args = {n for n in self._nodes if all(
-            not isinstance(x, (tuple, list, dict, slice)) for x in (*n.args, *n.kwargs.values()))}
+        self._nodes = list(plan.gm.graph.nodes)
+        self._forward = generated_forward(plan, root)
 
     # Parameters and submodules are looked up on the live model, not on the traced copy, so
-    # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step.
+    # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step; a
+    # constant fx made at trace time exists on the traced copy only.
     def fetch_attr(self, target: str) -> Any:
-        obj = self.root
-        try:
-            for atom in target.split("."):
-                obj = getattr(obj, atom)
-            return obj
-        except AttributeError:
-            return super().fetch_attr(target)
+        found = _attr_path(self.root, target)
+        if found is _MISSING:
+            found = _attr_path(self.plan.gm, target)
+        if found is _MISSING:
+            raise RuntimeError(f"ScheduleWrapper: the model has no attribute {target!r}, which "
+                               f"the traced graph reads")
+        return found
 
     def run_step(self, state: StepState, args: tuple) -> Any:
         self.state = state
         self._op_started = set()
         self._buffer_versions = {}
-        if self._fast is not None:
-            return self._fast(self.root, *args)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not self.plan.store_all:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
             self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors))
             self._hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
         try:
-            return self._loop(args)
+            return self._forward(self, self.root, *args)
         finally:
-            self.env = {}
-            self.args_iter = iter(())
             self.state = None
             self._capturer = None
             self._hooks = None
 
-    def _loop(self, args: tuple) -> Any:
-        """fx.Interpreter.run without its per-node extras (progress bar, traceback context
-        manager, generic argument mapping): about 10 microseconds less per node, which is most
-        of what the interpreter costs on a small model. Values are freed at their last use, as
-        there."""
-        env: dict[fx.Node, Any] = {}
-        args_iter = iter(self.graph.process_inputs(*args))
-        flat = self._flat_args
-        free_after = self._free_after
-        for n in self._nodes:
-            op = n.op
-            if op == "placeholder":
-                if n.target.startswith("*"):
-                    env[n] = list(args_iter)
-                else:
-                    try:
-                        env[n] = next(args_iter)
-                    except StopIteration:
-                        if not n.args:
-                            raise RuntimeError(f"ScheduleWrapper: missing input {n.target}")
-                        env[n] = n.args[0]
-                continue
-            if n in flat:
-                a = tuple([env[x] if x.__class__ is fx.Node else x for x in n.args])
-                kw = {k: env[x] if x.__class__ is fx.Node else x for k, x in n.kwargs.items()}
-            else:
-                a = fx.node.map_arg(n.args, env.__getitem__)
-                kw = fx.node.map_arg(n.kwargs, env.__getitem__)
-            if op == "output":
-                return self.graph.process_outputs(a[0])
-            try:
-                env[n] = self._run(n, a, kw)
-            except Exception as e:
-                if not getattr(e, "_monetlike_node", False):
-                    e._monetlike_node = True
-                    e.add_note(f"While executing {n.format_node()} (ScheduleWrapper forward)")
-                raise
-            del a, kw
-            for m in free_after.get(n, ()):
-                del env[m]
-        return None
+    def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Node i of the traced graph, run by the runtime (called from the generated forward)."""
+        n = self._nodes[i]
+        try:
+            return self._run(n, args, kwargs)
+        except Exception as e:
+            if not getattr(e, "_monetlike_node", False):
+                e._monetlike_node = True
+                e.add_note(f"While executing {n.format_node()} (ScheduleWrapper forward)")
+            raise
 
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
         if self.plan.impl_calls:
@@ -598,7 +569,8 @@ class ScheduledForward(fx.Interpreter):
             state.resolve_pending(op)
         if n.name in plan.meta_nodes:
             state.record_meta(n, op, result)
-        if op is not None and op in plan.stage_of_op:
+        t = plan.stage_of_op.get(op) if op is not None else None
+        if t is not None and t in plan.active_stages:
             # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
             leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
             # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's base a
@@ -606,7 +578,7 @@ class ScheduledForward(fx.Interpreter):
             bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
             roots = grad_fns(list(leaves) + bases)
             if roots:
-                state.hook_stage(op, roots)
+                state.hook_stage(t, roots)
         if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
             self._after_recomputed_op(op)
         if op is not None and op in plan.offload_after and plan.op_last_node.get(n.name) == op:
@@ -660,42 +632,67 @@ class ScheduledForward(fx.Interpreter):
         raise RuntimeError(f"ScheduleWrapper: cannot recompute node {node.format_node()}")
 
 
-def _live_forward(gm: fx.GraphModule, root: torch.nn.Module):
-    """The traced graph as a Python function of the live model (`forward(model, *args)`), or
-    None when it reads an attribute the model does not have (a constant fx made at trace time).
+_MISSING = object()
 
-    For a schedule that recomputes nothing the interpreter only adds its per-node cost (about
-    5% of a small UNet's step); fx's generated code runs the same nodes at the cost of the
-    model's own forward. It is bound to the live model, not to the GraphModule, so parameters
-    or submodules replaced after tracing are the ones used, as in the interpreter."""
+
+def _attr_path(obj: Any, target: str) -> Any:
+    for atom in target.split("."):
+        obj = getattr(obj, atom, _MISSING)
+        if obj is _MISSING:
+            break
+    return obj
+
+
+def _through_runtime(runner: ScheduledForward, i: int, args: tuple, kwargs: dict) -> Any:
+    return runner.run_node(i, args, kwargs)
+
+
+def generated_forward(plan: Plan, root: torch.nn.Module):
+    """NOTE [Generated forward]: the traced graph as Python code, `forward(runner, model, *args)`.
+
+    A node in `plan.runtime_nodes` (or a get_attr / call_module the live model lacks: a constant
+    fx made at trace time) becomes a call `_through_runtime(runner, i, args, kwargs)`; every
+    other node is fx's own code for it, reading parameters and submodules from the live model
+    (`self`), so parameters or submodules replaced after tracing are the ones used."""
+    gm = plan.gm
+    through = set(plan.runtime_nodes)
     for n in gm.graph.nodes:
-        if n.op in ("get_attr", "call_module"):
-            obj = root
-            try:
-                for atom in n.target.split("."):
-                    obj = getattr(obj, atom)
-            except AttributeError:
-                return None
-    codegen = gm.graph._codegen
-    pytree_io = isinstance(codegen, PyTreeCodeGen)
-    if pytree_io:
-        # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs
-        # (a ModelOutput) with specs kept on the GraphModule, which the live model does not
-        # have: generate the flat code and do both here.
-        gm.graph._codegen = fx.graph.CodeGen()
-    try:
-        code = gm.graph.python_code(root_module="self")
-    finally:
-        gm.graph._codegen = codegen
+        if n.op in ("get_attr", "call_module") and _attr_path(root, n.target) is _MISSING:
+            through.add(n.name)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    # The runner is the generated function's first argument, named unlike any model input.
+    taken = {n.target.lstrip("*") for n in gm.graph.nodes if n.op == "placeholder"}
+    name = "_runner"
+    while name in taken:
+        name = "_" + name
+    runner = graph.placeholder(name)
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op not in ("placeholder", "output") and n.name in through:
+            args = fx.node.map_arg(n.args, env.__getitem__)
+            kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+            env[n] = graph.create_node("call_function", _through_runtime,
+                                       (runner, i, args, kwargs), name=n.name)
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs (a
+    # ModelOutput) with specs kept on the GraphModule: the code is generated flat (the new
+    # graph's default CodeGen) and the original codegen does both around it.
+    code = graph.python_code(root_module="self")
+    filename = f"<monetlike scheduled forward {id(plan):x}>"
+    # Tracebacks through the generated code show its lines (fx's GraphModule does the same).
+    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(True), filename)
     scope = dict(code.globals)
-    exec(compile(code.src, "<monetlike store-all forward>", "exec"), scope)  # fx's own codegen
+    exec(compile(code.src, filename, "exec"), scope)
     flat_forward = scope["forward"]
-    if not pytree_io:
-        return flat_forward
-
-    def forward(root, *args):
-        return codegen.process_outputs(flat_forward(root, *codegen.process_inputs(*args)))
-
+    codegen = gm.graph._codegen
+    if not isinstance(codegen, PyTreeCodeGen):
+        def forward(runner, root, *args):
+            return flat_forward(root, runner, *args)
+    else:
+        def forward(runner, root, *args):
+            return codegen.process_outputs(
+                flat_forward(root, runner, *codegen.process_inputs(*args)))
     return forward
 
 

@@ -33,7 +33,7 @@ from solver.simulate import simulate
 #   as a detached alias in its handle), and autograd frees it after the last backward node that
 #   saved it ran, never later than the schedule's drop. This keeps a store-all schedule as cheap
 #   as plain PyTorch.
-# - neither: never saved; freed at its last forward use by the interpreter's garbage collection.
+# - neither: never saved; freed at its last forward use by the generated forward.
 # Independently, a Value is held in `resident` (from the forward pass when it is in
 # `forward_keep`, or from its recomputation) if a handle or a recomputation reads it: scheduled
 # Values and inputs of recomputed Ops. Nothing else is held by the runtime, so the runtime never
@@ -123,6 +123,12 @@ class Plan:
     tensor or a node's result is matched to a Value by storage (NOTE [Storage identity] in
     executor.py). An in-place Op's output shares its storage with the Value it overwrites, which
     is left out: after the write that storage holds the output."""
+    active_stages: frozenset[int] = frozenset()
+    """Backward stages that do something at run time (fetch, recompute, or release a Value the
+    runtime holds): only their Ops get stage hooks (NOTE [Stage boundaries] in executor.py)."""
+    runtime_nodes: frozenset[str] = frozenset()
+    """fx nodes the forward runs through the runtime (NOTE [Generated forward] in executor.py);
+    every other node runs as fx's generated code."""
 
     @property
     def store_all(self) -> bool:
@@ -254,6 +260,18 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
 
     stage_of_op = {o: t for t, o in enumerate(graph.backward_order)}
     releases = [stage_releases(graph, schedule, t) for t in range(len(schedule.stages))]
+    active_stages = frozenset(
+        t for t, (st, rel) in enumerate(zip(schedule.stages, releases))
+        if st.fetch or st.recompute
+        or not held.isdisjoint((*rel.at_start, *rel.at_end, *(v for vs in rel.after_recompute
+                                                                 for v in vs))))
+    # NOTE [Generated forward]: the Ops whose nodes need the runtime in the forward pass.
+    producers = {graph.values[v].producer for v in held | offload} - {None}
+    runtime_ops = (set(hooked_ops) | recomputed_ops | producers | set(offload_after)
+                   | {graph.backward_order[t] for t in active_stages}
+                   | {node_op[name] for name in impl_calls if name in node_op})
+    runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta \
+        | set(impl_calls)
 
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
@@ -264,7 +282,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 impl_saved=impl_saved, impl_calls=impl_calls, overwrites=overwrites,
                 overwritten_args=overwritten_args,
                 storage_values=storage_values, offload=offload,
-                offload_after={j: tuple(vs) for j, vs in offload_after.items()})
+                offload_after={j: tuple(vs) for j, vs in offload_after.items()},
+                active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes))
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

@@ -173,7 +173,7 @@ class ScheduleWrapper(torch.nn.Module):
         budget = f", budget {s.budget_bytes} B" if s.budget_bytes is not None else ""
         return f"model={type(self._model).__name__}, schedule {s.fingerprint} ({s.mode}{budget})"
 
-    # Plans hold the traced module, fx nodes and interpreters: rebuilt on the first call after a
+    # Plans hold the traced module, fx nodes and generated code: rebuilt on the first call after a
     # copy or an unpickle rather than copied.
     _CACHES = ("_entries", "_gm", "_placeholders")
 

@@ -1,0 +1,96 @@
+"""The scheduled forward is fx's generated code with only the nodes a schedule needs routed through
+the runtime (NOTE [Generated forward] in monetlike/runtime/executor.py), and only the backward
+stages that act are hooked. These tests pin what the runtime touches for a schedule recomputing
+one Op, and that the step stays exact and at its predicted peak.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import monetlike
+from monetlike.runtime import ScheduleWrapper
+from monetlike.runtime.executor import ScheduledForward
+from runtime_support import PEAK_TOLERANCE, compare_step, keep_schedule, measured_peak
+from solver.simulate import simulate
+
+
+def _one_recompute(graph):
+    """A schedule that drops one BatchNorm(+ReLU) output in the middle of the model."""
+    norms = [v.id for v in graph.values if v.producer is not None
+             and graph.ops[v.producer].kind == "BatchNorm2d" and v.id not in graph.outputs]
+    target = norms[len(norms) // 2]
+    schedule = keep_schedule(graph, lambda v: v != target, "one", hold="last_use")
+    assert sum(len(s.recompute) for s in schedule.stages) >= 1
+    return schedule
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    return model, x, monetlike.profile(model, x, cost="analytical:A100-40GB")
+
+
+def test_only_runtime_nodes_call_into_the_runtime(resnet, monkeypatch):
+    model, x, graph = resnet
+    schedule = _one_recompute(graph)
+    wrapped = ScheduleWrapper(model, schedule, graph=graph)
+    calls = []
+    original = ScheduledForward.run_node
+
+    def counting(self, i, args, kwargs):
+        calls.append(self._nodes[i].name)
+        return original(self, i, args, kwargs)
+
+    monkeypatch.setattr(ScheduledForward, "run_node", counting)
+    wrapped(x).sum().backward()
+    plan = next(iter(wrapped._entries.values())).plan
+    n_nodes = len(plan.gm.graph.nodes)
+    # Every call is a runtime node, each runs once, and they are few: the rest is plain code.
+    assert sorted(calls) == sorted(plan.runtime_nodes)
+    assert len(calls) < n_nodes / 4, (len(calls), n_nodes)
+    # Only the stages that act are active, and each active stage is one that acts.
+    assert 0 < len(plan.active_stages) < len(graph.backward_order) / 4
+    held = plan.held
+    for t in plan.active_stages:
+        st, rel = schedule.stages[t], plan.releases[t]
+        released = {*rel.at_start, *rel.at_end, *(v for vs in rel.after_recompute for v in vs)}
+        assert st.fetch or st.recompute or released & held
+
+
+def test_one_recompute_is_exact_and_at_its_predicted_peak(resnet):
+    model, x, graph = resnet
+    schedule = _one_recompute(graph)
+    compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), (x,), steps=2,
+                 exact=True)
+    wrapped = ScheduleWrapper(model, schedule, graph=graph)
+    predicted = simulate(graph, schedule).peak_bytes
+    measured = measured_peak(graph, model, wrapped, (x,))
+    assert abs(measured - predicted) <= PEAK_TOLERANCE * predicted, (measured, predicted)
+
+
+class _NamedLikeTheRunner(nn.Module):
+    """A model whose input is called like the generated forward's own first argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, _runner):
+        return self.b(torch.relu(self.a(_runner)))
+
+
+def test_an_input_named_like_the_runner_is_not_shadowed():
+    torch.manual_seed(0)
+    model = _NamedLikeTheRunner()
+    x = torch.randn(4, 8)
+    graph = monetlike.profile(model, x, cost="analytical:A100-40GB")
+    schedule = keep_schedule(graph, lambda v: False, "none", hold="stage")
+    assert sum(len(s.recompute) for s in schedule.stages) >= 1
+    compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), (x,), exact=True)
