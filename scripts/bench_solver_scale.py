@@ -78,6 +78,8 @@ def run_one(name: str, graph, fraction: float, args) -> dict:
         cpu_pct=round(100 * (time.process_time() - cpu0)
                       / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
         note=st.get("search", ""))
+    if st.get("structured") is not None:  # the block-copy strategy's tally (JSON lines only)
+        row["structured"] = st["structured"]
     return row
 
 

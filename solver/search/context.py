@@ -69,6 +69,8 @@ class SearchContext:
     probes: list = field(default_factory=list)
     """(gap, outcome, seconds) of each bound probe."""
     lns: LnsTally | None = None
+    structured: object | None = None
+    """The block-copy strategy's tally (structured.StructuredTally), when it ran."""
 
     def new_backend(self) -> Backend:
         """A fresh instance of the search's backend (one per concurrent solve)."""
