@@ -173,12 +173,21 @@ def _profile_args(args):
 
     model = build_model(args.model)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
-    return profile(model, x, cost=args.cost, optimizer=args.optimizer,
-                   host_bandwidth=getattr(args, "host_bandwidth", None))
+    graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
+                    host_bandwidth=getattr(args, "host_bandwidth", None))
+    if getattr(args, "calibrate", False):
+        from .calibrate import calibrate
+
+        graph = calibrate(model, x, graph)
+    return graph
 
 
 def cmd_profile(args) -> int:
     _check_writable(args.output, _model_file(args.model))
+    if args.calibrate and args.cost.strip().lower().startswith("analytical:"):
+        raise UsageError(f"--calibrate fits measured costs to the step as it runs on this "
+                         f"device; --cost {args.cost} is a roofline for another one: use "
+                         f"--cost measured, or leave out --calibrate")
     start = time.perf_counter()
     graph = _profile_args(args)
     seconds = time.perf_counter() - start
@@ -191,6 +200,11 @@ def cmd_profile(args) -> int:
     print(f"store-all (plain PyTorch) peak: {format_bytes(peak)} ({peak / 1e9:.2f} GB); "
           f"fixed {format_bytes(graph.fixed_bytes)}; host link "
           f"{_format_rate(graph.host_bandwidth)}")
+    cal = graph.meta.get("calibration")
+    if cal:
+        print(f"calibrated: forward x{cal['forward_scale']:.3f}, backward "
+              f"x{cal['backward_scale']:.3f}, {cal['recompute_timed_ops']} of {cal['ops']} ops' "
+              f"recomputation timed in context")
     if args.output:
         graph.save(args.output)
         print(f"wrote {args.output}")
@@ -689,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="trace and profile a model into an operator graph")
     _add_model_args(p)
     _add_host_bandwidth(p)
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit measured costs to the step as it runs: time the plain forward and "
+                        "backward and every recomputation in context (monetlike.calibrate)")
     p.add_argument("-o", "--output", help="write the graph JSON here")
     p.set_defaults(run=cmd_profile)
 

@@ -300,7 +300,7 @@ class Ours:
         for st in sched.stages:
             for op in st.recompute:
                 counts[op] = counts.get(op, 0) + 1
-        cost = {op: n * g.ops[op].impls[sched.impl[op]].fwd_time for op, n in counts.items()}
+        cost = {op: n * g.ops[op].impls[sched.impl[op]].rerun_time for op, n in counts.items()}
         total = sum(cost.values())
         worst = sorted(cost, key=cost.get, reverse=True)[:top]
         parts = ", ".join(f"{g.ops[o].name} {1e3 * cost[o]:.1f} ms"

@@ -49,6 +49,7 @@ def dominates(b: Impl, a: Impl) -> bool:
     return (b.overwrites == a.overwrites and set(b.saved) <= set(a.saved)
             and b.internal_bytes <= a.internal_bytes
             and b.fwd_time <= a.fwd_time and b.bwd_time <= a.bwd_time
+            and b.rerun_time <= a.rerun_time
             and b.fwd_workspace <= a.fwd_workspace and b.bwd_workspace <= a.bwd_workspace
             and set(b.early_release) <= set(a.early_release)
             and b.recompute_transient <= a.recompute_transient)

@@ -318,9 +318,9 @@ class Formulation:
         b.var_block("recompute")  # R[t,j]: op j recomputed just before stage t
         self.R: dict[tuple[int, int], int] = {}
         self.split_ops = {j for j in range(len(ops)) if len(f.impls[j]) > 1 and not self._uniform(
-            j, ("fwd_time", "recompute_transient", "overwrites"))}
+            j, ("rerun_time", "recompute_transient", "overwrites"))}
         for j in range(len(ops)):
-            cost = 0.0 if j in self.split_ops else self._impl(j, f.impls[j][0]).fwd_time * ts
+            cost = 0.0 if j in self.split_ops else self._impl(j, f.impls[j][0]).rerun_time * ts
             for t in range(ohz[j] + 1):
                 self.R[t, j] = b.var(f"R[{t},{j}]", cost=cost)
 
@@ -330,7 +330,7 @@ class Formulation:
             if j in self.split_ops:
                 for i in f.impls[j]:
                     self.RI[t, j, i] = b.var(f"RI[{t},{j},{i}]", integer=False,
-                                             cost=self._impl(j, i).fwd_time * ts)
+                                             cost=self._impl(j, i).rerun_time * ts)
 
         # Offload to host (offload=True): O[v] copies v to host in the forward pass; Fe[t,v]
         # copies it back at the start of stage t. Each copy costs bytes / host_bandwidth.
@@ -837,7 +837,8 @@ class Formulation:
         g = self.graph
         total = sum(g.ops[j].impls[i].fwd_time for j, i in enumerate(s.impl))
         total += sum(g.ops[k].impls[s.impl[k]].bwd_time for k in g.backward_order)
-        total += sum(g.ops[j].impls[s.impl[j]].fwd_time for st in s.stages for j in st.recompute)
+        total += sum(g.ops[j].impls[s.impl[j]].rerun_time
+                     for st in s.stages for j in st.recompute)
         total += sum(self._transfer(v) for v in s.offload)
         total += sum(self._transfer(v) for st in s.stages for v in st.fetch)
         return total

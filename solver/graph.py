@@ -52,8 +52,10 @@ def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: boo
     return v
 
 
-def _float(d: Any, key: str, where: str) -> float:
-    v = _get(d, key, where)
+def _float(d: Any, key: str, where: str, *, optional: bool = False) -> float | None:
+    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
+    if v is None and optional:
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 \
             or v == float("inf"):
         raise FormatError(f"{where}.{key}: expected a non-negative, finite number, got "
@@ -246,7 +248,7 @@ class Impl:
     indices, dropout masks, attention internals), allocated in the forward and held until the
     Op's backward stage ends."""
     fwd_time: float
-    """Seconds for the forward (and for each recomputation)."""
+    """Seconds for the forward (and for each recomputation, unless `recompute_time` is set)."""
     bwd_time: float
     """Seconds for its backward stage."""
     fwd_workspace: int
@@ -268,6 +270,11 @@ class Impl:
     (the Op's forward run again under no_grad); None in graphs profiled before it was, read as
     internal_bytes + fwd_workspace (an upper bound). See `recompute_transient`."""
 
+    recompute_time: float | None = None
+    """Seconds for a recomputation of the Op under this Impl (no_grad, inside the backward), when
+    it was timed there (monetlike.profile.calibrate: costs in context); None reads as
+    `fwd_time`. See `rerun_time`."""
+
     early_release: tuple[int, ...] = ()
     """Saved Values (a subset of `saved`) that autograd frees inside the backward stage, before
     its peak: `bwd_workspace` was measured with them gone. A schedule that still holds one after
@@ -275,6 +282,11 @@ class Impl:
     (docs/formulation.md section 4). Empty when the profiler could not time the frees (meta
     device) or in graphs profiled before it could; the workspace then holds every saved Value to
     the stage's end."""
+
+    @property
+    def rerun_time(self) -> float:
+        """Seconds one recomputation of the Op under this Impl costs."""
+        return self.fwd_time if self.recompute_time is None else self.recompute_time
 
     @property
     def recompute_transient(self) -> int:
@@ -290,6 +302,8 @@ class Impl:
             del d["overwrites"]  # graphs without in-place Impls read as before
         if self.recompute_workspace is None:
             del d["recompute_workspace"]  # nor graphs profiled before it was measured
+        if self.recompute_time is None:
+            del d["recompute_time"]  # nor graphs whose costs were not calibrated
         if self.early_release:
             d["early_release"] = list(self.early_release)
         else:
@@ -308,6 +322,7 @@ class Impl:
             bwd_workspace=_int(d, "bwd_workspace", where),
             overwrites=_int(d, "overwrites", where, optional=True),
             recompute_workspace=_int(d, "recompute_workspace", where, optional=True),
+            recompute_time=_float(d, "recompute_time", where, optional=True),
             early_release=(_ints(d, "early_release", where)
                            if isinstance(d, dict) and "early_release" in d else ()),
         )

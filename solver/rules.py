@@ -148,7 +148,7 @@ def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
 
     def cost(v: int) -> float:
         p = graph.values[v].producer
-        return ops[p].impls[impl[p]].fwd_time
+        return ops[p].impls[impl[p]].rerun_time
 
     order = sorted((v for v in kept if ops[graph.values[v].producer].recompute_unsafe is None),
                    key=lambda v: -graph.values[v].bytes / max(cost(v), 1e-12))
@@ -208,7 +208,7 @@ def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
 
     def seconds_per_byte(v: int) -> float:
         p = graph.values[v].producer
-        return ops[p].impls[impl[p]].fwd_time / max(graph.values[v].bytes, 1)
+        return ops[p].impls[impl[p]].rerun_time / max(graph.values[v].bytes, 1)
 
     order = sorted((v for v in range(len(graph.values))
                     if facts.scheduled[v] and facts.horizon[v] >= 0

@@ -211,7 +211,7 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
                     + dup - freed(j) + rimpl.recompute_transient)
             resident.update(new)
             resident.difference_update(release.after_recompute[pos])
-            recompute_time += rimpl.fwd_time
+            recompute_time += rimpl.rerun_time
             points.append(Point("recompute", t, j, peak, tuple(sorted(resident))))
         missing = sorted(needed - resident)
         if missing:

@@ -11,8 +11,8 @@ from monetlike.cli import build_parser, main
 
 # The whole surface: subcommand -> its options. Change this only on purpose.
 SURFACE = {
-    "profile": ["--batch", "--cost", "--host-bandwidth", "--input-shape", "--optimizer",
-                "-o/--output"],
+    "profile": ["--batch", "--calibrate", "--cost", "--host-bandwidth", "--input-shape",
+                "--optimizer", "-o/--output"],
     "solve": ["--backend", "--batch", "--budget", "--cost", "--graph", "--host-bandwidth",
               "--input-shape", "--mode", "--offload", "--optimizer", "--time-limit", "--verbose",
               "-o/--output"],
@@ -207,3 +207,23 @@ def test_offload_and_host_bandwidth_reach_the_solver(tmp_path, capsys, monkeypat
                         capsys)
     assert code == 0, err
     assert seen["offload"] is False and seen["host_bandwidth"] is None
+
+
+def test_profile_calibrate_writes_costs_in_context(capsys, tmp_path):
+    import solver
+
+    out = tmp_path / "g.json"
+    code, printed, err = _run(["profile", "transformer_block", "--batch", "2",
+                               "--input-shape", "8,256", "--cost", "measured", "--calibrate",
+                               "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "calibrated: forward x" in printed
+    g = solver.OpGraph.load(out)
+    assert g.meta["calibration"]["recompute_timed_ops"] > 0
+    assert all(im.recompute_time is not None for op in g.ops for im in op.impls)
+
+
+def test_profile_calibrate_refuses_analytical_costs(capsys, tmp_path):
+    code, _, err = _run(["profile", "resnet18", "--batch", "2", "--cost", "analytical:A100-40GB",
+                         "--calibrate"], capsys)
+    assert code == 2 and "--calibrate fits measured costs" in err

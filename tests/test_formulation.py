@@ -160,3 +160,29 @@ def test_encode_refuses_an_impl_outside_checkpoint_mode():
     with pytest.raises(ValueError, match="not among the checkpoint mode's choices"):
         f.encode(s)
     assert np.all(Formulation(g, 100).encode(s) >= -1e-9)
+
+
+def _with_recompute_times(g, rng: random.Random):
+    """`g` with a recompute time of its own on some Impls (costs in context,
+    monetlike.calibrate): a recomputation then costs other than the forward."""
+    ops = []
+    for op in g.ops:
+        impls = tuple(dataclasses.replace(im, recompute_time=rng.choice([None, 0.0, 0.5, 3.0, 9.0]))
+                      for im in op.impls)
+        ops.append(dataclasses.replace(op, impls=impls))
+    return dataclasses.replace(g, ops=tuple(ops))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(1, 8))
+def test_recompute_times_are_what_the_formulation_and_the_simulator_charge(seed, n):
+    rng = random.Random(seed)
+    g = _with_recompute_times(random_dag(rng, n, two_impl=True, early=True), rng)
+    for s in random_schedules(g, rng):
+        tl = simulate(g, s)
+        expected = (sum(g.ops[j].impls[i].fwd_time for j, i in enumerate(s.impl))
+                    + sum(g.ops[k].impls[s.impl[k]].bwd_time for k in g.backward_order)
+                    + sum(g.ops[j].impls[s.impl[j]].rerun_time
+                          for st_ in s.stages for j in st_.recompute))
+        assert tl.total_time == pytest.approx(expected, rel=1e-12)
+        assert_encoding_claims_the_simulation(g, s, tl.peak_bytes)

@@ -143,3 +143,21 @@ def test_wrong_type_names_the_field():
     s["stages"][0]["recompute"] = [1, "x"]
     with pytest.raises(FormatError, match=r"schedule.stages\[0\].recompute\[1\]"):
         Schedule.from_dict(s)
+
+
+def test_recompute_times_round_trip_and_do_not_change_the_fingerprint(tmp_path):
+    g = chain((100, 200, 300))
+    timed = dataclasses.replace(g, ops=tuple(
+        dataclasses.replace(op, impls=tuple(dataclasses.replace(im, recompute_time=0.25 * (k + 1))
+                                            for im in op.impls))
+        for k, op in enumerate(g.ops)))
+    path = tmp_path / "g.json"
+    timed.save(path)
+    back = OpGraph.load(path)
+    assert back == timed and [op.impls[0].rerun_time for op in back.ops] == [0.25, 0.5, 0.75]
+    assert back.fingerprint == g.fingerprint
+    assert "recompute_time" not in g.to_dict()["ops"][0]["impls"][0]  # untimed graphs as before
+    d = timed.to_dict()
+    d["ops"][0]["impls"][0]["recompute_time"] = -1
+    with pytest.raises(FormatError, match=r"recompute_time: expected a non-negative"):
+        OpGraph.from_dict(d)

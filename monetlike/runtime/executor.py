@@ -226,8 +226,12 @@ class StepState:
             resident[v] = self.host.fetch(v)
         for v in rel.at_start:
             resident.pop(v, None)
+        log = self.runner.recompute_log
         for pos, j in enumerate(plan.schedule.stages[t].recompute):
-            self.recompute_op(j, t)
+            if log is None:
+                self.recompute_op(j, t)
+            else:
+                self._timed_recompute(j, t, log)
             for v in rel.after_recompute[pos]:
                 resident.pop(v, None)
         # NOTE [Early release]: a Value the stage's backward reads last goes to its handles
@@ -325,6 +329,17 @@ class StepState:
                     raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) did not "
                                        f"produce value {v}; the graph does not match the model")
                 resident[v] = new_values[v]
+
+    def _timed_recompute(self, j: int, t: int, log: tuple) -> None:
+        times, clock = log
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:  # pragma: no cover - no GPU in CI
+            torch.cuda.synchronize()
+        start = clock()
+        self.recompute_op(j, t)
+        if cuda:  # pragma: no cover
+            torch.cuda.synchronize()
+        times.setdefault(j, []).append(clock() - start)
 
     def _materialize_args(self, node: fx.Node, local, new_values, t):
         def get(a):
@@ -478,6 +493,7 @@ class ScheduledForward:
         self._capturer: rc.ContextCapturer | None = None
         self._hooks = None
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
+        self.recompute_log = None  # (times, clock) inside ScheduleWrapper.timing_recomputations()
         self._nodes = list(plan.gm.graph.nodes)
         self._forward = generated_forward(plan, root)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -132,6 +133,7 @@ class ScheduleWrapper(torch.nn.Module):
         self._gm = None
         self._placeholders = None
         self._plain = 0
+        self._recompute_log = None  # (times, clock) inside timing_recomputations()
 
     # -- the model's own identity ---------------------------------------------------------------
     @property
@@ -196,6 +198,19 @@ class ScheduleWrapper(torch.nn.Module):
         finally:
             self._plain -= 1
 
+    @contextlib.contextmanager
+    def timing_recomputations(self, clock=time.perf_counter):
+        """Within this block each recomputation is timed as it runs, inside the backward, by
+        `clock` (seconds; time.thread_time for a thread-clock profile): yields {op id: [seconds,
+        ...]} (monetlike.calibrate reads it). On CUDA the device is synchronized around each
+        recomputation, so the steps run slower than they would."""
+        log: dict[int, list[float]] = {}
+        self._recompute_log = (log, clock)
+        try:
+            yield log
+        finally:
+            self._recompute_log = None
+
     def graph_for(self, *args, **kwargs) -> OpGraph:
         """The OpGraph this wrapper runs the schedule on for inputs like these (profiling the
         structure if this input signature is new); raises ScheduleMismatchError like a call."""
@@ -222,6 +237,7 @@ class ScheduleWrapper(torch.nn.Module):
                 "(hooks on its submodules are fine)")
         inputs = self._positional(args, kwargs)
         entry = self._entry_for(inputs)
+        entry.runner.recompute_log = self._recompute_log
         state = StepState(entry.plan, entry.runner, inputs)
         try:
             out = entry.runner.run_step(state, inputs)

@@ -1,0 +1,150 @@
+"""Costs in context: fit a measured profile's costs to the training step as it runs.
+
+The profiler times each Op on its own, between marks, repeated; the step runs them back to back.
+Summed, those per-Op times miss what the step adds or saves around them (a DenseNet block re-run
+measured 242 ms where the per-Op sum said 317 ms), and a recomputation inside the backward runs
+under no_grad on freshly allocated outputs, which the forward timing never saw. `calibrate`
+measures the model itself and returns the graph with its costs fitted:
+
+1. Plain training steps, forward and backward timed apart (median of `steps`): every Impl's
+   `fwd_time` is scaled so that Impl 0's forward times sum to the measured forward, every
+   `bwd_time` likewise to the measured backward.
+2. Steps under a schedule that recomputes every Op it can, once (nothing kept from the forward,
+   each recomputed Value held to its last use), each recomputation timed as it runs
+   (`ScheduleWrapper.timing_recomputations`): the median becomes the Op's `recompute_time`, for
+   every Impl (a recomputation runs the Op's own nodes under no_grad whatever Impl the forward
+   ran). An Op that schedule does not recompute gets its scaled forward time.
+
+The graph's fingerprint does not change (costs are not part of it), so schedules solved on the
+calibrated graph run on the model as before. `graph.meta["calibration"]` records the scales and
+how many Ops were timed in context. The model is left as it was: parameters, their gradients,
+buffers (BatchNorm statistics) and the RNG state are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from solver.graph import OpGraph
+from solver.rules import schedule_from_keep
+
+from .capture import split_example
+from .profile.costs import Timer, check_clock
+from .torch_private import tree_leaves
+
+__all__ = ["calibrate", "CalibrationError"]
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+def _loss(out) -> torch.Tensor:
+    """The profiler's loss: the sum of every floating output that requires grad."""
+    leaves = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)
+              and o.is_floating_point() and o.requires_grad]
+    if not leaves:
+        raise CalibrationError(f"calibrate: the model's output ({type(out).__name__}) has no "
+                               f"floating-point tensor that requires grad, so there is no "
+                               f"backward to time; expected a loss or logits")
+    return sum(o.float().sum() for o in leaves)
+
+
+@contextlib.contextmanager
+def _model_preserved(model: torch.nn.Module):
+    """Put back parameters' gradients, buffers and the RNG state after the timed steps (no
+    optimizer steps, so the parameters themselves do not change)."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() \
+        and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+            for p, g in grads.items():
+                p.grad = g
+
+
+def calibrate(model: torch.nn.Module, example_inputs: Any, graph: OpGraph, *, steps: int = 5,
+              clock: str | None = None) -> OpGraph:
+    """`graph` (a measured profile of `model` on `example_inputs`) with its costs fitted to the
+    step as it runs (module docstring). `clock`: "wall" or "thread", by default the profile's."""
+    if not graph.cost_provenance.startswith("measured"):
+        raise CalibrationError(
+            f"calibrate: the graph's costs are {graph.cost_provenance!r}; calibration fits "
+            f"measured costs to the device they were measured on. Profile with cost='measured' "
+            f"on the device you train on, then calibrate")
+    if not isinstance(steps, int) or steps < 1:
+        raise CalibrationError(f"calibrate: steps: expected an integer >= 1, got {steps!r}")
+    if not model.training:
+        raise CalibrationError("calibrate: the model is in eval mode; a training step is timed, "
+                               "call model.train() first")
+    from .runtime import ScheduleWrapper  # the runtime imports the profiler: import late
+
+    args, kwargs = split_example(model, example_inputs)
+    device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    clock = check_clock(clock or graph.meta.get("clock") or "wall", device)
+    timer = Timer(device, clock)
+    ops = graph.ops
+    fwd_sum = sum(op.impls[0].fwd_time for op in ops)
+    bwd_sum = sum(op.impls[0].bwd_time for op in ops)
+    if fwd_sum <= 0 or bwd_sum <= 0:
+        raise CalibrationError("calibrate: the graph's forward or backward times sum to zero; "
+                               "nothing to fit (was it profiled with cost='measured'?)")
+
+    with _model_preserved(model):
+        fwd, bwd = [], []
+        for i in range(steps + 1):  # the first step warms up and is not counted
+            model.zero_grad(set_to_none=True)
+            timer.sync()
+            a = timer.mark()
+            loss = _loss(model(*args, **kwargs))
+            b = timer.mark()
+            loss.backward()
+            c = timer.mark()
+            timer.sync()
+            if i:
+                fwd.append(timer.seconds(a, b))
+                bwd.append(timer.seconds(b, c))
+            del loss
+        alpha = statistics.median(fwd) / fwd_sum
+        beta = statistics.median(bwd) / bwd_sum
+
+        everything = schedule_from_keep(graph, (), retain="all",
+                                        created_by="monetlike.calibrate")
+        wrapped = ScheduleWrapper(model, everything, graph=graph)
+        tick = time.thread_time if clock == "thread" else time.perf_counter
+        with wrapped.timing_recomputations(tick) as times:
+            for i in range(steps + 1):
+                model.zero_grad(set_to_none=True)
+                if i == 1:
+                    times.clear()  # the first step builds the plan and warms up
+                _loss(wrapped(*args, **kwargs)).backward()
+        model.zero_grad(set_to_none=True)
+
+    rerun = {j: statistics.median(ts) for j, ts in times.items()}
+    new_ops = []
+    for op in ops:
+        impls = tuple(dataclasses.replace(
+            im, fwd_time=im.fwd_time * alpha, bwd_time=im.bwd_time * beta,
+            recompute_time=rerun.get(op.id, im.rerun_time * alpha)) for im in op.impls)
+        new_ops.append(dataclasses.replace(op, impls=impls))
+    meta = dict(graph.meta)
+    meta["calibration"] = {
+        "forward_scale": alpha, "backward_scale": beta, "steps": steps, "clock": clock,
+        "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+        "recompute_timed_ops": len(rerun), "ops": len(ops),
+    }
+    return dataclasses.replace(graph, ops=tuple(new_ops), meta=meta)
