@@ -9,7 +9,7 @@ classes, so that a plan for one block can be copied to its twins (`BlockChain.ma
 Identity. A segment [start, stop) is encoded relative to its own start (`_Prep.encoding`):
 - per op: its *local signature* (kind, number of fx nodes, has_backward, recompute_unsafe, per
   input and output Value its bytes, shape, dtype, requires_grad, whether it is a graph input or
-  a model output, and per Impl its name, costs and workspaces, and its saved / early-released /
+  a model output, and per Impl its name, costs (forward, backward, recomputation) and workspaces, and its saved / early-released /
   overwritten Values as positions among the op's inputs and outputs);
 - its wiring: each input either (position of the producing op inside the segment, output index)
   or ("external", k) where k numbers the Values read from outside the segment (graph inputs,
@@ -254,7 +254,8 @@ class _Prep:
         pos.update({w: ("out", k) for k, w in enumerate(op.outputs)})
         impls = tuple(
             (i.name, tuple(pos[v] for v in i.saved), i.internal_bytes,
-             _round(i.fwd_time, digits), _round(i.bwd_time, digits), i.fwd_workspace,
+             _round(i.fwd_time, digits), _round(i.bwd_time, digits),
+             _round(i.rerun_time, digits), i.fwd_workspace,
              i.bwd_workspace, None if i.overwrites is None else pos[i.overwrites],
              i.recompute_workspace, tuple(pos[v] for v in i.early_release))
             for i in op.impls)
