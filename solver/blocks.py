@@ -9,8 +9,9 @@ classes, so that a plan for one block can be copied to its twins (`BlockChain.ma
 Identity. A segment [start, stop) is encoded relative to its own start (`_Prep.encoding`):
 - per op: its *local signature* (kind, number of fx nodes, has_backward, recompute_unsafe, per
   input and output Value its bytes, shape, dtype, requires_grad, whether it is a graph input or
-  a model output, and per Impl its name, costs (forward, backward, recomputation) and workspaces, and its saved / early-released /
-  overwritten Values as positions among the op's inputs and outputs);
+  a model output, and per Impl its name, costs (forward, backward, recomputation) and
+  workspaces, and its saved / early-released / overwritten Values as positions among the op's
+  inputs and outputs);
 - its wiring: each input either (position of the producing op inside the segment, output index)
   or ("external", k) where k numbers the Values read from outside the segment (graph inputs,
   earlier segments) in order of first use;
