@@ -94,3 +94,51 @@ def test_an_input_named_like_the_runner_is_not_shadowed():
     schedule = keep_schedule(graph, lambda v: False, "none", hold="stage")
     assert sum(len(s.recompute) for s in schedule.stages) >= 1
     compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), (x,), exact=True)
+
+
+class _Counter(nn.Module):
+    """Writes a buffer in its forward: recomputing it would count twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(x) * 2
+
+
+class _WithCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.counter = _Counter()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.counter(self.a(x)))
+
+
+def test_a_module_writing_its_buffer_is_refused_when_a_stale_graph_recomputes_it():
+    """The profiler marks the counter unsafe to recompute; a graph that lost the mark (edited by
+    hand, profiled by an older version) must still never make the runtime count twice."""
+    import dataclasses
+
+    from solver.errors import ScheduleError
+
+    torch.manual_seed(0)
+    model = _WithCounter()
+    x = torch.randn(4, 8)
+    graph = monetlike.profile(model, x, cost="analytical:A100-40GB", leaf_modules=["counter"])
+    counter = next(op for op in graph.ops if op.name == "counter")
+    assert counter.recompute_unsafe is not None
+    stale = dataclasses.replace(graph, ops=tuple(
+        dataclasses.replace(op, recompute_unsafe=None) if op is counter else op
+        for op in graph.ops))
+    schedule = keep_schedule(stale, lambda v: False, "none", hold="stage")
+    assert any(counter.id in st.recompute for st in schedule.stages)
+    wrapped = ScheduleWrapper(model, schedule, graph=stale, leaf_modules=["counter"])
+    before = model.counter.calls.clone()
+    with pytest.raises(ScheduleError, match="writes its buffer 'calls'"):
+        wrapped(x).sum().backward()
+    assert model.counter.calls == before + 1  # the forward ran once; nothing was recomputed

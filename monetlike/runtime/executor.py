@@ -490,6 +490,7 @@ class ScheduledForward:
         self.state: StepState | None = None
         self._op_started: set[int] = set()
         self._buffer_versions: dict[int, list] = {}
+        self._attrs: dict[str, Any] = {}
         self._capturer: rc.ContextCapturer | None = None
         self._hooks = None
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
@@ -501,18 +502,23 @@ class ScheduledForward:
     # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step; a
     # constant fx made at trace time exists on the traced copy only.
     def fetch_attr(self, target: str) -> Any:
+        found = self._attrs.get(target, _MISSING)
+        if found is not _MISSING:
+            return found
         found = _attr_path(self.root, target)
         if found is _MISSING:
             found = _attr_path(self.plan.gm, target)
         if found is _MISSING:
             raise RuntimeError(f"ScheduleWrapper: the model has no attribute {target!r}, which "
                                f"the traced graph reads")
+        self._attrs[target] = found
         return found
 
     def run_step(self, state: StepState, args: tuple) -> Any:
         self.state = state
         self._op_started = set()
         self._buffer_versions = {}
+        self._attrs = {}  # looked up once per step (and its recomputations) on the live model
         if not self.plan.store_all:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors))
@@ -620,15 +626,15 @@ class ScheduledForward:
                     f"whose module {node.target} has forward hooks; recomputing would call them "
                     f"again. Profile the model with its hooks registered (the profiler marks such "
                     f"ops recompute_unsafe) and solve again")
-            versions.append((node, mod, rc.buffer_versions(mod)))
+            allowed = rc.allowed_buffer_writes(mod)
+            versions.append((node, mod, allowed, rc.buffer_versions(mod, allowed)))
         self._buffer_versions[op] = versions
 
     def _after_recomputed_op(self, op: int) -> None:
         graph = self.plan.graph
-        for node, mod, before in self._buffer_versions.pop(op):
-            allowed = rc.allowed_buffer_writes(mod)
-            for (name, ver), (_, now) in zip(before, rc.buffer_versions(mod)):
-                if ver != now and name.split(".")[-1] not in allowed:
+        for node, mod, allowed, before in self._buffer_versions.pop(op):
+            for (name, ver), (_, now) in zip(before, rc.buffer_versions(mod, allowed)):
+                if ver != now:
                     raise ScheduleError(
                         f"ScheduleWrapper: the schedule recomputes op {op} "
                         f"({graph.ops[op].name}), whose module {node.target} writes its buffer "

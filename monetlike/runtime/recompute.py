@@ -17,6 +17,7 @@ recompute; `check_side_effects` refuses them at the first step instead of replay
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,16 +180,25 @@ def rng_free(kinds: list[str]) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Modules and functions with running statistics
 # ----------------------------------------------------------------------------------------------
-def _is_plain_batchnorm(mod: torch.nn.Module) -> bool:
+@functools.cache
+def _norm_kind(cls: type) -> str | None:
+    """'batchnorm' or 'instancenorm' for torch's own classes of those (decided once per class)."""
     # SyncBatchNorm is a collective and must never be recomputed (the profiler marks it unsafe);
     # any other subclass may override forward, so only the library classes are rewritten.
-    return type(mod).__module__ == "torch.nn.modules.batchnorm" \
-        and isinstance(mod, BatchNormBase) and type(mod).__name__ != "SyncBatchNorm"
+    if cls.__module__ == "torch.nn.modules.batchnorm" and issubclass(cls, BatchNormBase) \
+            and cls.__name__ != "SyncBatchNorm":
+        return "batchnorm"
+    if cls.__module__ == "torch.nn.modules.instancenorm" and issubclass(cls, InstanceNormBase):
+        return "instancenorm"
+    return None
+
+
+def _is_plain_batchnorm(mod: torch.nn.Module) -> bool:
+    return _norm_kind(type(mod)) == "batchnorm"
 
 
 def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
-    return type(mod).__module__ == "torch.nn.modules.instancenorm" \
-        and isinstance(mod, InstanceNormBase)
+    return _norm_kind(type(mod)) == "instancenorm"
 
 
 def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -258,8 +268,12 @@ def module_has_hooks(mod: torch.nn.Module) -> bool:
     return bool(mod._forward_hooks or mod._forward_pre_hooks or global_module_hooks())
 
 
-def buffer_versions(mod: torch.nn.Module) -> list[tuple[str, int]]:
-    return [(name, b._version) for name, b in mod.named_buffers() if b is not None]
+def buffer_versions(mod: torch.nn.Module, skip: frozenset[str] = frozenset()) -> list:
+    """(name, version) of the module's buffers whose last name part is not in `skip`."""
+    if not mod._modules and mod._buffers.keys() <= skip:
+        return []  # a plain BatchNorm: every buffer it has may be written
+    return [(name, b._version) for name, b in mod.named_buffers()
+            if b is not None and name.rsplit(".", 1)[-1] not in skip]
 
 
 def allowed_buffer_writes(mod: torch.nn.Module) -> frozenset[str]:
