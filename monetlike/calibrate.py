@@ -6,8 +6,8 @@ measured 242 ms where the per-Op sum said 317 ms), and a recomputation inside th
 under no_grad on freshly allocated outputs, which the forward timing never saw. `calibrate`
 measures the model itself and returns the graph with its costs fitted:
 
-1. Plain training steps, forward and backward timed apart (median of `steps`): every Impl's
-   `fwd_time` is scaled so that Impl 0's forward times sum to the measured forward, every
+1. Plain training steps, forward (with the `zero_grad` that frees the last step's gradients)
+   and backward timed apart (median of `steps`): every Impl's `fwd_time` is scaled so that Impl 0's forward times sum to the measured forward, every
    `bwd_time` likewise to the measured backward.
 2. Steps under a schedule that recomputes every Op it can, once (nothing kept from the forward,
    each recomputed Value held to its last use), each recomputation timed as it runs
@@ -107,9 +107,11 @@ def calibrate(model: torch.nn.Module, example_inputs: Any, graph: OpGraph, *, st
     with _model_preserved(model):
         fwd, bwd = [], []
         for i in range(steps + 1):  # the first step warms up and is not counted
-            model.zero_grad(set_to_none=True)
             timer.sync()
             a = timer.mark()
+            # A training step frees the last step's gradients (zero_grad): large frees unmap
+            # memory, which costs time; counted with the forward.
+            model.zero_grad(set_to_none=True)
             loss = _loss(model(*args, **kwargs))
             b = timer.mark()
             loss.backward()
