@@ -77,7 +77,11 @@ def schedules_for(graph, fractions):
     return out
 
 
-def time_pairs(plain_step, sched_step, repeat: int) -> tuple[float, float, float]:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def time_pairs(plain_step, sched_step, repeat: int,
+               clock=time.perf_counter) -> tuple[float, float, float]:
     """Median times of the two steps run in alternating order, and the median of the ratios of
     adjacent runs (adjacent runs see the same load from other processes)."""
     for _ in range(2):
@@ -87,9 +91,9 @@ def time_pairs(plain_step, sched_step, repeat: int) -> tuple[float, float, float
     for i in range(repeat):
         order = (plain_step, sched_step) if i % 2 == 0 else (sched_step, plain_step)
         for fn in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            (a if fn is plain_step else b).append(time.perf_counter() - t0)
+            (a if fn is plain_step else b).append(clock() - t0)
     ratio = statistics.median(y / x for x, y in zip(a, b))
     return statistics.median(a), statistics.median(b), ratio
 
@@ -124,12 +128,12 @@ def measured_peak(graph, model, module, x) -> int:
     return m.peak_bytes - m.start_bytes + graph.fixed_bytes
 
 
-def bench_model(name: str, repeat: int, fractions) -> list[dict]:
+def bench_model(name: str, repeat: int, fractions, clock: str = "wall") -> list[dict]:
     factory, shape = MODELS[name]
     torch.manual_seed(0)
     model = factory()
     x = torch.randn(*shape)
-    profiled = monetlike.profile(model, x, cost="measured", repeat=3)
+    profiled = monetlike.profile(model, x, cost="measured", repeat=3, clock=clock)
     # Costs in context (monetlike.calibrate): schedules are solved on the calibrated graph; the
     # per-op profile's own prediction is kept beside it.
     graph = calibrate(model, x, profiled)
@@ -149,7 +153,7 @@ def bench_model(name: str, repeat: int, fractions) -> list[dict]:
                 p.grad = None
             wrapped(x).float().sum().backward()
 
-        t_plain, t_sched, ratio = time_pairs(plain_step, sched_step, repeat)
+        t_plain, t_sched, ratio = time_pairs(plain_step, sched_step, repeat, CLOCKS[clock])
         tl = simulate(graph, schedule)
         rows.append({
             "model": f"{name} {tuple(shape)}", "schedule": label,
@@ -184,6 +188,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--repeat", type=int, default=15, help="timed pairs per schedule")
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.95, 0.5, 0.0],
                     help="budgets as fractions of the way from the sqrt(n) peak to store-all")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="thread",
+                    help="profile, calibrate and time steps by the wall clock or by this "
+                         "thread's CPU time (the default: the machine's speed and other processes "
+                         "move the wall clock by tens of percent over minutes)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -194,7 +202,7 @@ def main(argv=None) -> list[dict]:
     print(header)
     rows = []
     for name in args.models:
-        rows += bench_model(name, args.repeat, args.fractions)
+        rows += bench_model(name, args.repeat, args.fractions, args.clock)
     if not args.no_write:
         from bench_doc import header as doc_header, replace_section
 
@@ -211,7 +219,8 @@ def main(argv=None) -> list[dict]:
                  f"{100 * max(errors, key=abs):+.2f}%, {sum(e <= 0 for e in errors)} of "
                  f"{len(errors)} rows at or below the prediction." if errors else "")
         body = (doc_header(command.strip()) + "\n"
-                "Step = forward + backward of one batch, one thread, costs measured on this CPU "
+                f"Step = forward + backward of one batch, one thread, timed by the {args.clock} "
+                "clock (profile, calibration and steps alike), costs measured on this CPU "
                 "and calibrated (monetlike.calibrate: plain forward and backward timed, every "
                 "recomputation timed in context); schedules are solved on the calibrated graph. "
                 "\"per-op profile ms\" is the simulator's step time on the costs as profiled op "
@@ -234,7 +243,10 @@ def main(argv=None) -> list[dict]:
                 "measured overhead also holds what the predicted one leaves out: fresh "
                 "allocations for recomputed activations and kernels timed in context rather than "
                 "op by op; the plain step times move by tens of percent between rows on this "
-                "shared 2-core machine, so differences of a few percent are noise. " + peaks + "\n")
+                "shared 2-core machine, so differences of a few percent are noise. Calibrated "
+                "predictions fall further short the more Ops are recomputed; set the shortfall "
+                "beside the runtime work column: the runtime's own bookkeeping (handles, hooks, "
+                "rebuilding arguments) is no cost in the graph. " + peaks + "\n")
         replace_section("runtime", body)
         print("wrote the Runtime section of docs/BENCHMARKS.md")
     return rows
