@@ -7,8 +7,9 @@ under no_grad on freshly allocated outputs, which the forward timing never saw. 
 measures the model itself and returns the graph with its costs fitted:
 
 1. Plain training steps, forward (with the `zero_grad` that frees the last step's gradients)
-   and backward timed apart (median of `steps`): every Impl's `fwd_time` is scaled so that Impl 0's forward times sum to the measured forward, every
-   `bwd_time` likewise to the measured backward.
+   and backward timed apart (median of `steps`): every Impl's `fwd_time` is scaled so that
+   Impl 0's forward times sum to the measured forward, every `bwd_time` likewise to the
+   measured backward.
 2. Steps under a schedule that recomputes every Op it can, once (nothing kept from the forward,
    each recomputed Value held to its last use), each recomputation timed as it runs
    (`ScheduleWrapper.timing_recomputations`): the median becomes the Op's `recompute_time`, for
@@ -36,6 +37,7 @@ from solver.rules import schedule_from_keep
 
 from .capture import split_example
 from .profile.costs import Timer, check_clock
+from .profile.interpreter import training_loss
 from .torch_private import tree_leaves
 
 __all__ = ["calibrate", "CalibrationError"]
@@ -46,14 +48,13 @@ class CalibrationError(ValueError):
 
 
 def _loss(out) -> torch.Tensor:
-    """The profiler's loss: the sum of every floating output that requires grad."""
-    leaves = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)
-              and o.is_floating_point() and o.requires_grad]
-    if not leaves:
+    """The profiler's loss (the costs being fitted were measured with it)."""
+    loss = training_loss(out)
+    if loss is None:
         raise CalibrationError(f"calibrate: the model's output ({type(out).__name__}) has no "
                                f"floating-point tensor that requires grad, so there is no "
                                f"backward to time; expected a loss or logits")
-    return sum(o.float().sum() for o in leaves)
+    return loss
 
 
 @contextlib.contextmanager

@@ -98,6 +98,9 @@ def time_pairs(plain_step, sched_step, repeat: int,
     return statistics.median(a), statistics.median(b), ratio
 
 
+RUNTIME_DIR = os.path.join(ROOT, "monetlike", "runtime") + os.sep
+
+
 def runtime_share(step, steps: int = 3) -> float:
     """Share of a step's time spent in monetlike's runtime code (monetlike/runtime/*.py:
     bookkeeping, hooks, recomputation driving), by cProfile's own time per function. cProfile
@@ -113,8 +116,6 @@ def runtime_share(step, steps: int = 3) -> float:
     ours = sum(v[2] for k, v in stats.items() if RUNTIME_DIR in os.path.abspath(k[0]))
     return ours / total
 
-
-RUNTIME_DIR = os.path.join(ROOT, "monetlike", "runtime") + os.sep
 
 
 def measured_peak(graph, model, module, x) -> int:

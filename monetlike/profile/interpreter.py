@@ -133,6 +133,14 @@ class _NodeRec:
         self.random = False
 
 
+def training_loss(out) -> "torch.Tensor | None":
+    """The loss of every profiled (and calibrated) step: the sum of each floating output that
+    requires grad, in fp32; None when no output needs a gradient."""
+    grads = [t for t in tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    return sum(t.float().sum() for t in grads) if grads else None
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
@@ -364,15 +372,13 @@ class ProfileRun(fx.Interpreter):
             # does not. Frees are still seen: the tracker watches storages through weakrefs.
             plain = self.alloc is not None and self.roofline is None
             with contextlib.nullcontext() if plain else tr:
-                grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
-                if grads:
-                    loss = sum(t.float().sum() for t in grads)
+                loss = training_loss(leaves)
+                if loss is not None:
                     self.phase = "backward"
                     loss.backward()
                     del loss
                 self._close_interval()
                 self.phase = "done"
-                del grads
             self.final_grad_bytes = tr.live_by_class[OTHER]
             if self.alloc is not None:
                 self._end = (self._mark(), tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
@@ -717,11 +723,10 @@ class TimingRun(fx.Interpreter):
         self.fn_owner: dict[int, int] = {}
         self.fn_keep: list = []
         out = self.run(*inputs)
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        grads = [t for t in leaves if t.requires_grad and t.is_floating_point()]
-        if grads:
-            sum(t.float().sum() for t in grads).backward()
-        del out, leaves, grads
+        loss = training_loss(out)
+        if loss is not None:
+            loss.backward()
+        del out, loss
         self.timer.sync()
         self.env = {}
         fwd: dict[int, float] = {}

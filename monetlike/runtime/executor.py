@@ -2,10 +2,10 @@
 
 `ScheduledForward` runs the traced model with grad enabled, building one ordinary autograd graph,
 the nodes that touch a scheduled Value inside `torch.autograd.graph.saved_tensors_hooks`
-(docs/execution-model.md section 5). `StepState` is everything one step needs after the forward returns: the resident
-Values, the geometry of nodes a recomputation reads, the RNG and autocast state of recomputed
-Ops, and the progress of the backward stages. Only autograd references it (through the saved
-handles and the stage hooks), so it dies with the step's autograd graph.
+(docs/execution-model.md section 5). `StepState` is everything one step needs after the forward
+returns: the resident Values, the geometry of nodes a recomputation reads, the RNG and autocast
+state of recomputed Ops, and the progress of the backward stages. Only autograd references it
+(through the saved handles and the stage hooks), so it dies with the step's autograd graph.
 
 NOTE [Stage boundaries]
 Each Op's stage starts when the first of its autograd nodes is about to run. The prehooks sit on
@@ -591,8 +591,8 @@ class ScheduledForward:
             state.resolve_pending(op)
         if n.name in plan.meta_nodes:
             state.record_meta(n, op, result)
-        t = plan.stage_of_op.get(op) if op is not None else None
-        if t is not None and t in plan.active_stages:
+        stage = plan.stage_of_op.get(op) if op is not None else None
+        if stage is not None and stage in plan.active_stages:
             # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
             leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
             # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's base a
@@ -600,7 +600,7 @@ class ScheduledForward:
             bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
             roots = grad_fns(list(leaves) + bases)
             if roots:
-                state.hook_stage(t, roots)
+                state.hook_stage(stage, roots)
         if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
             self._after_recomputed_op(op)
         if op is not None and op in plan.offload_after and plan.op_last_node.get(n.name) == op:
@@ -665,15 +665,11 @@ def _attr_path(obj: Any, target: str) -> Any:
     return obj
 
 
-def _through_runtime(runner: ScheduledForward, i: int, args: tuple, kwargs: dict) -> Any:
-    return runner.run_node(i, args, kwargs)
-
-
 def generated_forward(plan: Plan, root: torch.nn.Module):
     """NOTE [Generated forward]: the traced graph as Python code, `forward(runner, model, *args)`.
 
     A node in `plan.runtime_nodes` (or a get_attr / call_module the live model lacks: a constant
-    fx made at trace time) becomes a call `_through_runtime(runner, i, args, kwargs)`; every
+    fx made at trace time) becomes a call `runner.run_node(i, args, kwargs)`; every
     other node is fx's own code for it, reading parameters and submodules from the live model
     (`self`), so parameters or submodules replaced after tracing are the ones used."""
     gm = plan.gm
@@ -693,8 +689,8 @@ def generated_forward(plan: Plan, root: torch.nn.Module):
         if n.op not in ("placeholder", "output") and n.name in through:
             args = fx.node.map_arg(n.args, env.__getitem__)
             kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
-            env[n] = graph.create_node("call_function", _through_runtime,
-                                       (runner, i, args, kwargs), name=n.name)
+            env[n] = graph.create_node("call_method", "run_node", (runner, i, args, kwargs),
+                                       name=n.name)
         else:
             env[n] = graph.node_copy(n, env.__getitem__)
     # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs (a

@@ -268,10 +268,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     # NOTE [Generated forward]: the Ops whose nodes need the runtime in the forward pass.
     producers = {graph.values[v].producer for v in held | offload} - {None}
     runtime_ops = (set(hooked_ops) | recomputed_ops | producers | set(offload_after)
-                   | {graph.backward_order[t] for t in active_stages}
-                   | {node_op[name] for name in impl_calls if name in node_op})
-    runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta \
-        | set(impl_calls)
+                   | {graph.backward_order[t] for t in active_stages})
+    runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
