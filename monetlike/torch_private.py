@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 
 __all__ = [
     "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
-    "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "current_graph_task_id",
+    "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]
@@ -78,6 +78,17 @@ HARDTANH = torch._C._nn.hardtanh
 def current_graph_task_id() -> int:
     """The id of the running backward (graph task), -1 outside one; no public API gives it."""
     return torch._C._current_graph_task_id()
+
+
+def sole_owner(grad: torch.Tensor) -> bool:
+    """Whether the gradient a custom Function's backward was handed is referenced by nothing
+    else: one reference to the tensor (the engine moved its buffer into the call), its storage
+    shared with no other tensor (no view, no alias kept by another node or by `.grad`). Then
+    writing it in place changes no tensor anyone else reads. No public API counts references
+    (`_use_count`, `_storage_Use_Count` are private); the storage count includes the temporary
+    storage object made to ask."""
+    return (grad._base is None and grad._use_count() == 1
+            and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2)
 
 
 def queue_engine_callback(fn: Callable[[], None]) -> None:

@@ -156,6 +156,38 @@ def inplace_saved_graph():
     return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=[10, 10, 10, 0])
 
 
+def _split_graph(name, op0_saves):
+    # op1 = a convolution reading a (40), m (40); its backward's input gradient is 40. default
+    # saves a, workspace 40 (the input gradient, allocated while a is held). conv_split saves a
+    # too, but lets it go after the weight gradient (early release), workspace 5 (the weight
+    # gradient), backward 1.1; if a schedule holds a past the stage, its 40 bytes come back.
+    b = GraphBuilder(name)
+    x = b.input("x", 0)
+    a = b.op("op0", [x], 40, saved=op0_saves)
+    m = b.op("op1", [a], 40, impls=[
+        dict(name="default", saved=("in0",), bwd_workspace=40),
+        dict(name="conv_split", saved=("in0",), bwd_workspace=5, early_release=("in0",),
+             bwd_time=1.1)])
+    b.op("op2", [m], 1, saved=())
+    return b.build(outputs=[len(b.values) - 1], stage_grad_bytes=[50, 50, 0])
+
+
+def split_graph():
+    # op0 saves x, so nothing after op1's stage reads a.
+    # Forward: op1 a+m = 80, op2 m+y+a = 81. Stage op2: 50+a+y = 91.
+    # default: stage op1 50+a+y+40 = 131 whatever the schedule (a must be there for it):
+    #   checkpoint's minimum is 131.
+    # conv_split: stage op1 50+a+y+5 = 96 (a goes in the stage) -> peak 96, time 6.1.
+    return _split_graph("conv_split", ("in0",))
+
+
+def split_held_graph():
+    # op0 saves its output a, so op0's stage reads it again. default: 131 as above.
+    # conv_split holding a past stage op1: 96 + 40 = 136. Dropping it there and recomputing op0
+    # at its own stage (from x: stage gradients 0, y+a = 41): 96, time 6.1 + 1 = 7.1.
+    return _split_graph("conv_split_held", ("out0",))
+
+
 # (name, graph factory, budget, {mode: optimal time or None}, Impl picked by full mode)
 CASES = [
     ("relu_mask/wins", relu_graph, 90, {"full": 6.2, "checkpoint": None}, "relu_mask"),
@@ -178,13 +210,20 @@ CASES = [
     ("dropout/default_wins", dropout_graph, 90, {"full": 6.0, "checkpoint": 6.0}, None),
     ("relu_inplace/wins", relu_inplace_graph, 60, {"full": 6.0, "checkpoint": None},
      "relu_inplace"),
+    ("conv_split/wins", split_graph, 100, {"full": 6.1, "checkpoint": None}, "conv_split"),
+    ("conv_split/default_wins", split_graph, 131, {"full": 6.0, "checkpoint": 6.0}, None),
+    ("conv_split/recomputes_instead_of_holding", split_held_graph, 100,
+     {"full": 7.1, "checkpoint": None}, "conv_split"),
+    ("conv_split/held_default_wins", split_held_graph, 136, {"full": 6.0, "checkpoint": 6.0},
+     None),
     ("relu_inplace/illegal", inplace_saved_graph, 84, {"full": 9.0, "checkpoint": 9.0}, None),
     ("relu_inplace/illegal_keeps", inplace_saved_graph, 91, {"full": 8.0, "checkpoint": 8.0},
      None),
 ]
 MIN_BUDGETS = {relu_graph: (90, 91), bn_relu_graph: (91, 133), hardtanh_graph: (90, 91),
                bn_hardtanh_graph: (91, 133), maxpool_graph: (53, 107), dropout_graph: (81, 90),
-               relu_inplace_graph: (51, 80), inplace_saved_graph: (84, 84)}
+               relu_inplace_graph: (51, 80), inplace_saved_graph: (84, 84),
+               split_graph: (96, 131), split_held_graph: (96, 131)}
 IDS = [c[0] for c in CASES]
 
 

@@ -136,6 +136,23 @@ def test_a_rebuild_keeps_a_faster_entry_of_the_same_graph_and_costs():
                      t * 2)
 
 
+def test_restamp_drops_only_new_impls_appended_after_the_old_ones():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("restamp_zoo_under_test",
+                                                  os.path.join(ROOT, "scripts", "restamp_zoo.py"))
+    restamp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(restamp)
+    new = restamp.NEW_IMPLS[0]
+    op = ["conv", "Conv2d", ["conv"], [0], [1], True, None]
+    appended = {"ops": [op + [[["default", [0]], ["relu_mask", [0]], [new, [0]]]]]}
+    assert restamp.old_kind(appended)["ops"][0][-1] == [["default", [0]], ["relu_mask", [0]]]
+    # A new Impl before an old one would shift the old one's index: the schedule's Impl indices
+    # would then name other Impls.
+    inserted = {"ops": [op + [[["default", [0]], [new, [0]], ["relu_mask", [0]]]]]}
+    assert restamp.old_kind(inserted) is None
+
+
 # -- the Hugging Face transformers shapes (issue 19) ----------------------------------------------
 HF = {"monetlike.models.gpt2": (8, (1024,)), "monetlike.models.llama_1b": (4, (1024,))}
 

@@ -8,10 +8,11 @@ Value (the profiler reports it as `internal_bytes`, 4 bytes per element in float
 schedule can drop or recompute. After BatchNorm the default thus holds the BN input, the
 statistics and that clone. Out of place it holds the input Value instead.
 
-hardtanh_mask holds `~((out <= min_val) | (out >= max_val))` as bool (1 byte per element): since
-out = clamp(in, min_val, max_val), out <= min_val iff in <= min_val and out >= max_val iff
-in >= max_val, so it is hardtanh_backward's condition `!(in <= min || in >= max)` exactly, NaN
-included (a NaN passes the gradient in both; `(min < out) & (out < max)` would zero it).
+hardtanh_mask holds `(out <= min_val) | (out >= max_val)`, where the gradient is zeroed, packed
+to 1 bit per element (bitmask.py): since out = clamp(in, min_val, max_val), out <= min_val iff
+in <= min_val and out >= max_val iff in >= max_val, so it is hardtanh_backward's condition
+`in <= min || in >= max` exactly, NaN included (a NaN passes the gradient in both;
+`!((min < out) & (out < max))` would zero it).
 bn_hardtanh_lean holds the BN input only and calls hardtanh_backward itself on the recomputed
 pre-activation. Both are the shared Functions of relu.py with `Hardtanh` as the activation.
 """
@@ -39,10 +40,10 @@ class Hardtanh(Activation):
         return F.hardtanh(x, self.min_val, self.max_val, inplace)
 
     def mask(self, y):
-        # In place on the first bool temporary: the transient is two bytes per element.
+        # Where hardtanh_backward zeroes the gradient: at or beyond a bound (a NaN passes). In
+        # place on the first bool temporary: the transient is two bytes per element.
         m = torch.le(y, self.min_val)
-        m.logical_or_(torch.ge(y, self.max_val))
-        return m.logical_not_()
+        return m.logical_or_(torch.ge(y, self.max_val))
 
     def grad_from_pre(self, grad, z):
         return torch.ops.aten.hardtanh_backward(grad, z, self.min_val, self.max_val)
@@ -87,7 +88,7 @@ def hardtanh_call(gm, n) -> "tuple[bool, Hardtanh] | None":
 
 
 register(ImplSpec("hardtanh_mask", mask_matcher(hardtanh_call),
-                  "hardtanh / ReLU6 holding a bool mask (1 byte per element) instead of its "
+                  "hardtanh / ReLU6 holding a mask packed to 1 bit per element instead of its "
                   "input (or, in place, autograd's clone of it)"))
 register(ImplSpec("bn_hardtanh_lean", bn_lean_matcher(hardtanh_call),
                   "BatchNorm(train) + in-place hardtanh / ReLU6 holding only the BN input; the "

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import ImplSpec, module_of, register
+from .registry import ImplSpec, register
 
 
 def _pair(v):
@@ -25,22 +25,73 @@ def _window_origin(out_hw, stride, padding, device):
     return h0, w0
 
 
+# The batch is pooled (and unpooled) in up to this many slices, each writing its part of the
+# result in place: the int64 indices and their conversion exist for one slice at a time, so the
+# transient is an eighth of what one call over the batch would hold (on VGG-16 that call set the
+# least budget). Samples are independent, so every element is computed as in one call, bit for
+# bit.
+SLICES = 8
+MIN_SLICE = 1 << 20
+"""Output elements below which the batch is not sliced further (a slice costs kernel launches;
+the transient of a small pooling does not matter; tests lower it to exercise the slicing)."""
+
+
+def _format(t):
+    """The memory format the pooling kernels give their results for input `t`."""
+    if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _slices(n: int, per_sample: int):
+    step = max(-(-n // SLICES), -(-MIN_SLICE // max(per_sample, 1)))
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _compact(idx, W, kernel, stride, padding, dilation, out_hw, device):
+    """The in-window position (int8) of each global index in `idx` (int64, consumed)."""
+    h0, w0 = _window_origin(out_hw, stride, padding, device)
+    kw = (idx % W).sub_(w0)
+    kh = idx.div_(W, rounding_mode="floor").sub_(h0)
+    if dilation[1] != 1:
+        kw.div_(dilation[1], rounding_mode="floor")
+    if dilation[0] != 1:
+        kh.div_(dilation[0], rounding_mode="floor")
+    return kh.mul_(kernel[1]).add_(kw).to(torch.int8)
+
+
+def _expand(k, W, kernel, stride, padding, dilation):
+    """The global int64 indices of in-window positions `k` (int8)."""
+    h0, w0 = _window_origin(k.shape[-2:], stride, padding, k.device)
+    kh = k.long()
+    kw = kh % kernel[1]
+    kh.div_(kernel[1], rounding_mode="floor").mul_(dilation[0]).add_(h0).mul_(W)
+    return kw.mul_(dilation[1]).add_(w0).add_(kh)
+
+
 class MaxPoolCompact(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
-        y, idx = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation,
-                                                        ceil_mode)
-        # In place on the int64 indices, so the transient is the indices plus one more buffer.
+        args = (kernel, stride, padding, dilation, ceil_mode)
         W = x.shape[-1]
-        h0, w0 = _window_origin(y.shape[-2:], stride, padding, x.device)
-        kw = (idx % W).sub_(w0)
-        kh = idx.div_(W, rounding_mode="floor").sub_(h0)
-        if dilation[1] != 1:
-            kw.div_(dilation[1], rounding_mode="floor")
-        if dilation[0] != 1:
-            kh.div_(dilation[0], rounding_mode="floor")
-        k = kh.mul_(kernel[1]).add_(kw).to(torch.int8)
-        del idx, kh, kw
+        if x.dim() != 4:  # unbatched: one call
+            y, idx = torch.ops.aten.max_pool2d_with_indices(x, *args)
+            k = _compact(idx, W, kernel, stride, padding, dilation, y.shape[-2:], x.device)
+        else:
+            first, idx = torch.ops.aten.max_pool2d_with_indices(x[:1], *args)
+            del idx
+            fmt = _format(x)
+            y = torch.empty((x.shape[0],) + tuple(first.shape[1:]), dtype=x.dtype,
+                            device=x.device, memory_format=fmt)
+            k = torch.empty(y.shape, dtype=torch.int8, device=x.device, memory_format=fmt)
+            del first
+            for part in _slices(x.shape[0], y[0].numel()):
+                yp, ip = y[part], torch.empty(y[part].shape, dtype=torch.long, device=x.device,
+                                              memory_format=fmt)
+                torch.ops.aten.max_pool2d_with_indices.out(x[part], *args, out=yp, indices=ip)
+                k[part] = _compact(ip, W, kernel, stride, padding, dilation, y.shape[-2:],
+                                   x.device)
+                del ip
         ctx.geom = (tuple(x.shape), x.dtype, kernel, stride, padding, dilation, ceil_mode)
         ctx.save_for_backward(k)
         return y
@@ -49,17 +100,22 @@ class MaxPoolCompact(torch.autograd.Function):
     def backward(ctx, grad):
         (k,) = ctx.saved_tensors
         shape, dtype, kernel, stride, padding, dilation, ceil_mode = ctx.geom
+        args = (kernel, stride, padding, dilation, ceil_mode)
         W = shape[-1]
-        h0, w0 = _window_origin(k.shape[-2:], stride, padding, k.device)
-        kh = k.long()
-        kw = kh % kernel[1]
-        kh.div_(kernel[1], rounding_mode="floor").mul_(dilation[0]).add_(h0).mul_(W)
-        idx = kw.mul_(dilation[1]).add_(w0).add_(kh)
-        del k, kh, kw
+        geo = (W, kernel, stride, padding, dilation)
         # The kernel reads only the input's sizes (and memory format): a zero-stride stand-in.
-        like = grad.new_zeros((1,) * len(shape)).expand(shape)
-        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, kernel, stride, padding,
-                                                             dilation, ceil_mode, idx)
+        if len(shape) != 4:
+            like = grad.new_zeros((1,) * len(shape)).expand(shape)
+            gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *args,
+                                                                 _expand(k, *geo))
+            return gx, None, None, None, None, None
+        fmt = _format(grad)
+        gx = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
+        for part in _slices(shape[0], k[:1].numel()):
+            n = part.stop - part.start
+            like = grad.new_zeros((1,) * len(shape)).expand((n,) + shape[1:])
+            torch.ops.aten.max_pool2d_with_indices_backward.grad_input(
+                grad[part], like, *args, _expand(k[part], *geo), grad_input=gx[part])
         return gx, None, None, None, None, None
 
 

@@ -67,9 +67,17 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
         subs = {}
         for spec, repl in chosen.values():
             subs.update(repl)
+        # Each round starts as the main run did and as a training step does after
+        # zero_grad(set_to_none=True): no gradients yet. Left from the last step, they would be
+        # accumulated into in place, and every gradient the round makes would be freed at once
+        # (a split's weight gradient, held through its input half at run time, would not count).
+        for t in (*work.parameters(), *xs):
+            if isinstance(t, torch.Tensor):
+                t.grad = None
         try:
             with torch.enable_grad(), context():
-                sub = SubstitutingProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
+                sub = SubstitutingProfileRun(gm, work,
+                                             roofline=Roofline(preset) if preset else None,
                                              device_note=note, device=device)
                 sub.impl_subs = subs
                 sub.profile_step(xs)

@@ -15,6 +15,7 @@ grad nothing is saved, so the Impl choice does not matter there; except for in-p
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,7 +81,7 @@ def _load() -> None:
     # The families register themselves on import; imported lazily so that importing the
     # registry (from the runtime's plan) stays cheap and free of cycles. The import order is the
     # registration order, i.e. the order of an Op's extra Impls (part of its fingerprint).
-    from . import dropout, pool, relu, hardtanh, internals, inplace  # noqa: F401
+    from . import dropout, pool, relu, hardtanh, internals, inplace, split  # noqa: F401
 
 
 class SubstitutingMixin:
@@ -114,6 +115,29 @@ class SubstitutingMixin:
 
     def call_method(self, target, args, kwargs):
         return self._impl_sub(target, args, kwargs, "call_method")
+
+
+_release_observers: list = []
+
+
+def announce_release(t) -> None:
+    """Called by an Impl's backward when it is done with the saved tensor `t` before its stage
+    is over (the split Impls, after the weight gradient): the tensor's storage goes when the
+    autograd node returns, unless something else holds it. The profiler counts it there as an
+    early release even when, in its own step, another Op's saved tensors keep it alive
+    (`ProfileRun._on_release`); nothing else listens."""
+    for observe in _release_observers:
+        observe(t)
+
+
+@contextlib.contextmanager
+def observing_releases(observe):
+    """Call `observe(t)` for every `announce_release(t)` inside the block."""
+    _release_observers.append(observe)
+    try:
+        yield
+    finally:
+        _release_observers.remove(observe)
 
 
 def module_of(interp_or_gm, target: str):

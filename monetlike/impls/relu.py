@@ -6,9 +6,9 @@ both built here from one `Activation` description, so every such family runs the
 *_mask (relu_mask, hardtanh_mask; MONeT's intermediate-activated ReLU): the default backward
 holds the output (ReLU in place: threshold_backward(grad, out, 0)) or the input (hardtanh:
 hardtanh_backward(grad, in, lo, hi); in place, autograd clones the input first, see hardtanh.py);
-this one holds the mask as a bool tensor, 1 byte per element (a quarter of float32; MONeT packs
-it to one bit, 1/32, which needs a packing kernel: future work). The activation's output and
-input Values are then free to go after their last forward use unless another Op saves them.
+this one holds the mask packed to one bit per element (bitmask.py; a thirty-second of float32, as
+MONeT's). The activation's output and input Values are then free to go after their last forward
+use unless another Op saves them.
 
 bn_*_lean (bn_relu_lean, bn_hardtanh_lean): BatchNorm (training) followed by the in-place
 activation in one Op. The default holds the BN input, the statistics and what the activation
@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..torch_private import BatchNormBase
+from ..torch_private import BatchNormBase, sole_owner
+from . import bitmask
 from .registry import ImplSpec, module_of, register
 
 
@@ -32,12 +33,9 @@ class Activation:
     """An activation whose gradient is `grad` where a mask holds and 0 elsewhere.
 
     `run(x, inplace)` is the forward (the default's kernel: same bits); `mask(y)` the bool mask
-    computed from the output, as the *_mask Impls hold it: where the gradient passes when
-    `mask_passes`, else where it is zeroed (whichever form is the default backward's own test,
-    so that a NaN takes the same branch); `grad_from_pre(grad, z)` the default's backward given
-    the pre-activation, as the bn_*_lean Impls recompute it."""
-
-    mask_passes = True
+    computed from the output, as the *_mask Impls hold it: where the gradient is zeroed, by the
+    default backward's own test, so that a NaN takes the same branch; `grad_from_pre(grad, z)`
+    the default's backward given the pre-activation, as the bn_*_lean Impls recompute it."""
 
     def run(self, x, inplace: bool):
         raise NotImplementedError
@@ -53,7 +51,6 @@ class Relu(Activation):
     # threshold_backward(grad, out, 0) is `out <= 0 ? 0 : grad`: a NaN output (relu(NaN) is NaN)
     # passes the gradient. So the mask marks where it is zeroed, `y <= 0`; `y > 0` would zero it
     # at a NaN. Same kernel count and bytes either way.
-    mask_passes = False
 
     def run(self, x, inplace):
         return torch.relu_(x) if inplace else torch.relu(x)
@@ -75,18 +72,18 @@ class ActMask(torch.autograd.Function):
         y = act.run(x, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(act.mask(y))
-        ctx.passes = act.mask_passes
+        ctx.save_for_backward(bitmask.pack_of(y, act.mask))
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        # The default backwards put `grad` where it passes and +0 elsewhere; where() gives the
-        # same values bit for bit.
-        if ctx.passes:
-            return torch.where(mask, grad, 0), None, None
-        return torch.where(mask, 0, grad), None, None
+        (packed,) = ctx.saved_tensors
+        # The default backwards put `grad` where it passes and +0 elsewhere; so does masked_fill_,
+        # bit for bit. In place when nothing else references the gradient (the usual case: the
+        # next layer's input gradient, made for this node alone): the stage then never holds the
+        # output gradient and the input gradient at once, which is what sets the least budget of
+        # a plain conv-ReLU stack (VGG).
+        return bitmask.masked_zero(grad, packed, sole_owner(grad)), None, None
 
 
 class BnActLean(torch.autograd.Function):
@@ -205,7 +202,7 @@ def bn_lean_matcher(act_call):
 
 
 register(ImplSpec("relu_mask", mask_matcher(relu_call),
-                  "ReLU holding a bool mask (1 byte per element) instead of its output"))
+                  "ReLU holding a mask packed to 1 bit per element instead of its output"))
 register(ImplSpec("bn_relu_lean", bn_lean_matcher(relu_call),
                   "BatchNorm(train) + in-place ReLU holding only the BN input; the backward "
                   "recomputes the pre-activation"))

@@ -153,7 +153,14 @@ _MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes a kernel moves for `t`: a zero-stride (expanded) dimension repeats the same
+    elements, read once (the stand-in inputs of torch.nn.grad.conv2d_input-style calls are
+    one element broadcast to a shape, and the kernel reads only their sizes)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
 
 
 class Roofline:

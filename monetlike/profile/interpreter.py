@@ -36,6 +36,7 @@ import torch.fx as fx
 from solver.errors import MonetlikeError
 
 from ..allocator import AllocatorLog
+from ..impls.registry import observing_releases
 from ..torch_private import tree_leaves
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
@@ -207,6 +208,11 @@ class ProfileRun(fx.Interpreter):
         # are the Op's `early_release` (`_early_releases`): a schedule that holds one longer
         # adds its bytes back.
         self._value_frees: dict[int, tuple[int, int, int]] = {}
+        # Values an Impl's backward let go of before its stage ended (`announce_release`), which
+        # another Op's saved tensors may keep alive in this step: (group, tag, bytes, mark) on
+        # the CPU; on the meta device, the open one with the stage's peak before it.
+        self._declared: list[tuple[int, Any, int, int]] = []
+        self._meta_release: tuple | None = None
         self.tracker.on_free = self._on_free
         self.tracker.observers.append(self._on_aten)
         self.tracker.on_create = self._on_create
@@ -276,6 +282,39 @@ class ProfileRun(fx.Interpreter):
             # The CUDA allocator's peak has no time: count every Value freed in the stage.
             self.groups[self.bcur].early_release.add(tag)
 
+    def _on_release(self, t: torch.Tensor) -> None:
+        """An Impl's backward is done with saved tensor `t` (NOTE in impls/registry.py): when `t`
+        is a Value, it counts as freed here, as it is in a schedule that does not hold it past
+        the stage; `_early_releases` decides whether it is an early release."""
+        s = storage_of(t)
+        key = None if s is None else s._cdata
+        if self.phase != "backward" or self.bcur is None or self.tracker.class_of(key) != VALUE:
+            return
+        tag, nbytes = self.tracker.tag_of(key), self.tracker.nbytes_of(key)
+        if self.alloc is not None:
+            self._declared.append((self.bcur, tag, nbytes, self._mark()))
+        elif self.cuda is not None:  # pragma: no cover - no GPU in CI
+            self.groups[self.bcur].early_release.add(tag)  # as _on_free does there
+        else:
+            # Meta: the window so far is the stage's first part, with the Value resident.
+            if self._meta_release is not None:
+                self._close_meta_release()
+            self._meta_release = (self.bcur, tag, nbytes, self.tracker.window_class_peak)
+            self.tracker.reset_window()
+
+    def _close_meta_release(self) -> None:
+        """The meta device's stage peak with a declared release: levels (gradients and other
+        non-Value bytes) peaked at `before` with the Value resident and at `after` without it.
+        Same rule as `_early_releases` on these two levels."""
+        gid, tag, nbytes, before = self._meta_release
+        self._meta_release = None
+        after = self.tracker.window_class_peak
+        g = self.groups[gid]
+        g.bwd_peak = max(g.bwd_peak, before, after - nbytes)
+        if after > before:  # holding the Value past the release would raise the peak
+            g.early_release.add(tag)
+        self.tracker.reset_window()
+
     def _apply_allocator_windows(self) -> None:
         """Each Op's workspaces and each stage's gradient memory from what the allocator saw
         between the marks (the tracker's figures miss kernel scratch)."""
@@ -309,6 +348,9 @@ class ProfileRun(fx.Interpreter):
         frees: dict[int, list[tuple[int, int, int]]] = {}  # group -> [(position, tag, bytes)]
         for m, (fg, tag, nbytes) in self._value_frees.items():
             frees.setdefault(fg, []).append((a.position(m), tag, nbytes))
+        declared: dict[int, list[tuple[int, int, int]]] = {}
+        for fg, tag, nbytes, m in self._declared:
+            declared.setdefault(fg, []).append((a.position(m), tag, nbytes))
         first_other: dict[int, int] = {}
         top: dict[int, int] = {}
         current = None
@@ -321,10 +363,19 @@ class ProfileRun(fx.Interpreter):
             if first:
                 first_other[gid] = other0
                 start, end = a.position(s), a.position(e)
-                self.groups[gid].early_release.update(_early_releases(
-                    [a.level_at(i) for i in range(start, end + 1)],
-                    [(i - start, tag, n) for i, tag, n in frees.get(gid, ())
-                     if start <= i <= end]))
+                levels = [a.level_at(i) for i in range(start, end + 1)]
+                freed = [(i - start, tag, n) for i, tag, n in frees.get(gid, ())
+                         if start <= i <= end]
+                # A declared release whose Value stayed alive in this step (another Op saved it
+                # too): the levels after it, as in a schedule where it goes there.
+                really = {tag for _, tag, _ in freed}
+                for i, tag, n in declared.get(gid, ()):
+                    if start <= i <= end and tag not in really:
+                        freed.append((i - start, tag, n))
+                        for q in range(i - start + 1, len(levels)):
+                            levels[q] -= n
+                peak = other0 + max(levels) - a.level(s)
+                self.groups[gid].early_release.update(_early_releases(levels, freed))
             top[current] = max(top.get(current, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]
@@ -375,7 +426,8 @@ class ProfileRun(fx.Interpreter):
                 loss = training_loss(leaves)
                 if loss is not None:
                     self.phase = "backward"
-                    loss.backward()
+                    with observing_releases(self._on_release):
+                        loss.backward()
                     del loss
                 self._close_interval()
                 self.phase = "done"
@@ -641,7 +693,9 @@ class ProfileRun(fx.Interpreter):
         if self._bwd_open is not None:
             self._bwd_windows.append((*self._bwd_open, self._mark()))
             self._bwd_open = None
-        if self.bcur is not None:
+        if self._meta_release is not None:
+            self._close_meta_release()
+        elif self.bcur is not None:
             g = self.groups[self.bcur]
             g.bwd_peak = max(g.bwd_peak, self.tracker.window_class_peak)
             if self.cuda is not None:  # pragma: no cover - no GPU in CI

@@ -11,8 +11,9 @@ NOTE [Stage boundaries]
 Each Op's stage starts when the first of its autograd nodes is about to run. The prehooks sit on
 the nodes that give the Op's results their grad_fn ("roots"; after an in-place write through a
 view, the base's new grad_fn too): a gradient can only enter an Op's part of the graph through its
-results, so a root runs first. A stage ends when another stage starts after all its roots have run
-(posthooks count them), or when the backward finishes (an engine callback). Not at its last
+results, so a root runs first. A stage ends when another stage starts after all its roots have
+started (the prehooks count them; the engine runs one node at a time, so a root that started before
+another stage's prehook fired has run), or when the backward finishes (an engine callback). Not at its last
 root: nodes behind the roots (a module's inner nodes) still unpack saved tensors. Not at the next
 stage's start alone: an Op whose fx nodes are not contiguous (`out.add_(identity)` with the
 identity branch computed after `out`) has nodes created before and after another Op's, and the
@@ -134,7 +135,7 @@ class StepState:
         n_stages = len(plan.graph.backward_order)
         self.stage_status = [NOT_STARTED] * n_stages
         self.stage_hooked = [0] * n_stages
-        self.roots_pending = [0] * n_stages  # hooked result nodes of the stage not yet run
+        self.roots_pending = [0] * n_stages  # hooked result nodes of the stage not yet started
         self.running: list[int] = []  # stages started and not ended, usually one
         self.task_id: int | None = None
         # Offload to host (offload.py): the step's pinned host copies, and the forward tensor of
@@ -201,6 +202,11 @@ class StepState:
 
     # -- backward stages (NOTE [Stage boundaries]) ------------------------------------------
     def on_stage(self, t: int, grad_outputs) -> None:
+        # This root runs now. The engine runs one node at a time (per device), so it has run
+        # when any later prehook fires: counting roots here needs no posthook, which would make
+        # the engine keep a second reference to the root's incoming gradient while it runs (and
+        # the mask Impls write that gradient in place only when nothing else references it).
+        self.roots_pending[t] -= 1
         status = self.stage_status
         if status[t] == RUNNING:
             return
@@ -246,9 +252,6 @@ class StepState:
                     h = ref()
                     if h is not None:
                         h.base = base
-
-    def on_root_done(self, t: int, grad_inputs, grad_outputs) -> None:
-        self.roots_pending[t] -= 1
 
     def _end_stage(self, t: int) -> None:
         op = self.plan.schedule.stages[t].op
@@ -452,10 +455,8 @@ class StepState:
 
     def hook_stage(self, t: int, nodes: list) -> None:
         pre = functools.partial(self.on_stage, t)
-        post = functools.partial(self.on_root_done, t)
         for fn in nodes:
             fn.register_prehook(pre)
-            fn.register_hook(post)
         self.stage_hooked[t] += len(nodes)
         self.roots_pending[t] += len(nodes)
 
