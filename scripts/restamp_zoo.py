@@ -66,10 +66,9 @@ def old_kind(structure: dict) -> dict | None:
     return out
 
 
-def _replays(g, sched, e: dict) -> bool:
-    """The simulator gives the entry's recorded peak and time (the time as tests/test_zoo.py
+def _replays(tl, e: dict) -> bool:
+    """The replay `tl` gives the entry's recorded peak and time (the time as tests/test_zoo.py
     compares it: summation order may move the last bit)."""
-    tl = solver.simulate(g, dataclasses.replace(sched, fingerprint=g.fingerprint))
     return (tl.peak_bytes == e["predicted_peak_bytes"]
             and abs(tl.total_time - e["predicted_time"]) <= 1e-12 * e["predicted_time"])
 
@@ -98,7 +97,8 @@ def restamp(folder: str = OUT, *, write: bool = True, repredict: bool = False
         path = os.path.join(folder, f"{e['name']}.json")
         sched = Schedule.load(path)
         current = sched.fingerprint == g.fingerprint == e["fingerprint"]
-        if current and sched.graph_summary == g.summary() and _replays(g, sched, e):
+        if current and sched.graph_summary == g.summary() and _replays(
+                solver.simulate(g, sched), e):
             lines.append(f"{e['name']}: already {g.fingerprint}")
             continue
         if not current and not (old_hash == e["fingerprint"] == sched.fingerprint):
@@ -109,7 +109,7 @@ def restamp(folder: str = OUT, *, write: bool = True, repredict: bool = False
             continue
         new = dataclasses.replace(sched, fingerprint=g.fingerprint, graph_summary=g.summary())
         tl = solver.simulate(g, new)
-        same = _replays(g, new, e)
+        same = _replays(tl, e)
         if not same and not (repredict and tl.peak_bytes <= e["budget_bytes"]):
             refused.append(e["name"])
             lines.append(f"{e['name']}: REFUSED: replay gives peak {tl.peak_bytes} and time "

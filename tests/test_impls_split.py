@@ -207,25 +207,21 @@ def test_split_mask_lowers_the_least_budget_of_a_conv_relu_stack():
        seed=st.integers(0, 2 ** 16), min_slice=st.sampled_from([8, 64, bitmask.MIN_SLICE]))
 def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice):
     with mock.patch.object(bitmask, "MIN_SLICE", min_slice):  # small: many slices
-        _packed_mask_is_where(n, p, nans, seed)
-
-
-def _packed_mask_is_where(n, p, nans, seed):
-    gen = torch.Generator().manual_seed(seed)
-    m = torch.rand(n, generator=gen) < p
-    g = torch.randn(n, generator=gen)
-    g[torch.randint(0, n, (nans,), generator=gen)] = float("nan")
-    packed = bitmask.pack(m)
-    assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
-    want = torch.where(m, 0, g).view(torch.int32)
-    before = g.clone()
-    assert torch.equal(bitmask.masked_zero(g, packed, False).view(torch.int32), want)
-    assert torch.equal(g.view(torch.int32), before.view(torch.int32))  # not in place: untouched
-    y = torch.randn(n, generator=gen)
-    assert torch.equal(bitmask.pack_of(y, lambda t: t <= 0), bitmask.pack(y <= 0))
-    h = g.clone()
-    assert torch.equal(bitmask.masked_zero(h, packed, True).view(torch.int32), want)
-    assert torch.equal(h.view(torch.int32), want)  # written in place
+        gen = torch.Generator().manual_seed(seed)
+        m = torch.rand(n, generator=gen) < p
+        g = torch.randn(n, generator=gen)
+        g[torch.randint(0, n, (nans,), generator=gen)] = float("nan")
+        packed = bitmask.pack(m)
+        assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
+        want = torch.where(m, 0, g).view(torch.int32)
+        before = g.clone()
+        assert torch.equal(bitmask.masked_zero(g, packed, False).view(torch.int32), want)
+        assert torch.equal(g.view(torch.int32), before.view(torch.int32))  # untouched
+        y = torch.randn(n, generator=gen)
+        assert torch.equal(bitmask.pack_of(y, lambda t: t <= 0), bitmask.pack(y <= 0))
+        h = g.clone()
+        assert torch.equal(bitmask.masked_zero(h, packed, True).view(torch.int32), want)
+        assert torch.equal(h.view(torch.int32), want)  # written in place
 
 
 @mock.patch.object(bitmask, "MIN_SLICE", 8)

@@ -62,9 +62,9 @@ def pack_of(y: torch.Tensor, mask_of) -> torch.Tensor:
     return out
 
 
-def _unpack(packed: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Elements a..b of the packed mask, as bool."""
-    bits = packed[a // 8:(b + 7) // 8].unsqueeze(-1).bitwise_and(_weights(packed.device))
+def _unpack(packed: torch.Tensor, a: int, b: int, w: torch.Tensor) -> torch.Tensor:
+    """Elements a..b of the packed mask, as bool (`w`: the bit weights)."""
+    bits = packed[a // 8:(b + 7) // 8].unsqueeze(-1).bitwise_and(w)
     return bits.ne_(0).view(torch.bool).view(-1)[:b - a]
 
 
@@ -77,6 +77,7 @@ def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool) -> tor
         out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         out.copy_(grad)
     flat = out.view(-1)
+    w = _weights(packed.device)
     for a, b in _bounds(flat.numel()):
-        flat[a:b].masked_fill_(_unpack(packed, a, b), 0)
+        flat[a:b].masked_fill_(_unpack(packed, a, b, w), 0)
     return out
