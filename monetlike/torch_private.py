@@ -106,8 +106,9 @@ def sdp_priority_order() -> list:
 # -- profiler ------------------------------------------------------------------------------------
 # No public API gives the allocation events with their times: prof.events() and key_averages()
 # fold them into the operators' totals.
-def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int] | None]]:
-    """A finished profile's events: (start ns, name, (device, bytes) of an allocation or None)."""
+def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int, int] | None]]:
+    """A finished profile's events: (start ns, name, (device, bytes, address) of an allocation
+    (bytes < 0 for a free) or None)."""
     from torch._C._profiler import _EventType
 
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -116,6 +117,6 @@ def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int] | None]]:
         stack.extend(node.children)
         if node.typed[0] == _EventType.Allocation:
             f = node.extra_fields
-            yield node.start_time_ns, node.name, (f.device.type, int(f.alloc_size))
+            yield node.start_time_ns, node.name, (f.device.type, int(f.alloc_size), int(f.ptr))
         else:
             yield node.start_time_ns, node.name, None

@@ -221,7 +221,11 @@ def test_profiler_events_report_cpu_allocations_and_marks():
     events = list(tp.profiler_events(prof))
     assert all(isinstance(t, int) for t, _, _ in events)
     allocs = [alloc for _, _, alloc in events if alloc is not None]
-    assert ("cpu", 1 << 20) in allocs and ("cpu", -(1 << 20)) in allocs
+    sizes = [(device, n) for device, n, _ in allocs]
+    assert ("cpu", 1 << 20) in sizes and ("cpu", -(1 << 20)) in sizes
+    # The free names the block the allocation made.
+    (ptr,) = {p for _, n, p in allocs if n == 1 << 20}
+    assert ("cpu", -(1 << 20), ptr) in allocs
     assert any(name == "probe.mark" and alloc is None for _, name, alloc in events)
 
 
