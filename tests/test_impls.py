@@ -483,22 +483,58 @@ def test_hardtanh_matching_refuses_what_it_cannot_do():
     assert inplace is True and (act.min_val, act.max_val) == (-0.5, 0.75)
 
 
-def test_declared_bytes_maxpool_compact():
+def _allocator_held(fn, x) -> int:
+    """Bytes the CPU allocator still holds after `fn(x)` besides the result's storage: what the
+    backward holds, by the allocator's own count (temporaries of `fn` are freed by then; `x` a
+    leaf: `x * 1` would keep its wrapped scalar, 8 bytes, in the graph)."""
+    from monetlike.allocator import AllocatorLog
+
+    with AllocatorLog() as log:
+        log.mark("before")
+        y = fn(x)
+        log.mark("after")
+    held = log.level("after") - log.level("before") - y.untyped_storage().nbytes()
+    del y
+    return held
+
+
+@pytest.mark.parametrize("pool, per_sample", [
+    (nn.MaxPool2d(2), 4 * 4 * 4 // 2),  # area 4: 4-bit positions, two to a byte
+    (nn.MaxPool2d(4, 2, 1), 4 * 4 * 4 // 2),  # area 16: still 4 bits
+    (nn.MaxPool2d(5, 1, 2), 4 * 8 * 8),  # area 25: one int8 per output element
+])
+def test_declared_bytes_maxpool_compact(pool, per_sample):
     torch.manual_seed(0)
-    model = Pool(nn.MaxPool2d(2)).train()
+    model = Pool(pool).train()
     x = torch.randn(*X_IMG)
     g = monetlike.profile(model, x, cost=A100)
-    conv, pool = g.ops[0], g.ops[1]
-    default, compact = pool.impls
-    out = 2 * 4 * 4 * 4
+    conv, op = g.ops[0], g.ops[1]
+    default, compact = op.impls
+    out = 2 * 4 * 4 * 4 if pool.stride == 2 else 2 * 4 * 8 * 8
     assert default.saved == conv.outputs and default.internal_bytes == 8 * out  # int64 indices
-    assert compact.saved == () and compact.internal_bytes == out  # int8 in-window argmax
+    assert compact.saved == () and compact.internal_bytes == 2 * per_sample
     from monetlike.impls.pool import MaxPoolCompact
 
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
-    assert _bytes_held(lambda t: F.max_pool2d(t * 1, 2), z) == 4 * 2 * 4 * 8 * 8 + 8 * out
-    assert _bytes_held(lambda t: MaxPoolCompact.apply(t * 1, (2, 2), (2, 2), (0, 0), (1, 1),
-                                                      False), z) == out
+    args = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, False)
+    args = tuple((a, a) if isinstance(a, int) else a for a in args[:4]) + (False,)
+    assert _bytes_held(lambda t: F.max_pool2d(t * 1, *args), z) == 4 * 2 * 4 * 8 * 8 + 8 * out
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        zf = z.detach().to(memory_format=fmt).requires_grad_()
+        assert _bytes_held(lambda t: MaxPoolCompact.apply(t * 1, *args), zf) == 2 * per_sample
+        assert _allocator_held(lambda t: MaxPoolCompact.apply(t, *args), zf) == 2 * per_sample
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_held_bytes_maxpool_compact_odd_sample(fmt):
+    """A sample of 9 output elements keeps ceil(9 / 2) = 5 bytes, its own row: 3 samples hold
+    15 bytes (not ceil(27 / 2) = 14), by the saved-tensor accounting and by the allocator's."""
+    from monetlike.impls.pool import MaxPoolCompact
+
+    z = torch.randn(3, 1, 7, 7).to(memory_format=fmt).requires_grad_()
+    fn = lambda t: MaxPoolCompact.apply(t, (3, 3), (2, 2), (0, 0), (1, 1), False)  # noqa: E731
+    assert fn(z).shape == (3, 1, 3, 3)
+    assert _bytes_held(lambda t: fn(t * 1), z) == _allocator_held(fn, z) == 3 * 5
 
 
 def test_declared_bytes_dropout_regen():

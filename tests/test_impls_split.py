@@ -234,10 +234,11 @@ def test_packed_mask_of_a_channels_last_tensor():
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("args", [(2,), (3, 2, 1), (3, 2, 1, 2, True)])
+@pytest.mark.parametrize("args", [(2,), (3, 2, 1), (3, 2, 1, 2, True), (5, 2, 2)])
 def test_maxpool_compact_in_slices_is_bitwise(args, channels_last):
     """The batch pooled slice by slice (one sample per slice here) gives the default's output
-    and input gradient bit for bit, ties and NaNs included."""
+    and input gradient bit for bit, ties and NaNs included; 4-bit positions (the first three)
+    and int8 ones (5x5, area 25). Odd sizes and more: tests/test_impls_pool.py."""
     from monetlike.impls import pool
 
     torch.manual_seed(0)

@@ -4,7 +4,7 @@
     bn_relu_lean     BatchNorm(train) + in-place ReLU holding only the BN input
     hardtanh_mask    hardtanh / ReLU6 whose backward holds a 1-bit mask instead of its input
     bn_hardtanh_lean BatchNorm(train) + in-place hardtanh / ReLU6 holding only the BN input
-    maxpool_compact  MaxPool2d holding an int8 in-window argmax instead of its input and indices
+    maxpool_compact  MaxPool2d holding a 4-bit in-window argmax (int8 if area > 16), not its input
     dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
     recompute_internals  MultiheadAttention, scaled_dot_product_attention, RNNs and Transformer
                      layers holding only their inputs, their forward run again in the backward
