@@ -66,7 +66,8 @@ class AllocatorLog:
     """`with AllocatorLog() as log: ...` records the CPU allocator's events; afterwards
     `level(label)`, `peak_between(a, b)` and `peak()` replay them (bytes, relative to the start)."""
 
-    def __init__(self) -> None:
+    def __init__(self, collect: bool = True) -> None:
+        self._collect = collect  # False: the caller has just collected garbage
         self._prof: profile | None = None
         self._gc_was_enabled = False
         self._active = False
@@ -79,7 +80,8 @@ class AllocatorLog:
     def __enter__(self) -> "AllocatorLog":
         # Cyclic garbage collected mid-recording (a previous step's graph) would free storages
         # at random points: a window's level would drop by memory that is not its business.
-        gc.collect()
+        if self._collect:
+            gc.collect()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

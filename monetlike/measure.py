@@ -44,9 +44,11 @@ class Measurement:
     device: str = "cpu"
 
 
-def live_cpu_storages() -> dict[int, "torch.UntypedStorage"]:
-    """Unique storages of all CPU tensors the garbage collector can see, by storage key."""
-    gc.collect()
+def live_cpu_storages(collect: bool = True) -> dict[int, "torch.UntypedStorage"]:
+    """Unique storages of all CPU tensors the garbage collector can see, by storage key
+    (unreachable cycles collected first unless the caller just did)."""
+    if collect:
+        gc.collect()
     found: dict[int, torch.UntypedStorage] = {}
     for obj in gc.get_objects():
         # type() rather than isinstance(): isinstance reads `__class__`, which some module-level
@@ -90,9 +92,11 @@ def measure_step(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3,
 
 def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
     # Garbage from before the step (a previous step's reference cycles) is collected now: freed
-    # by a collection inside the step, it would lower the step's peak at random.
+    # by a collection inside the step, it would lower the step's peak at random. Once: a
+    # collection walks the whole heap (50 ms in a test process), and nothing between here and
+    # the recording makes cycles.
     gc.collect()
-    log = AllocatorLog()
+    log = AllocatorLog(collect=False)
     start_bytes = _watch_start(log)
     with log:
         result = fn()
@@ -111,7 +115,7 @@ def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
 def _watch_start(log: AllocatorLog) -> int:
     # A function of its own so that no local keeps a pre-existing storage alive afterwards:
     # their frees during the step must be seen.
-    start = live_cpu_storages()
+    start = live_cpu_storages(collect=False)
     for s in start.values():
         log.free_when_dead(s)
     return sum(int(s.nbytes()) for s in start.values())
