@@ -110,7 +110,7 @@ def test_peaks_by_the_allocator(name):
     recomputed = 0
     for f in (1, 2, 3):
         budget = least + (store_all - least) * f // 4
-        schedule = solver.solve(graph, budget, time_limit_s=20).schedule
+        schedule = solver.solve(graph, budget, time_limit_s=8).schedule  # any feasible plan will do
         recomputed += sum(len(s.recompute) for s in schedule.stages)
         predicted = peak_of(graph, schedule)
         wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
