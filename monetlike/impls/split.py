@@ -40,7 +40,11 @@ from .registry import ImplSpec, announce_release, module_of, register
 from .relu import mask_matcher, node_input, relu_call
 
 _CONV_MODULES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
-_CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+# torch.export keeps these aten overloads (same argument names as the functionals), so the
+# Hugging Face models that fx cannot trace are split too.
+_CONV_FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.ops.aten.conv1d.default: 1,
+                   torch.ops.aten.conv2d.default: 2, torch.ops.aten.conv3d.default: 3}
+_LINEAR_FUNCTIONS = (F.linear, torch.ops.aten.linear.default)
 
 
 def _tuple(v, dims: int) -> tuple:
@@ -232,7 +236,7 @@ def linear_replacement(gm, n):
             return split_apply(LINEAR, node_input(args, kwargs), m.weight, m.bias,
                                lambda: m(*args, **kwargs))
         return run_module
-    if n.op == "call_function" and n.target is F.linear:
+    if n.op == "call_function" and n.target in _LINEAR_FUNCTIONS:
         def run_function(interp, node, args, kwargs):
             x, w, b = _bind(args, kwargs, ("input", "weight", "bias"), (None, None, None))
             return split_apply(LINEAR, x, w, b, lambda: node.target(*args, **kwargs))
