@@ -5,6 +5,8 @@ free-port race) and, once every check has passed, leave by `leave_without_finali
 saw rank 0 die of SIGABRT in gloo's teardown during interpreter finalization ("terminate called
 without an active exception", no Python traceback; pytorch/pytorch#179291). A failing check
 still fails the test: the worker raises before it gets there, and the spawn context reports it.
+And a worker that exits without running its checks fails it too: each rank leaves a file saying
+its `process_group` body ran to its end, and `run_workers` asserts that every rank's is there.
 """
 
 from __future__ import annotations
@@ -23,8 +25,14 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
+def _passed_marker(store_path: str, rank: int) -> str:
+    return f"{store_path}.passed.{rank}"
+
+
 def run_workers(worker, args: tuple, what: str) -> None:
-    """Run `worker(rank, *args)` on WORLD spawned processes; fail the test after TIMEOUT_S."""
+    """Run `worker(rank, *args)` on WORLD spawned processes (`args[0]`: the file store's path,
+    which the worker gives `process_group`); fail the test after TIMEOUT_S, or if any rank did
+    not run its checks to the end."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     ctx = mp.start_processes(worker, args=args, nprocs=WORLD, join=False, start_method="spawn")
@@ -35,6 +43,8 @@ def run_workers(worker, args: tuple, what: str) -> None:
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"{what} workers did not finish within {TIMEOUT_S} s")
+    missing = [r for r in range(WORLD) if not os.path.exists(_passed_marker(args[0], r))]
+    assert not missing, f"{what} ranks {missing} exited without running their checks to the end"
 
 
 def leave_without_finalization() -> None:
@@ -56,4 +66,6 @@ def process_group(store_path: str, rank: int):
         yield
     finally:
         dist.destroy_process_group()
+    with open(_passed_marker(store_path, rank), "w") as f:
+        f.write("passed\n")
     leave_without_finalization()
