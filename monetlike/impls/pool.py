@@ -38,6 +38,19 @@ MIN_SLICE = 1 << 20
 the transient of a small pooling does not matter; tests lower it to exercise the slicing)."""
 
 
+def _out_hw(hw, kernel, stride, padding, dilation, ceil_mode):
+    """The pooling's output height and width, by PyTorch's formula (pooling_output_shape): no
+    pooling of a sample just to learn them. Invalid arguments are left to the kernel to report
+    (a size below 1 made 0)."""
+    out = []
+    for n, k, s, p, d in zip(hw, kernel, stride, padding, dilation):
+        o = (n + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (o - 1) * s >= n + p:  # the last window starts inside the input
+            o -= 1
+        out.append(max(o, 0))
+    return tuple(out)
+
+
 def _format(t):
     """The memory format the pooling kernels give their results for input `t`."""
     if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
@@ -62,25 +75,99 @@ def _rows(t, fmt):
     return t.view(t.shape[0], -1)
 
 
-# Here, not in bitmask.py (flat bool masks): packs a slice's int64 positions in place, per sample.
+# Here, not in bitmask.py (flat bool masks): packs a slice's uint8 positions, per sample.
 def _pack4(pos, out):
-    """Write `pos` ((n, P) int64 in [0, 16), consumed) into `out` ((n, ceil(P / 2)) uint8):
-    position 2j in the low nibble of byte j, position 2j + 1 in its high nibble."""
+    """Write `pos` ((n, P) uint8 in [0, 16)) into `out` ((n, ceil(P / 2)) uint8): position 2j
+    in the low nibble of byte j, position 2j + 1 in its high nibble."""
     h = pos.shape[1] // 2
     pairs = pos[:, :2 * h].unflatten(1, (h, 2))
-    out[:, :h].copy_(pairs[..., 1].mul_(16).add_(pairs[..., 0]))
+    torch.add(pairs[..., 0], pairs[..., 1], alpha=16, out=out[:, :h])
     if pos.shape[1] % 2:
         out[:, h].copy_(pos[:, -1])
 
 
 def _unpack4(packed, out):
-    """The inverse of `_pack4`: the positions of `packed` into `out` ((n, P) int64)."""
+    """The inverse of `_pack4`: the positions of `packed` into `out` ((n, P), any integer
+    dtype: the nibbles are written straight into it, no uint8 copy in between)."""
     h = out.shape[1] // 2
     pairs = out[:, :2 * h].unflatten(1, (h, 2))
-    pairs[..., 0].copy_(packed[:, :h]).bitwise_and_(15)
-    pairs[..., 1].copy_(packed[:, :h]).bitwise_right_shift_(4)
+    torch.bitwise_and(packed[:, :h], 15, out=pairs[..., 0])
+    torch.bitwise_right_shift(packed[:, :h], 4, out=pairs[..., 1])
     if out.shape[1] % 2:
         out[:, -1].copy_(packed[:, h])
+
+
+def _unrows(flat, shape, fmt):
+    """The inverse of `_rows`: `flat` (memory order) as `shape`, laid out in `fmt` (a view)."""
+    if fmt is torch.channels_last and len(shape) == 4:
+        n, c, h, w = shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(shape)
+
+
+def _in_bounds(hw, kernel, dilation):
+    """Whether every window holds an input element (then PyTorch's argmax lies in its window)
+    and a window's offsets kh * dH * W + kw * dW are distinct. A window wider than the input,
+    with padding, can hold none: an output of -inf whose index lies outside it."""
+    return all((k - 1) * d < s for k, d, s in zip(kernel, dilation, hw))
+
+
+def _offsets(W, kernel, dilation, device):
+    """off[kh * kW + kw] = kh * dH * W + kw * dW: an in-window position's global index less its
+    window's base (int64, kernel area long)."""
+    kh = torch.arange(kernel[0], device=device) * (dilation[0] * W)
+    kw = torch.arange(kernel[1], device=device) * dilation[1]
+    return (kh.view(-1, 1) + kw.view(1, -1)).view(-1)
+
+
+def _base(W, out_hw, stride, padding, device):
+    """The global index of each window's origin, h0 * W + w0 ((H_out, W_out) int64; negative
+    where padding puts it outside the input)."""
+    h0, w0 = _window_origin(out_hw, stride, padding, device)
+    return h0 * W + w0
+
+
+def _forward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
+    """(table, base) with position = table[index - base] (uint8; base None: table[index]), or
+    None where the arithmetic of `_compact` must do. `m`: a slice's least output elements; the
+    tables are held with the slice's int64 indices and uint8 positions (9 bytes an element),
+    and stay within the arithmetic path's two int64 buffers."""
+    if not _in_bounds(hw, kernel, dilation):
+        return None
+    (H, W), (kH, kW) = hw, kernel
+    if all(s >= (k - 1) * d + 1 for k, s, d in zip(kernel, stride, dilation)) and H * W <= 7 * m:
+        # Windows that do not overlap: an input element's window, and its place in it, follow
+        # from its index alone; one table over the input plane spares the int64 subtraction.
+        kh, kw = ((torch.arange(n, device=device) + p).remainder_(s).div_(d, rounding_mode="floor")
+                  for n, s, p, d in zip(hw, stride, padding, dilation))
+        return (kh.view(-1, 1) * kW + kw.view(1, -1)).view(-1).to(torch.uint8), None
+    R = (kH - 1) * dilation[0] * W + (kW - 1) * dilation[1] + 1
+    if 8 * out_hw[0] * out_hw[1] + R > 7 * m:
+        return None
+    inv = torch.zeros(R, dtype=torch.uint8, device=device)
+    inv[_offsets(W, kernel, dilation, device)] = torch.arange(kH * kW, device=device).to(
+        torch.uint8)
+    return inv, _base(W, out_hw, stride, padding, device)
+
+
+def _backward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
+    """(table, window) with index = table[window * kernel area + position] (window: (H_out,
+    W_out) int32 numbers of the windows), or (off, base) with index = off[position] + base;
+    None where `_expand` must do. Held with the slice's int32 positions and int64 indices (12
+    bytes an element): the tables must fit in what the arithmetic path's second int64 buffer
+    took (4 bytes an element)."""
+    if not _in_bounds(hw, kernel, dilation):
+        return None
+    planes, area = out_hw[0] * out_hw[1], kernel[0] * kernel[1]
+    off = _offsets(hw[1], kernel, dilation, device)
+    base = _base(hw[1], out_hw, stride, padding, device)
+    if 8 * planes * area + 4 * planes <= 4 * m:
+        # One table over (window, position): its int32 index costs half the int64 add of base.
+        window = torch.arange(0, planes * area, area, dtype=torch.int32, device=device)
+        return (base.view(-1, 1) + off.view(1, -1)).view(-1), window.view(out_hw)
+    if 8 * (planes + area) <= 4 * m:
+        return off, base
+    return None
 
 
 def _compact(idx, W, kernel, stride, padding, dilation, out_hw, device):
@@ -103,45 +190,67 @@ def _expand(kh, W, kernel, stride, padding, dilation):
     return kw.mul_(dilation[1]).add_(w0).add_(kh)
 
 
+def _positions(ip, fmt, lookup, geo):
+    """The in-window positions of the global indices `ip` (int64, consumed) as (n, P) uint8 in
+    `fmt`'s memory order (n = 1 unbatched)."""
+    if ip.dim() == 3:
+        ip = ip.unsqueeze(0)
+    n = ip.shape[0]
+    if lookup is None:
+        W, kernel, stride, padding, dilation = geo
+        pos = _compact(ip, W, kernel, stride, padding, dilation, ip.shape[-2:], ip.device)
+        return _rows(pos, fmt).to(torch.uint8)  # < 128 wherever a window holds input
+    table, base = lookup
+    r = ip if base is None else ip.sub_(base)
+    return torch.index_select(table, 0, _rows(r, fmt).view(-1)).view(n, -1)
+
+
 class MaxPoolCompact(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
         args = (kernel, stride, padding, dilation, ceil_mode)
         W = x.shape[-1]
+        geo = (W, kernel, stride, padding, dilation)
         packed = kernel[0] * kernel[1] <= PACK_AREA
         if x.dim() != 4:  # unbatched: one call
             fmt = torch.contiguous_format
             y, idx = torch.ops.aten.max_pool2d_with_indices(x, *args)
-            pos = _compact(idx, W, kernel, stride, padding, dilation, y.shape[-2:], x.device)
+            lookup = _forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
+                                     dilation, y.numel(), x.device)
+            pos = _positions(idx, fmt, lookup, geo)
+            del idx, lookup
             if packed:
                 k = torch.empty((1, (pos.numel() + 1) // 2), dtype=torch.uint8, device=x.device)
-                _pack4(pos.reshape(1, -1), k)
+                _pack4(pos, k)
             else:
-                k = pos.to(torch.int8)
-            del idx, pos
+                k = pos.view(y.shape).view(torch.int8)
+            del pos
         else:
-            first, idx = torch.ops.aten.max_pool2d_with_indices(x[:1], *args)
-            del idx
             fmt = _format(x)
-            y = torch.empty((x.shape[0],) + tuple(first.shape[1:]), dtype=x.dtype,
+            y = torch.empty(x.shape[:2] + _out_hw(x.shape[-2:], *args), dtype=x.dtype,
                             device=x.device, memory_format=fmt)
-            del first
             per_sample = y[0].numel()
             # Packed: one row of ceil(per_sample / 2) bytes per sample, so that a slice of
             # samples is a slice of rows whatever the parity.
             k = (torch.empty((x.shape[0], (per_sample + 1) // 2), dtype=torch.uint8,
                              device=x.device) if packed else
                  torch.empty(y.shape, dtype=torch.int8, device=x.device, memory_format=fmt))
-            for part in _slices(x.shape[0], per_sample):
+            parts = _slices(x.shape[0], per_sample)
+            m = min((p.stop - p.start for p in parts), default=0) * per_sample
+            lookup = _forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
+                                     dilation, m, x.device)
+            for part in parts:
                 yp, ip = y[part], torch.empty(y[part].shape, dtype=torch.long, device=x.device,
                                               memory_format=fmt)
                 torch.ops.aten.max_pool2d_with_indices.out(x[part], *args, out=yp, indices=ip)
-                pos = _compact(ip, W, kernel, stride, padding, dilation, y.shape[-2:], x.device)
+                pos = _positions(ip, fmt, lookup, geo)
+                del ip
                 if packed:
-                    _pack4(_rows(pos, fmt), k[part])
+                    _pack4(pos, k[part])
                 else:
-                    k[part] = pos
-                del ip, pos
+                    _rows(k[part], fmt).copy_(pos.view(torch.int8))
+                del pos
+            del lookup
         ctx.geom = (tuple(x.shape), x.dtype, kernel, stride, padding, dilation, ceil_mode, fmt,
                     packed)
         ctx.save_for_backward(k)
@@ -154,29 +263,52 @@ class MaxPoolCompact(torch.autograd.Function):
         args = (kernel, stride, padding, dilation, ceil_mode)
         W = shape[-1]
         geo = (W, kernel, stride, padding, dilation)
+        unbatched = len(shape) != 4
+        parts = [slice(0, 1)] if unbatched else _slices(shape[0], grad[0].numel())
+        per_sample = grad.numel() if unbatched else grad[0].numel()
+        m = min((p.stop - p.start for p in parts), default=0) * per_sample
+        lookup = _backward_lookup(shape[-2:], grad.shape[-2:], kernel, stride, padding, dilation,
+                                  m, grad.device)
 
-        def positions(rows, out_shape):
-            """The int64 in-window positions of `rows` of k, shaped (and laid out) as the
-            forward's output."""
-            if not packed:
-                return rows.long()
-            pos = torch.empty(out_shape, dtype=torch.long, device=k.device,
-                              memory_format=kfmt)
-            _unpack4(rows, _rows(pos if len(out_shape) == 4 else pos.unsqueeze(0), kfmt))
-            return pos
+        def indices(rows, out_shape):
+            """The global int64 indices of `rows` of k (their slice's output shape and layout:
+            out_shape, in the forward's format)."""
+            n = 1 if unbatched else out_shape[0]
+            if lookup is None:  # int64 positions, then arithmetic
+                if packed:
+                    pos = torch.empty(out_shape, dtype=torch.long, device=k.device,
+                                      memory_format=kfmt)
+                    _unpack4(rows, _rows(pos if not unbatched else pos.unsqueeze(0), kfmt))
+                else:
+                    pos = rows.long()
+                return _expand(pos, *geo)
+            # int32 positions (index_select's narrowest index), then one lookup.
+            table, base = lookup
+            pos = torch.empty((n, per_sample), dtype=torch.int32, device=k.device)
+            if packed:
+                _unpack4(rows, pos)
+            else:
+                pos.copy_(_rows(rows if not unbatched else rows.unsqueeze(0), kfmt))
+            if base.dtype == torch.int32:
+                _unrows(pos.view(-1), out_shape, kfmt).add_(base)
+            idx = _unrows(torch.index_select(table, 0, pos.view(-1)), out_shape, kfmt)
+            del pos
+            return idx if base.dtype == torch.int32 else idx.add_(base)
 
-        # The kernel reads only the input's sizes (and memory format): a zero-stride stand-in.
-        if len(shape) != 4:
-            like = grad.new_zeros((1,) * len(shape)).expand(shape)
+        # The kernel reads only the input's sizes (and memory format): a zero-stride stand-in,
+        # made from nothing (new_zeros on grad would count as reading it, per slice).
+        one = torch.zeros((1,) * len(shape), dtype=grad.dtype, device=grad.device)
+        if unbatched:
+            like = one.expand(shape)
             gx = torch.ops.aten.max_pool2d_with_indices_backward(
-                grad, like, *args, _expand(positions(k, grad.shape), *geo))
+                grad, like, *args, indices(k, grad.shape))
             return gx, None, None, None, None, None
         fmt = _format(grad)
         gx = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=fmt)
-        for part in _slices(shape[0], grad[0].numel()):
+        for part in parts:
             n = part.stop - part.start
-            like = grad.new_zeros((1,) * len(shape)).expand((n,) + shape[1:])
-            idx = _expand(positions(k[part], (n,) + tuple(grad.shape[1:])), *geo)
+            like = one.expand((n,) + shape[1:])
+            idx = indices(k[part], (n,) + tuple(grad.shape[1:]))
             torch.ops.aten.max_pool2d_with_indices_backward.grad_input(
                 grad[part], like, *args, idx, grad_input=gx[part])
             del idx
