@@ -241,6 +241,9 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(3.0))
     monkeypatch.setattr(local, "RACE_MIN_REMAINING_S", 0.0)
     monkeypatch.setattr(local, "RACE_SLICE_S", 0.5)
+    # Store-all fits at 91 and would be returned without a search: this test is about the race.
+    pipeline = importlib.import_module("solver.search.pipeline")
+    monkeypatch.setattr(pipeline, "_store_all_if_optimal", lambda *a: None)
     g = relu_graph()
     r = solver.solve(g, 91, time_limit_s=10)
     race = r.stats["lns"]["race"]
@@ -267,3 +270,22 @@ def test_a_solution_bytes_over_the_budget_within_the_backends_tolerance_is_not_t
     far = Formulation(g, peak // 2)
     with pytest.raises(AssertionError, match="internal error"):
         Pool([far]).offer(far, far.encode(sched), "test")
+
+
+def test_a_budget_store_all_fits_is_answered_without_a_search():
+    """Store-all on each Op's fastest Impl meets the time floor: when it fits, it is optimal, and
+    solve returns it without building the MILP. Just below its peak, the search runs."""
+    from test_impls_catalogue import relu_graph
+
+    g = relu_graph()
+    peak = simulate(g, store_all_schedule(g)).peak_bytes  # 91: Impl 0 is the fastest
+    for mode in ("full", "checkpoint"):
+        r = solver.solve(g, peak, mode=mode, time_limit_s=10)
+        assert r.status == "optimal" and r.mip_gap == 0.0
+        assert r.stats["search"].startswith("skipped")
+        assert r.objective == pytest.approx(6.0) and r.schedule.mode == mode
+        assert r.schedule.budget_bytes == peak
+        assert simulate(g, r.schedule).peak_bytes == r.predicted_peak_bytes <= peak
+    r = solver.solve(g, peak - 1, time_limit_s=10)  # only relu_mask (6.2 s, peak 90) fits
+    assert "search" not in r.stats or not r.stats["search"].startswith("skipped")
+    assert r.objective == pytest.approx(6.2)

@@ -234,9 +234,13 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     be = get_backend(backend)
     deadline = started + time_limit_s
 
+    facts = GraphFacts(graph, mode)
+    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started)
+    if easy is not None:
+        return easy
+
     # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
     starts, rules_s = [], None
-    facts = GraphFacts(graph, mode)
     if warm_start:
         rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
         starts = family_starts(graph, budget, heuristic_schedules(
@@ -332,6 +336,36 @@ def _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, v
                 f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
                 f"(the least peak found is {format_bytes(peak)}); raise --budget",
                 budget=budget, min_budget=peak)
+
+
+def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFacts,
+                          backend: str, started: float) -> SolveResult | None:
+    """Store-all on each Op's fastest Impl, when it fits the budget: its time is the time floor
+    (no schedule is faster), so it is optimal without building the MILP (which takes seconds
+    even on a ResNet-18; maxbatch and generous budgets ask this often). None otherwise."""
+    ops = graph.ops
+    fastest = tuple(min(facts.impls[j], key=lambda i: (ops[j].impls[i].fwd_time
+                                                       + ops[j].impls[i].bwd_time, i))
+                    for j in range(len(ops)))
+    schedule = store_all_schedule(graph, fastest)
+    tl = simulate(graph, schedule)
+    floor = facts.time_floor
+    if tl.peak_bytes > budget or tl.total_time > floor + 1e-9 * max(1.0, floor):
+        return None  # over the budget, or an Impl clash put a slower Impl back
+    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    schedule = Schedule(**{**schedule.__dict__, "mode": mode, "budget_bytes": budget,
+                           "created_by": "store_all",
+                           "predicted_peak_bytes": tl.peak_bytes,
+                           "predicted_time": tl.total_time,
+                           "meta": {"mip_gap": 0.0, "lower_bound_s": floor,
+                                    "store_all_time_s": base_time}})
+    stats = {"mode": mode, "search": "skipped: store-all on the fastest Impls fits the budget",
+             "lower_bound_s": floor, "floor_bound_s": floor, "store_all_time_s": base_time,
+             "incumbent_source": "store_all"}
+    return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
+                       predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
+                       mip_gap=0.0, solve_time_s=time.perf_counter() - started, backend=backend,
+                       stats=stats)
 
 
 def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limit_s: float,
