@@ -38,7 +38,7 @@ class Measurement:
     peak_bytes: int
     """Peak tensor bytes during the call, tensors alive at its start included."""
     seconds: float
-    """Median wall (CPU) or CUDA-event time of one call."""
+    """Median wall (CPU) or CUDA-event time of one call (NaN when `repeat=0` asked for none)."""
     start_bytes: int = 0
     """Tensor bytes alive when the call started."""
     device: str = "cpu"
@@ -76,12 +76,13 @@ def _cuda_device(device: "str | torch.device | None") -> bool:
 
 def measure_step(fn: Callable[[], object], *, warmup: int = 1, repeat: int = 3,
                  device: "str | torch.device | None" = None) -> Measurement:
-    """Run `fn` `warmup` times, then measure its peak tensor memory and its median time.
+    """Run `fn` `warmup` times, then measure its peak tensor memory and its median time over
+    `repeat` further calls (0: the peak only, `seconds` NaN).
 
     `device` defaults to CUDA when it is available, else the CPU.
     """
-    if repeat < 1 or warmup < 0:
-        raise ValueError(f"measure_step: expected warmup >= 0 and repeat >= 1, got warmup={warmup},"
+    if repeat < 0 or warmup < 0:
+        raise ValueError(f"measure_step: expected warmup >= 0 and repeat >= 0, got warmup={warmup},"
                          f" repeat={repeat}")
     for _ in range(warmup):
         fn()
@@ -108,8 +109,12 @@ def _measure_cpu(fn: Callable[[], object], repeat: int) -> Measurement:
         result = fn()
         del result
         times.append(time.perf_counter() - t0)
-    return Measurement(peak_bytes=int(peak), seconds=statistics.median(times),
+    return Measurement(peak_bytes=int(peak), seconds=_median(times),
                        start_bytes=int(start_bytes), device="cpu")
+
+
+def _median(times: list[float]) -> float:
+    return statistics.median(times) if times else float("nan")
 
 
 def _watch_start(log: AllocatorLog) -> int:
@@ -167,5 +172,5 @@ def _measure_cuda(fn: Callable[[], object], repeat: int, device) -> Measurement:
         b.record()
         torch.cuda.synchronize(dev)
         times.append(a.elapsed_time(b) / 1000.0)
-    return Measurement(peak_bytes=int(peak), seconds=statistics.median(times),
+    return Measurement(peak_bytes=int(peak), seconds=_median(times),
                        start_bytes=int(start_bytes), device=str(dev))

@@ -1,5 +1,7 @@
 """measure_step: the peak includes what is alive at the start, sees backward and frees."""
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -57,8 +59,13 @@ def test_backward_is_measured():
 def test_bad_arguments():
     import pytest
 
-    with pytest.raises(ValueError):
-        measure_step(lambda: None, repeat=0)
+    with pytest.raises(ValueError, match="repeat >= 0"):
+        measure_step(lambda: None, repeat=-1)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        measure_step(lambda: None, warmup=-1)
+    calls = []
+    m = measure_step(lambda: calls.append(1), warmup=0, repeat=0)  # the peak only: one call
+    assert calls == [1] and math.isnan(m.seconds)
 
 
 def test_kernel_scratch_is_counted_on_the_cpu():
