@@ -289,3 +289,31 @@ def test_a_budget_store_all_fits_is_answered_without_a_search():
     r = solver.solve(g, peak - 1, time_limit_s=10)  # only relu_mask (6.2 s, peak 90) fits
     assert "search" not in r.stats or not r.stats["search"].startswith("skipped")
     assert r.objective == pytest.approx(6.2)
+
+
+def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
+    """Full mode contains checkpoint mode, so its least budget must never be reported above
+    checkpoint's: a checkpoint answer already found is full mode's start. Here full mode's own
+    search is starved (its rules give only store-all, its MILP finds nothing), as a time limit
+    can starve it on a large graph, and still it reports checkpoint's least peak."""
+    import types
+
+    pipeline = importlib.import_module("solver.search.pipeline")
+    pipeline._MIN_BUDGET_CACHE.clear()
+    g = resnet_like(blocks=(1, 1), batch=8)
+    checkpoint = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
+    store = simulate(g, store_all_schedule(g)).peak_bytes
+    assert checkpoint[0] < store
+    monkeypatch.setattr(pipeline, "low_memory_schedules",
+                        lambda graph, facts, deadline=None: [("store_all",
+                                                              store_all_schedule(graph))])
+    monkeypatch.setattr(pipeline, "_search", lambda *a, **k: types.SimpleNamespace(
+        bb_result=BackendResult(status="time_limit", x=None, objective=None, bound=None,
+                                seconds=0.0)))
+    full = pipeline.min_budget_details(g, "full", time_limit_s=20)
+    assert full[0] == checkpoint[0]
+    assert simulate(g, full[3]).peak_bytes == full[0]
+    pipeline._MIN_BUDGET_CACHE.clear()
+    starved = pipeline.min_budget_details(g, "full", time_limit_s=20)  # no checkpoint answer
+    assert starved[0] == store
+    pipeline._MIN_BUDGET_CACHE.clear()
