@@ -81,6 +81,24 @@ def test_last_partial_batch_runs_within_budget_with_exact_gradients(tmp_path):
         w.schedule_for(x8).predicted_peak_bytes
 
 
+def test_a_graph_profiled_without_impls_runs_smaller_batches():
+    """A schedule solved on a graph profiled with impls=False, given to the wrapper with that
+    graph: the structure profiles at smaller batches leave the Impls out too (the CNN offers
+    several), so the schedule rebinds instead of being refused as another graph's."""
+    model = _cnn()
+    x8 = torch.randn(8, 3, 16, 16).requires_grad_()
+    g = profile(model, x8, cost="analytical:A100-40GB", impls=False)
+    assert all(len(op.impls) == 1 for op in g.ops)
+    assert any(len(op.impls) > 1 for op in profile(model, x8, cost="analytical:A100-40GB").ops)
+    top = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
+    budget = (top + solver.min_budget(g)) // 2
+    w = monetlike.ScheduleWrapper(model, solver.solve(g, budget, time_limit_s=20).schedule,
+                                  graph=g)
+    x = torch.randn(5, 3, 16, 16)
+    _assert_same_step(model, w, x)
+    assert w.schedule_for(x.requires_grad_()).predicted_peak_bytes <= budget
+
+
 def test_a_larger_batch_is_refused_with_the_way_out(tmp_path):
     model = _cnn()
     x8 = torch.randn(8, 3, 16, 16).requires_grad_()

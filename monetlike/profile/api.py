@@ -141,7 +141,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     leaf_modules: extra module names or classes to keep as single ops (see monetlike.trace).
     impls: also measure the registered operator implementations (monetlike.impls) as extra
         Impls of the Ops they apply to. The runtime's structure check profiles with the default
-        (True): a graph made with impls=False must be passed to ScheduleWrapper as `graph=`.
+        (True) unless it is given a graph whose Ops offer no Impl: a graph made with
+        impls=False must be passed to ScheduleWrapper as `graph=`.
     host_bandwidth: bytes/s of the device<->host link, the cost of offloading a Value to host
         memory (OpGraph.host_bandwidth). A number overrides everything; None: measured on a CUDA
         device (pinned copies of 64 MiB each way, the slower direction), the preset's nominal

@@ -129,6 +129,10 @@ class ScheduleWrapper(torch.nn.Module):
         # The solved graph's optimizer state, for schedules whose summary does not record it
         # (NOTE [Smaller shapes]).
         self._optimizer_bytes = None if graph is None else graph.optimizer_bytes
+        # A given graph that offers no Op an Impl may have been profiled with impls=False: the
+        # structure profiles at other shapes then leave the Impls out too, to match it (where
+        # the model has nothing to offer, both give the same structure).
+        self._structure_impls = graph is None or any(len(op.impls) > 1 for op in graph.ops)
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
         self._placeholders = None
@@ -378,7 +382,7 @@ class ScheduleWrapper(torch.nn.Module):
             try:
                 return profile(self._model, tensors, cost="analytical:A100-40GB",
                                leaf_modules=self._leaf_modules, impl_target=target,
-                               capture=self._capture)
+                               capture=self._capture, impls=self._structure_impls)
             except Exception:  # data-dependent ops cannot run on meta; try for real below
                 pass
         # Autocast does not apply to meta tensors, so under autocast (or when the meta run
@@ -394,7 +398,7 @@ class ScheduleWrapper(torch.nn.Module):
                                                        cache_enabled=False))
             return profile(self._model, tensors, cost="measured", repeat=1,
                            leaf_modules=self._leaf_modules, impl_target=target,
-                           capture=self._capture)
+                           capture=self._capture, impls=self._structure_impls)
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
