@@ -109,7 +109,7 @@ def test_scale_batch_scales_every_batched_tensor_and_keeps_the_rest():
 def test_max_batch_of_a_keyword_gpt2_fits_and_one_more_does_not():
     model = _tiny_gpt2()
     budget = 500 * 2**10
-    r = max_batch(model, budget, (SEQ,), limit=64, time_limit_s=20)
+    r = max_batch(model, budget, (SEQ,), limit=64, time_limit_s=5)
     b = r.batch
     assert b >= 2 and r.graph.batch == b
     # Every batched tensor of the keyword batch at batch b, the sequence length kept.
