@@ -172,13 +172,22 @@ class GraphFacts:
         return self.graph.users
 
     @cached_property
+    def fastest_impls(self) -> tuple[int, ...]:
+        """Each op's allowed Impl with the least forward + backward time (the lowest index on
+        a tie)."""
+        ops = self.graph.ops
+        return tuple(min(self.impls[j], key=lambda i: (ops[j].impls[i].fwd_time
+                                                      + ops[j].impls[i].bwd_time, i))
+                     for j in range(len(ops)))
+
+    @cached_property
     def time_floor(self) -> float:
         """A lower bound on any schedule's step time: every op forward and backward once on its
         fastest allowed Impl, nothing recomputed or transferred (the simulator's total is that
         plus recomputation and transfers, both never negative)."""
         ops = self.graph.ops
-        return sum(min(ops[j].impls[i].fwd_time + ops[j].impls[i].bwd_time
-                       for i in self.impls[j]) for j in range(len(ops)))
+        return sum(ops[j].impls[i].fwd_time + ops[j].impls[i].bwd_time
+                   for j, i in enumerate(self.fastest_impls))
 
     @cached_property
     def overwrites(self) -> dict[tuple[int, int], int]:

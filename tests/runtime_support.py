@@ -203,6 +203,21 @@ def impl_schedules(graph: OpGraph, name: str) -> tuple[list[int], list[Schedule]
     return picked, [with_predictions(graph, s, mode="full") for s in (store, nothing)]
 
 
+def weighted_step(module, x, seed):
+    """One training step on a copy of `x` with a loss weighting each output element differently
+    (so no gradient is uniform): (output, input gradient, parameter gradients (None where a
+    parameter got none), buffers), detached copies."""
+    for p in module.parameters():
+        p.grad = None
+    xx = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = module(xx)
+    (out * torch.linspace(0.5, 1.5, out.numel()).view_as(out)).sum().backward()
+    return (out.detach(), xx.grad,
+            [None if p.grad is None else p.grad.clone() for p in module.parameters()],
+            [b.clone() for b in module.buffers()])
+
+
 # Measured against simulated peak on the CPU, where storages are counted exactly (no allocator
 # rounding): the largest difference seen is 0.6% below the simulator (workspace as measured in
 # the profile vs at run time).

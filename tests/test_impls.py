@@ -22,7 +22,7 @@ from monetlike.impls import names
 from solver.backends import available as available_backends
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
+from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
 
 A100 = "analytical:A100-40GB"
 
@@ -222,17 +222,6 @@ def _with_impl(graph, name: str) -> tuple[Schedule, list[int]]:
     return with_predictions(graph, s), picked
 
 
-def _run(module, x, seed):
-    for p in module.parameters():
-        p.grad = None
-    xx = x.detach().clone().requires_grad_()
-    torch.manual_seed(seed)
-    out = module(xx)
-    (out * torch.linspace(0.5, 1.5, out.numel()).view_as(out)).sum().backward()
-    return out.detach(), xx.grad, [p.grad.clone() for p in module.parameters()], \
-        [b.clone() for b in module.buffers()]
-
-
 def _assert_same(a, b):
     out_a, gx_a, gp_a, buf_a = a
     out_b, gx_b, gp_b, buf_b = b
@@ -256,7 +245,7 @@ def test_impl_exact_through_runtime(case):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):  # two steps: running statistics stay in step
-        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("name", ["hardtanh_mask", "bn_hardtanh_lean"])
@@ -273,7 +262,7 @@ def test_torchvision_mobilenet_v2_exact(name):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):
-        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def _bytes_held(fn, x, fixed=()) -> int:
@@ -577,7 +566,7 @@ def test_dropout_mask_exact_through_runtime(functional):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):
-        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -634,7 +623,7 @@ def test_full_mode_picks_dropout_mask_on_a_cpu_profile():
         assert simulate(g, r.schedule).peak_bytes <= low_full
     ref = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, r.schedule)
-    _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
+    _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
 
 
 def test_impls_are_registered_and_checkpoint_mode_ignores_them():
@@ -721,7 +710,7 @@ def test_end_to_end_full_mode_picks_impls(net, families):
     predicted = simulate(g, s).peak_bytes
     ref = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, s, graph=g)
-    _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
+    _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
     measured = measured_peak(g, model, wrapped, x)
     picked = [g.ops[j].impls[k].name for j, k in enumerate(s.impl) if k]
     assert measured <= budget, (picked, measured, budget)

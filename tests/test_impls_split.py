@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import monetlike
 from monetlike.impls import bitmask
 from monetlike.torch_private import sole_owner
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
+from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
 from solver.simulate import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,17 +110,6 @@ CASES = {
 }
 
 
-def _run(module, x, seed):
-    for p in module.parameters():
-        p.grad = None
-    xx = x.detach().clone().requires_grad_()
-    torch.manual_seed(seed)
-    out = module(xx)
-    (out * torch.linspace(0.5, 1.5, out.numel()).view_as(out)).sum().backward()
-    return (out.detach(), xx.grad,
-            [None if p.grad is None else p.grad.clone() for p in module.parameters()])
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_split_exact_through_runtime(case):
     factory, shape, name = CASES[case]
@@ -134,7 +123,8 @@ def test_split_exact_through_runtime(case):
         ref = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), schedule)
         for seed in (1, 2):
-            (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = _run(ref, x, seed), _run(wrapped, x, seed)
+            (out_a, gx_a, gp_a, _), (out_b, gx_b, gp_b, _) = (weighted_step(ref, x, seed),
+                                                              weighted_step(wrapped, x, seed))
             assert torch.equal(out_a, out_b)  # the forward: bitwise
             torch.testing.assert_close(gx_b, gx_a)
             for p, q in zip(gp_a, gp_b):

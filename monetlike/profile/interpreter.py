@@ -209,9 +209,10 @@ class ProfileRun(fx.Interpreter):
         # adds its bytes back.
         self._value_frees: dict[int, tuple[int, int, int]] = {}
         # Values an Impl's backward let go of before its stage ended (`announce_release`), which
-        # another Op's saved tensors may keep alive in this step: (group, tag, bytes, mark) on
-        # the CPU; on the meta device, the open one with the stage's peak before it.
-        self._declared: list[tuple[int, Any, int, int]] = []
+        # another Op's saved tensors may keep alive in this step: mark -> (group, tag, bytes) on
+        # the CPU, as `_value_frees`; on the meta device, the open one with the stage's peak
+        # before it.
+        self._declared: dict[int, tuple[int, Any, int]] = {}
         self._meta_release: tuple | None = None
         self.tracker.on_free = self._on_free
         self.tracker.observers.append(self._on_aten)
@@ -292,7 +293,7 @@ class ProfileRun(fx.Interpreter):
             return
         tag, nbytes = self.tracker.tag_of(key), self.tracker.nbytes_of(key)
         if self.alloc is not None:
-            self._declared.append((self.bcur, tag, nbytes, self._mark()))
+            self._declared[self._mark()] = (self.bcur, tag, nbytes)
         elif self.cuda is not None:  # pragma: no cover - no GPU in CI
             self.groups[self.bcur].early_release.add(tag)  # as _on_free does there
         else:
@@ -345,19 +346,17 @@ class ProfileRun(fx.Interpreter):
         # stage's end, is not used); those Values are the Op's early releases.
         # A group's later interval (autograd came back to one of its nodes after other stages
         # ran) happens while the simulator is in the latest stage started: it counts there.
-        frees: dict[int, list[tuple[int, int, int]]] = {}  # group -> [(position, tag, bytes)]
-        for m, (fg, tag, nbytes) in self._value_frees.items():
-            frees.setdefault(fg, []).append((a.position(m), tag, nbytes))
-        declared: dict[int, list[tuple[int, int, int]]] = {}
-        for fg, tag, nbytes, m in self._declared:
-            declared.setdefault(fg, []).append((a.position(m), tag, nbytes))
+        def by_group(marked):  # mark -> (group, tag, bytes) as group -> [(position, tag, bytes)]
+            out: dict[int, list[tuple[int, int, int]]] = {}
+            for m, (fg, tag, nbytes) in marked.items():
+                out.setdefault(fg, []).append((a.position(m), tag, nbytes))
+            return out
+        frees, declared = by_group(self._value_frees), by_group(self._declared)
         first_other: dict[int, int] = {}
         top: dict[int, int] = {}
         current = None
         for gid, s, values0, first, e in self._bwd_windows:
             other0 = a.level(s) - values0
-            at = a.peak_position(s, e)
-            peak = other0 + a.level_at(at) - a.level(s)
             if first or current is None:
                 current = gid
             if first:
@@ -376,6 +375,8 @@ class ProfileRun(fx.Interpreter):
                             levels[q] -= n
                 peak = other0 + max(levels) - a.level(s)
                 self.groups[gid].early_release.update(_early_releases(levels, freed))
+            else:
+                peak = other0 + a.peak_between(s, e) - a.level(s)
             top[current] = max(top.get(current, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]

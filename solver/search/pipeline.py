@@ -98,6 +98,16 @@ def _lower_peak(form: Formulation, pool: Pool) -> int:
 _MIN_BUDGET_CACHE: dict[tuple, tuple[int, int, bool, Schedule]] = {}
 
 
+def _min_budget_key(graph: OpGraph, mode: str, offload: bool) -> tuple:
+    """What a least budget depends on: the structure and every byte count, not the costs."""
+    return (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
+                                     graph.param_bytes, graph.optimizer_bytes,
+                                     tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
+                                            i.recompute_transient, i.early_release)
+                                           for op in graph.ops for i in op.impls))), mode,
+            graph.host_bandwidth if offload else None)
+
+
 def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
                        time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S, verbose: bool = False,
                        offload: bool = False) -> tuple[int, int, bool, Schedule]:
@@ -106,12 +116,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     An exact min-peak MILP (the same model with the peak as objective), started from the
     least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
     bound). Cached per graph and mode."""
-    key = (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
-                                    graph.param_bytes, graph.optimizer_bytes,
-                                    tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
-                                           i.recompute_transient, i.early_release)
-                                          for op in graph.ops for i in op.impls))), mode,
-           graph.host_bandwidth if offload else None)
+    key = _min_budget_key(graph, mode, offload)
     if key in _MIN_BUDGET_CACHE:
         return _MIN_BUDGET_CACHE[key]
     started = time.perf_counter()
@@ -122,7 +127,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                                                                deadline=rules_deadline))
     # Full mode contains checkpoint mode (Impl 0 everywhere): a checkpoint answer already found
     # is a start, so full's least budget is never reported above checkpoint's.
-    done = _MIN_BUDGET_CACHE.get(key[:2] + ("checkpoint",) + key[3:]) if mode == "full" else None
+    done = (_MIN_BUDGET_CACHE.get(_min_budget_key(graph, "checkpoint", offload))
+            if mode == "full" else None)
     if done is not None and done[0] < peak0:
         name, s0, peak0 = "checkpoint", done[3], done[0]
     form_bb = branch_and_bound_form(form) if _sharing(be) else form
@@ -348,16 +354,13 @@ def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFa
     """Store-all on each Op's fastest Impl, when it fits the budget: its time is the time floor
     (no schedule is faster), so it is optimal without building the MILP (which takes seconds
     even on a ResNet-18; maxbatch and generous budgets ask this often). None otherwise."""
-    ops = graph.ops
-    fastest = tuple(min(facts.impls[j], key=lambda i: (ops[j].impls[i].fwd_time
-                                                       + ops[j].impls[i].bwd_time, i))
-                    for j in range(len(ops)))
-    schedule = store_all_schedule(graph, fastest)
+    schedule = store_all_schedule(graph, facts.fastest_impls)
     tl = simulate(graph, schedule)
     floor = facts.time_floor
     if tl.peak_bytes > budget or tl.total_time > floor + 1e-9 * max(1.0, floor):
         return None  # over the budget, or an Impl clash put a slower Impl back
-    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    base_time = (tl.total_time if not any(schedule.impl)
+                 else simulate(graph, store_all_schedule(graph)).total_time)
     schedule = Schedule(**{**schedule.__dict__, "mode": mode, "budget_bytes": budget,
                            "created_by": "store_all",
                            "predicted_peak_bytes": tl.peak_bytes,
