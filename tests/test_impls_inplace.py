@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import monetlike
 import solver
 from solver.simulate import simulate, store_all_schedule
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak
-from test_impls import _assert_same, _bytes_held, _held_by_op, _run
+from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
+from test_impls import _assert_same, _bytes_held, _held_by_op
 
 A100 = "analytical:A100-40GB"
 
@@ -119,7 +119,7 @@ def test_inplace_exact_through_runtime(case):
         wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), s)
         wrapped.load_state_dict(ref_model.state_dict())
         for seed in (1, 2):  # two steps: BN running statistics stay in step
-            _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+            _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("net, name, adds", [("mobilenet_v2", "add_inplace_rhs", 10),
@@ -153,7 +153,7 @@ def test_zoo_models_with_every_residual_add_in_place_are_exact(net, name, adds):
         wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), s)
         wrapped.load_state_dict(ref_model.state_dict())
         for seed in (1, 2):
-            _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+            _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():

@@ -23,7 +23,8 @@ from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
 from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
-from test_impls import _assert_same, _bytes_held, _run
+from runtime_support import weighted_step
+from test_impls import _assert_same, _bytes_held
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,7 +128,7 @@ def test_exact_through_runtime(case, cost):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
-        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def test_exact_when_its_input_is_recomputed():
@@ -159,7 +160,7 @@ def test_exact_when_its_input_is_recomputed():
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, s)
     for seed in (1, 2):
-        _assert_same(_run(ref_model, x, seed), _run(wrapped, x, seed))
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def test_declared_bytes():
@@ -369,7 +370,7 @@ def test_end_to_end_full_mode_below_checkpoints_least_peak():
         assert predicted <= budget
         ref = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(model, s)
-        _assert_same(_run(ref, x, 5), _run(wrapped, x, 5))
+        _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
         measured = measured_peak(g, model, wrapped, x)
         assert measured <= predicted * (1 + PEAK_TOLERANCE), (measured, predicted)
         if all(g.ops[j].impls[k].name == NAME for j, k in enumerate(s.impl)
