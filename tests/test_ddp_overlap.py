@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_support import process_group, run_workers
+from dist_support import WORLD, process_group, run_workers
 
 
 def _net():
@@ -78,4 +78,5 @@ def _worker(rank: int, store_path: str) -> None:
 
 
 def test_ddp_all_reduces_buckets_during_the_backward_as_without_the_wrapper(tmp_path):
-    run_workers(_worker, (str(tmp_path / "store"),), "DDP")
+    passed = run_workers(_worker, (str(tmp_path / "store"),), "DDP")
+    assert passed == list(range(WORLD))  # every rank ran its checks to the end

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_support import process_group, run_workers
+from dist_support import WORLD, process_group, run_workers
 
 
 def _net():
@@ -63,4 +63,5 @@ def _worker(rank: int, store_path: str, reshard: bool) -> None:
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep-unsharded"])
 def test_fsdp2_two_cpu_processes_same_gradients_as_unwrapped_fsdp2(tmp_path, reshard):
-    run_workers(_worker, (str(tmp_path / "store"), reshard), "FSDP2")
+    passed = run_workers(_worker, (str(tmp_path / "store"), reshard), "FSDP2")
+    assert passed == list(range(WORLD))  # every rank ran its checks to the end
