@@ -241,9 +241,12 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(3.0))
     monkeypatch.setattr(local, "RACE_MIN_REMAINING_S", 0.0)
     monkeypatch.setattr(local, "RACE_SLICE_S", 0.5)
-    # Store-all fits at 91 and would be returned without a search: this test is about the race.
+    # Store-all fits at 91 and would be returned without a search, and the stage bound or the
+    # LP would prove it optimal and stop LNS before its race: this test is about the race.
     pipeline = importlib.import_module("solver.search.pipeline")
+    context = importlib.import_module("solver.search.context")
     monkeypatch.setattr(pipeline, "_store_all_if_optimal", lambda *a: None)
+    monkeypatch.setattr(context.SearchContext, "proven_within_gap", lambda self: False)
     g = relu_graph()
     r = solver.solve(g, 91, time_limit_s=10)
     race = r.stats["lns"]["race"]

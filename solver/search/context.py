@@ -98,8 +98,9 @@ class SearchContext:
         return t is not None and self.pool.obj <= t + 1e-9 * max(1.0, abs(t))
 
     def proven_within_gap(self) -> bool:
-        """The probes proved the incumbent within `mip_gap`."""
-        proven = self.pool.bound("probe")
+        """A bound from outside the running branch and bound (the stage bound, the probes)
+        proves the incumbent within `mip_gap`: nothing is left to search for."""
+        proven = self.pool.bound()
         return proven is not None and proven >= (1 - self.mip_gap) * self.pool.obj
 
     def should_stop(self) -> bool:

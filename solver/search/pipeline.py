@@ -33,6 +33,7 @@ from ..formulation import Formulation
 from ..graph import OpGraph
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
+from ..stage_bound import stage_bound
 from ..units import format_bytes, parse_bytes
 from ..warmstart import (family_starts, heuristic_schedules, least_memory,
                          low_memory_schedules)
@@ -271,6 +272,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     base_time = simulate(graph, store_all_schedule(graph)).total_time
     pool = Pool([form], start=started)
     pool.raise_bound("floor", form.facts.time_floor * form.time_scale)
+    stage_lower = stage_bound(form.facts, budget, offload)
+    if math.isfinite(stage_lower):  # inf would prove the budget infeasible; left to the search
+        pool.raise_bound("stages", stage_lower * form.time_scale)
 
     # -- 2b. first incumbent -------------------------------------------------------------------
     race = []
@@ -436,7 +440,8 @@ def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limi
                   "best_found_s": None if pool.last_s is None else round(pool.last_s, 3),
                   "lower_bound_s": lower, "incumbent_source": pool.source,
                   # which relaxation gave the bound: the LP's, branch and bound's, the probes'
-                  "floor_bound_s": seconds("floor"), "lp_bound_s": seconds("lp"),
+                  "floor_bound_s": seconds("floor"), "stage_bound_s": seconds("stages"),
+                  "lp_bound_s": seconds("lp"),
                   "bb_bound_s": seconds("branch_and_bound"),
                   "probe_bound_s": seconds("probe"),
                   "probes": list(ctx.probes),  # each probe's (gap, status, seconds)

@@ -29,12 +29,13 @@ ROW_TOLERANCE_UNITS = 1e-5
 solution may be and still count as its feasibility tolerance (HiGHS: 1e-6 per row) rather than
 a bug in the formulation."""
 
-BOUND_SOURCES = ("floor", "lp", "branch_and_bound", "probe")
+BOUND_SOURCES = ("floor", "stages", "lp", "branch_and_bound", "probe")
 """Where a valid lower bound can come from: the step with nothing recomputed on the fastest
-Impls (GraphFacts.time_floor: weak, but there before anything is solved, so a gap can be stated
-on graphs too big for the LP), the LP relaxation (with the cuts, if any), branch and bound's dual
-bound (its model is a relaxation: lazy rows only leave rows out), and the bound probes (branch
-and bound under a cutoff)."""
+Impls (GraphFacts.time_floor: weak, but there before anything is solved), the stage bound
+(solver/stage_bound.py: what each backward stage must pay to fit, computed in milliseconds, so
+graphs too big for the LP still get an honest gap), the LP relaxation (with the cuts, if any),
+branch and bound's dual bound (its model is a relaxation: lazy rows only leave rows out), and the
+bound probes (branch and bound under a cutoff)."""
 
 
 class Pool:

@@ -1,0 +1,151 @@
+"""The stage bound (solver/stage_bound.py): a lower bound on the step time of every schedule within
+a budget, from each backward stage's least memory.
+
+Checked against schedules nobody optimised (random kept sets and Impls, every rule's): at a
+schedule's own peak as the budget, the bound is never above its time; and against the exact
+optimum of tiny graphs (exhaustive search): never above it, at every budget, in both modes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solver import simulate, store_all_schedule
+from solver.errors import ScheduleError
+from solver.analysis import GraphFacts
+from solver.stage_bound import _cheapest_cover, stage_bound, stage_extra_costs
+from solver_cases import GraphBuilder, random_chain, random_dag, random_inplace_dag, \
+    random_schedules
+from solver_reference import exact_optimum
+
+
+def _graphs(seed: int, n: int):
+    rng = random.Random(seed)
+    return (random_chain(rng, n, early=True), random_dag(rng, n, two_impl=True, early=True),
+            random_inplace_dag(rng, n))
+
+
+def _check_random_schedules(seed: int, n: int) -> int:
+    """Asserts the bound on every valid random schedule; returns how many bounds rose above the
+    time floor."""
+    above = checked = 0
+    for g in _graphs(seed, n):
+        for mode in ("full", "checkpoint"):
+            facts = GraphFacts(g, mode)
+            for s in random_schedules(g, random.Random(seed), random_impls=(mode == "full")):
+                if any(i not in facts.impls[j] for j, i in enumerate(s.impl)):
+                    continue  # an Impl this mode does not allow (or a dominated one)
+                try:
+                    tl = simulate(g, s)
+                except ScheduleError:
+                    continue  # a random draw that is not a valid schedule
+                bound = stage_bound(facts, tl.peak_bytes)
+                assert bound <= tl.total_time + 1e-9, (mode, tl.peak_bytes, bound,
+                                                       tl.total_time, s)
+                checked += 1
+                above += bound > facts.time_floor + 1e-9
+    assert checked > 0
+    return above
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(2, 12))
+def test_no_schedule_beats_the_bound_at_its_own_peak(seed, n):
+    _check_random_schedules(seed, n)
+
+
+def test_the_bound_rises_above_the_floor():
+    """The property above is not vacuous: the bound is more than the time floor for many of
+    these schedules."""
+    assert sum(_check_random_schedules(seed, 8) for seed in range(10)) >= 10
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(1, 4))
+def test_bound_at_most_the_exact_optimum(seed, n):
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    for frac in (1.0, 0.8, 0.6, 0.45):
+        budget = int(top * frac)
+        for mode in ("full", "checkpoint"):
+            ref = exact_optimum(g, budget, mode=mode)
+            bound = stage_bound(GraphFacts(g, mode), budget)
+            if ref is None:
+                continue  # infeasible: any bound is valid (inf included)
+            assert bound <= ref[0] + 1e-9, (mode, budget, bound, ref[0])
+
+
+def _two_stage_chain():
+    """x -> a (op0, saves nothing, 10 s rerun) -> b (op1, saves a) -> out; op1 has an Impl
+    with 4 bytes less internals that costs 1 s more."""
+    b = GraphBuilder("t", input_bytes=1)
+    x = b.input("x", 1)
+    a = b.op("op0", [x], 8, saved=(), fwd=10, bwd=1)
+    out = b.op("op1", [a], 2, fwd=1, bwd=1, impls=[
+        dict(name="default", saved=("in0",), internal_bytes=6, fwd_time=1, bwd_time=1),
+        dict(name="lean", saved=("in0",), internal_bytes=2, fwd_time=1.5, bwd_time=1.5)])
+    return b.build(outputs=out, stage_grad_bytes=[0, 0])
+
+
+def test_a_stage_over_budget_pays_for_the_cheapest_bytes():
+    g = _two_stage_chain()
+    facts = GraphFacts(g, "full")
+    store = simulate(g, store_all_schedule(g))
+    assert stage_extra_costs(facts, store.peak_bytes) == [0.0, 0.0]
+    # Four bytes less at op1's stage: its lean Impl (1 s for 4 bytes); op0's output is saved
+    # by op1 under both Impls, so it cannot go. Checkpoint mode has no way: infeasible there.
+    assert stage_extra_costs(facts, store.peak_bytes - 4)[0] == pytest.approx(1.0)
+    assert stage_bound(facts, store.peak_bytes - 2) == pytest.approx(facts.time_floor + 0.5)
+    assert math.isinf(stage_bound(GraphFacts(g, "checkpoint"), store.peak_bytes - 2))
+
+
+def test_cheapest_cover_takes_free_bytes_first_then_by_rate():
+    items = [(2.0, 4), (0.0, 3), (1.0, 1), (3.0, 12)]
+    assert _cheapest_cover(items, 3) == 0.0
+    assert _cheapest_cover(items, 9) == pytest.approx(1.5)   # 3 free, then 6 of 12 at 0.25 s/B
+    assert _cheapest_cover(items, 20) == pytest.approx(6.0)  # 3 + 12 + 4 + 1
+    assert math.isinf(_cheapest_cover(items, 21))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "densenet121", "unet", "transformer"])
+def test_profiled_models_schedules_never_beat_the_bound(name):
+    """Profiled graphs (analytical costs, meta device) have what the random graphs may not:
+    multi-output ops, in-place and lean Impls, early releases, ops without a backward, unsafe
+    ops. Every rule's schedule and random ones, at their own peaks."""
+    import torch
+    import torchvision
+
+    import monetlike
+    from monetlike.models import transformer, unet
+
+    if name == "unet":
+        model, shape = unet(width=8, depth=3), (2, 3, 64, 64)
+    elif name == "transformer":
+        model, shape = transformer(depth=2, dim=64, heads=4, dropout=0.1), (2, 32, 64)
+    else:
+        model, shape = getattr(torchvision.models, name)(num_classes=10), (4, 3, 64, 64)
+    g = monetlike.profile(model, torch.randn(*shape, device="meta"),
+                          cost="analytical:A100-40GB")
+    rng = random.Random(0)
+    above = 0
+    for mode in ("full", "checkpoint"):
+        facts = GraphFacts(g, mode)
+        scheds = [*random_schedules(g, rng), *random_schedules(g, rng, random_impls=True)]
+        for s in scheds:
+            if mode == "checkpoint":
+                s = type(s)(**{**s.__dict__, "impl": (0,) * len(g.ops)})
+            try:
+                tl = simulate(g, s)
+            except ScheduleError:
+                continue
+            bound = stage_bound(facts, tl.peak_bytes)
+            assert bound <= tl.total_time * (1 + 1e-12), (mode, bound, tl.total_time)
+            above += bound > facts.time_floor * (1 + 1e-9)
+    assert above > 0
