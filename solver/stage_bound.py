@@ -28,11 +28,10 @@ import math
 from .analysis import GraphFacts
 
 
-def stage_extra_costs(facts: GraphFacts, budget: int, offload: bool = False) -> list[float]:
-    """Per backward stage: a lower bound on the seconds any schedule within `budget` spends
-    above the time floor (GraphFacts.time_floor) for that stage's peak to fit; 0.0 where the
-    least memory already fits, and math.inf where nothing can make it fit (the budget is
-    infeasible)."""
+def stage_items(facts: GraphFacts, offload: bool = False):
+    """Per backward stage, in order: (need, items), `need` the bytes every schedule holds at the
+    stage's peak before buying any back, `items` the (seconds, bytes) it can buy them back with
+    (each op's Impls as increments along their hull)."""
     g = facts.graph
     ops, values = g.ops, g.values
     fastest = facts.fastest_impls
@@ -95,17 +94,12 @@ def stage_extra_costs(facts: GraphFacts, budget: int, offload: bool = False) -> 
     for t in range(T - 1, -1, -1):
         internals[t] = internals[t + 1] + base_internal[g.backward_order[t]]
 
-    out = []
     for t, op_id in enumerate(g.backward_order):
         f = fastest[op_id]
         own = ops[op_id].impls[f]
         held_values = forced_at[t] | forced_later[t]
         need = (g.fixed_bytes + g.stage_grad_bytes[t] + held_bytes
                 + sum(values[v].bytes for v in held_values) + internals[t] + own.bwd_workspace)
-        excess = need - budget
-        if excess <= 0:
-            out.append(0.0)
-            continue
         items: list[tuple[float, int]] = []
         # Values a later stage needs that this one does not: made again after t.
         droppable: dict[int, int] = {}
@@ -124,8 +118,23 @@ def stage_extra_costs(facts: GraphFacts, budget: int, offload: bool = False) -> 
                             own.internal_bytes + own.bwd_workspace
                             - ops[op_id].impls[i].internal_bytes
                             - ops[op_id].impls[i].bwd_workspace) for i in allowed[op_id]]))
-        out.append(_cheapest_cover(items, excess))
-    return out
+        yield need, items
+
+
+def stage_extra_costs(facts: GraphFacts, budget: int, offload: bool = False) -> list[float]:
+    """Per backward stage: a lower bound on the seconds any schedule within `budget` spends
+    above the time floor (GraphFacts.time_floor) for that stage's peak to fit; 0.0 where the
+    least memory already fits, and math.inf where nothing can make it fit (the budget is
+    infeasible)."""
+    return [0.0 if need <= budget else _cheapest_cover(items, need - budget)
+            for need, items in stage_items(facts, offload)]
+
+
+def stage_least_peak(facts: GraphFacts, offload: bool = False) -> int:
+    """A lower bound on the peak of any schedule (bytes): the most any stage still holds after
+    buying back every byte it can, whatever the time."""
+    return max((need - sum(b for _, b in items) for need, items in stage_items(facts, offload)),
+               default=0)
 
 
 def _cheapest_cover(items: list[tuple[float, int]], excess: int) -> float:

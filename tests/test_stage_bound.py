@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from solver import simulate, store_all_schedule
 from solver.errors import ScheduleError
 from solver.analysis import GraphFacts
-from solver.stage_bound import _cheapest_cover, stage_bound, stage_extra_costs
+from solver.stage_bound import _cheapest_cover, stage_bound, stage_extra_costs, \
+    stage_least_peak
 from solver_cases import GraphBuilder, random_chain, random_dag, random_inplace_dag, \
     random_schedules
-from solver_reference import exact_optimum
+from solver_reference import exact_min_peak, exact_optimum
 
 
 def _graphs(seed: int, n: int):
@@ -37,6 +38,7 @@ def _check_random_schedules(seed: int, n: int) -> int:
     for g in _graphs(seed, n):
         for mode in ("full", "checkpoint"):
             facts = GraphFacts(g, mode)
+            least = stage_least_peak(facts)
             for s in random_schedules(g, random.Random(seed), random_impls=(mode == "full")):
                 if any(i not in facts.impls[j] for j, i in enumerate(s.impl)):
                     continue  # an Impl this mode does not allow (or a dominated one)
@@ -47,6 +49,7 @@ def _check_random_schedules(seed: int, n: int) -> int:
                 bound = stage_bound(facts, tl.peak_bytes)
                 assert bound <= tl.total_time + 1e-9, (mode, tl.peak_bytes, bound,
                                                        tl.total_time, s)
+                assert least <= tl.peak_bytes, (mode, least, tl.peak_bytes, s)
                 checked += 1
                 above += bound > facts.time_floor + 1e-9
     assert checked > 0
@@ -82,6 +85,15 @@ def test_bound_at_most_the_exact_optimum(seed, n):
             assert bound <= ref[0] + 1e-9, (mode, budget, bound, ref[0])
 
 
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(1, 4))
+def test_least_peak_bound_at_most_the_exact_least_peak(seed, n):
+    g = random_dag(random.Random(seed), n, two_impl=True)
+    for mode in ("full", "checkpoint"):
+        assert stage_least_peak(GraphFacts(g, mode)) <= exact_min_peak(g, mode=mode)
+
+
 def _two_stage_chain():
     """x -> a (op0, saves nothing, 10 s rerun) -> b (op1, saves a) -> out; op1 has an Impl
     with 4 bytes less internals that costs 1 s more."""
@@ -104,6 +116,9 @@ def test_a_stage_over_budget_pays_for_the_cheapest_bytes():
     assert stage_extra_costs(facts, store.peak_bytes - 4)[0] == pytest.approx(1.0)
     assert stage_bound(facts, store.peak_bytes - 2) == pytest.approx(facts.time_floor + 0.5)
     assert math.isinf(stage_bound(GraphFacts(g, "checkpoint"), store.peak_bytes - 2))
+    # the least peak: op1's stage with the lean Impl (4 bytes of internals less) in full mode
+    assert stage_least_peak(GraphFacts(g, "checkpoint")) == store.peak_bytes
+    assert stage_least_peak(facts) == store.peak_bytes - 4
 
 
 def test_cheapest_cover_takes_free_bytes_first_then_by_rate():
@@ -147,5 +162,6 @@ def test_profiled_models_schedules_never_beat_the_bound(name):
                 continue
             bound = stage_bound(facts, tl.peak_bytes)
             assert bound <= tl.total_time * (1 + 1e-12), (mode, bound, tl.total_time)
+            assert stage_least_peak(facts) <= tl.peak_bytes
             above += bound > facts.time_floor * (1 + 1e-9)
     assert above > 0

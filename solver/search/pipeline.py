@@ -33,7 +33,7 @@ from ..formulation import Formulation
 from ..graph import OpGraph
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
-from ..stage_bound import stage_bound
+from ..stage_bound import stage_bound, stage_least_peak
 from ..units import format_bytes, parse_bytes
 from ..warmstart import (family_starts, heuristic_schedules, least_memory,
                          low_memory_schedules)
@@ -134,6 +134,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
         name, s0, peak0 = "checkpoint", done[3], done[0]
     form_bb = branch_and_bound_form(form) if _sharing(be) else form
     pool = Pool([form, form_bb])
+    pool.raise_bound("stages", stage_least_peak(form.facts, offload) / form.mem_scale)
     pool.offer_schedule(form, s0, f"heuristic:{name}")
     progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
                         peak=form.mem_scale)
@@ -190,8 +191,12 @@ def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dead
     peaks at or below the budget (the cutoff sits half a memory unit above it, so a schedule
     exactly at the budget is never cut off)."""
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
+    least = stage_least_peak(form.facts, offload)
+    if least > budget:  # some backward stage cannot come down to the budget
+        return None, least
     form_bb = branch_and_bound_form(form)
     pool = Pool([form, form_bb])
+    pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, start, "min_peak")
     progress = Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
