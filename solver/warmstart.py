@@ -46,12 +46,14 @@ def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
 
 
 def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
-                        deadline: float | None = None) -> list[tuple[str, Schedule]]:
+                        deadline: float | None = None,
+                        on_schedule=None) -> list[tuple[str, Schedule]]:
     """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
     not fit the budget. With `deadline` (a time.perf_counter() value) the rules run cheapest
     first and those not started by then are left out (greedy's clean-up pass is cut short):
     on an 817-op transformer store-all, Chen's and the cut segments take under a second, the
-    ranked and greedy rules seconds each, keep-nothing about 5 s."""
+    ranked and greedy rules seconds each, keep-nothing about 5 s. `on_schedule(name, schedule)`
+    is called as each one is made (so that a caller can report the first that fits at once)."""
     variants = [("", None)]
     lean = lean_impls(graph, facts) if facts.mode == "full" else None
     if lean is not None:
@@ -105,29 +107,35 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
         s = make()
         if s is not None:
             out.append((name, s))
+            if on_schedule is not None:
+                on_schedule(name, s)
     return out
 
 
-def family_starts(graph: OpGraph, budget: int, candidates) -> list[tuple[str, Schedule, float]]:
+def family_starts(graph: OpGraph, budget: int, candidates,
+                  timelines: dict | None = None) -> list[tuple[str, Schedule, float]]:
     """The fastest fitting candidate of each Impl family (Impl 0, and the memory-lean Impls),
     fastest first. LNS is a local search and the family of its start decides where it ends:
     on GoogLeNet (batch 320, analytical A100) at 5 GiB, 300 s of LNS alone from the Impl-0
     greedy rule (+131.5%) reached +32.75%, from the lean greedy rule (+125.7%) only +73.7%,
-    although the lean start was the faster one. So `solve` races one start per family."""
+    although the lean start was the faster one. So `solve` races one start per family.
+    `timelines`: name -> the simulator's Timeline of candidates already replayed."""
     out = []
     for lean in (False, True):
         best = best_fitting(graph, budget, [(n, s) for n, s in candidates
-                                            if n.startswith("lean/") == lean])
+                                            if n.startswith("lean/") == lean], timelines)
         if best is not None:
             out.append(best)
     return sorted(out, key=lambda b: b[2])
 
 
-def best_fitting(graph: OpGraph, budget: int, candidates) -> tuple[str, Schedule, float] | None:
-    """(name, schedule, seconds) of the fastest candidate whose simulated peak fits the budget."""
+def best_fitting(graph: OpGraph, budget: int, candidates,
+                 timelines: dict | None = None) -> tuple[str, Schedule, float] | None:
+    """(name, schedule, seconds) of the fastest candidate whose simulated peak fits the budget
+    (`timelines`: name -> Timeline of candidates already replayed)."""
     best = None
     for name, s in candidates:
-        tl = simulate(graph, s)
+        tl = timelines[name] if timelines and name in timelines else simulate(graph, s)
         if tl.peak_bytes <= budget and (best is None or tl.total_time < best[2]):
             best = (name, s, tl.total_time)
     return best

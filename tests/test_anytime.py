@@ -128,8 +128,12 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     assert r.status == ("optimal" if r.mip_gap <= 0.01 else "feasible-at-time-limit")
     assert r.stats["incumbent_source"].startswith("heuristic:")
     assert r.stats["first_incumbent_s"] <= r.stats["build_s"]
-    (s, bound), = seen  # reported once, before the build, with no bound
-    assert bound is None and simulate(g, s).total_time == pytest.approx(r.predicted_time)
+    # reported as the rules go, before the build, each better than the last, with the bounds
+    # known before any search; the last is the answer
+    times = [simulate(g, s).total_time for s, _ in seen]
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+    assert times[-1] == pytest.approx(r.predicted_time)
+    assert all(bound == pytest.approx(lower) for _, bound in seen)
     assert r.predicted_peak_bytes <= budget
     assert r.predicted_time <= _best_rule_time(g, budget) * (1 + 1e-12)
     assert pipeline.MIN_SEARCH_S > limit
