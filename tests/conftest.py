@@ -29,3 +29,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def full_search():
+    """solve with no shortcut past the MILP (solver_cases.no_search_shortcuts)."""
+    from solver_cases import no_search_shortcuts
+
+    with no_search_shortcuts():
+        yield

@@ -9,7 +9,10 @@ The tests' independent exact method (enumeration over schedules) lives in the te
 
 from __future__ import annotations
 
+import contextlib
+
 import random
+from unittest import mock
 
 from solver.analysis import GraphFacts
 from solver.rules import chen_schedule, schedule_from_keep
@@ -354,3 +357,16 @@ def branch_and_bound_finding_nothing(seconds: float):
                              seconds=seconds, message="stub: nothing found")
 
     return finds_nothing
+
+
+@contextlib.contextmanager
+def no_search_shortcuts():
+    """solve without its answers that need no MILP (store-all on the fastest Impls fitting, the
+    best rule proven by the floor and the stage bound): for tests of the search and of the
+    backends, on graphs small enough that those answers would otherwise often be taken."""
+    import importlib
+
+    pipeline = importlib.import_module("solver.search.pipeline")
+    with mock.patch.object(pipeline, "_store_all_if_optimal", lambda *a, **k: None), \
+            mock.patch.object(pipeline, "_rule_if_proven", lambda *a, **k: None):
+        yield

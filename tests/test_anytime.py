@@ -106,7 +106,7 @@ def test_on_incumbent_bounds_are_in_seconds():
     assert simulate(g, s).total_time == pytest.approx(base.total_time, rel=1e-12)
 
 
-def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time():
+def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(full_search):
     """The rules run before the MILP is built (on an 817-op transformer the build takes 18 s):
     their best schedule is reported at once, and with less than MIN_SEARCH_S left after the
     build it is the answer, unproven, with the reason in the statistics."""

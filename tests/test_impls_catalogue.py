@@ -251,7 +251,7 @@ def test_min_budgets(factory):
 
 @pytest.mark.parametrize("backend", available())
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_every_backend_picks_the_impl(case, backend):
+def test_every_backend_picks_the_impl(case, backend, full_search):
     _, factory, budget, times, picked = case
     g = factory()
     r = solver.solve(g, budget, mode="full", backend=backend, time_limit_s=30, mip_gap=0)

@@ -189,7 +189,7 @@ def test_encoded_inplace_schedules_claim_the_simulated_peak_and_time(seed, n):
 
 
 @pytest.mark.parametrize("seed", [4, 7, 11, 14, 31, 37])  # graphs with two in-place Impls
-def test_inplace_dags_every_backend_agrees_with_exhaustive_search(seed):
+def test_inplace_dags_every_backend_agrees_with_exhaustive_search(seed, full_search):
     g = random_inplace_dag(random.Random(seed), 5)
     assert sum(im.overwrites is not None for op in g.ops for im in op.impls) >= 2
     top = simulate(g, store_all_schedule(g)).peak_bytes

@@ -103,7 +103,7 @@ def test_json_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_backend_offloads_when_it_is_cheaper(backend):
+def test_every_backend_offloads_when_it_is_cheaper(backend, full_search):
     g, a = offload_case()
     r = solver.solve(g, 150, backend=backend, offload=True, time_limit_s=30, mip_gap=0)
     assert r.status == "optimal" and r.objective == pytest.approx(17.0)

@@ -16,7 +16,7 @@ from solver_cases import resnet_like
 from test_solver_catalogue import chain
 
 
-def test_budget_strings_and_result_fields(tmp_path):
+def test_budget_strings_and_result_fields(tmp_path, full_search):
     g = chain()
     r = solver.solve(g, "21B", time_limit_s=30)
     assert r.status == "optimal" and r.backend == "highs"
@@ -83,7 +83,7 @@ def test_bad_mode_and_time_limit():
         solver.solve(chain(), 31, time_limit_s=0)
 
 
-def test_solver_crash_is_an_error_result(monkeypatch):
+def test_solver_crash_is_an_error_result(monkeypatch, full_search):
     from solver.backends.highs import HighsBackend
 
     def boom(self, milp, **kw):
@@ -119,7 +119,7 @@ def test_checkpoint_mode_never_picks_another_impl():
     assert ckpt.schedule.mode == "checkpoint"
 
 
-def test_verbose_shows_progress(capsys):
+def test_verbose_shows_progress(capsys, full_search):
     solver.solve(chain(), 21, time_limit_s=10, verbose=True)
     err = capsys.readouterr().err
     assert "chain 21 B" in err and "overhead" in err
@@ -227,7 +227,7 @@ def test_race_starts_are_distinct_vectors_best_first():
     assert form.decode(starts[1][1]).impl == (0, 1, 0)
 
 
-def test_lns_races_one_start_per_impl_family(monkeypatch):
+def test_lns_races_one_start_per_impl_family(monkeypatch, full_search):
     """Branch and bound is stubbed to find nothing for 3 s, so LNS does the work: on relu_graph
     at 91 both families fit (Impl 0 store-all, 6 s; relu_mask, 6.2 s), LNS runs a slice from
     each, then goes on from the best, and the answer is the hand-derived optimum."""
@@ -241,11 +241,10 @@ def test_lns_races_one_start_per_impl_family(monkeypatch):
     monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(3.0))
     monkeypatch.setattr(local, "RACE_MIN_REMAINING_S", 0.0)
     monkeypatch.setattr(local, "RACE_SLICE_S", 0.5)
-    # Store-all fits at 91 and would be returned without a search, and the stage bound or the
-    # LP would prove it optimal and stop LNS before its race: this test is about the race.
-    pipeline = importlib.import_module("solver.search.pipeline")
+    # Store-all fits at 91 and would be returned without a search (full_search), and the stage
+    # bound or the LP would prove it optimal and stop LNS before its race: this test is about
+    # the race.
     context = importlib.import_module("solver.search.context")
-    monkeypatch.setattr(pipeline, "_store_all_if_optimal", lambda *a: None)
     monkeypatch.setattr(context.SearchContext, "proven_within_gap", lambda self: False)
     g = relu_graph()
     r = solver.solve(g, 91, time_limit_s=10)

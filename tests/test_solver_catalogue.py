@@ -222,7 +222,7 @@ def test_reference_search_agrees_with_the_hand_derivation(case, mode):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("mode", BOTH)
-def test_every_backend_finds_the_hand_derived_optimum(case, mode, backend):
+def test_every_backend_finds_the_hand_derived_optimum(case, mode, backend, full_search):
     g = case.graph
     if case.time[mode] is None:
         with pytest.raises(InfeasibleBudgetError, match="is below the minimum feasible") as e:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import solver
 from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
-from solver_cases import random_chain, random_dag
+from solver_cases import no_search_shortcuts, random_chain, random_dag
 from solver_reference import exact_optimum
 
 FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.35)
@@ -75,6 +75,11 @@ def test_chain_optimum_equals_exhaustive_search(seed, n, mode, warm):
 @given(seed=st.integers(0, 10**9), n=st.integers(2, 4))
 @example(seed=123, n=4)  # scipy's HiGHS presolve called this feasible model infeasible
 def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
+    with no_search_shortcuts():
+        _dag_every_backend_agrees(seed, n)
+
+
+def _dag_every_backend_agrees(seed, n):
     g = random_dag(random.Random(seed), n, two_impl=True)
     top = simulate(g, store_all_schedule(g)).peak_bytes
     for frac in (1.0, 0.7, 0.5):
@@ -97,6 +102,11 @@ def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
 @example(seed=888, n=13)  # CBC with a MIP start and preprocessing on: 79 "optimal", 78 is
 def test_larger_dags_backends_agree(seed, n):
     """Past the exhaustive search's reach: the backends still agree with each other."""
+    with no_search_shortcuts():
+        _larger_dags_backends_agree(seed, n)
+
+
+def _larger_dags_backends_agree(seed, n):
     g = random_dag(random.Random(seed), n, two_impl=True)
     top = simulate(g, store_all_schedule(g)).peak_bytes
     budget = int(top * 0.6)

@@ -282,6 +282,10 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay), timelines)
         if starts:
             rules_s = reported[1]
+            proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
+                                     stage_lower, mip_gap, be.name, started)
+            if proven is not None:
+                return proven
 
     form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
     stats = {**form.stats(), "build_s": round(time.perf_counter() - started, 3), "mode": mode}
@@ -385,18 +389,48 @@ def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFa
         return None  # over the budget, or an Impl clash put a slower Impl back
     base_time = (tl.total_time if not any(schedule.impl)
                  else simulate(graph, store_all_schedule(graph)).total_time)
+    return _answer_without_search(schedule, tl, mode, budget, floor, {"floor_bound_s": floor},
+                                  base_time, "store_all",
+                                  "skipped: store-all on the fastest Impls fits the budget",
+                                  backend, started)
+
+
+def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
+                    timelines: dict, stage_lower: float, mip_gap: float, backend: str,
+                    started: float) -> SolveResult | None:
+    """The best rule's schedule (`best`: name, schedule, seconds), when the bounds known before
+    any search (the floor, the stage bound) prove it within `mip_gap`: no MILP is built. None
+    otherwise."""
+    name, schedule, seconds = best
+    lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
+    if lower < (1 - mip_gap) * seconds:
+        return None
+    tl = timelines[name] if name in timelines else simulate(graph, schedule)
+    return _answer_without_search(
+        schedule, tl, mode, budget, lower,
+        {"floor_bound_s": facts.time_floor, "stage_bound_s": stage_lower},
+        simulate(graph, store_all_schedule(graph)).total_time, f"heuristic:{name}",
+        "skipped: the floor and stage bound prove the best rule within the target gap",
+        backend, started)
+
+
+def _answer_without_search(schedule: Schedule, tl, mode: str, budget: int, lower: float,
+                           bounds: dict, base_time: float, source: str, why: str, backend: str,
+                           started: float) -> SolveResult:
+    """A schedule proven within the target gap before any MILP (`lower` a valid bound on the
+    step time), as solve's answer."""
+    gap = max(0.0, (tl.total_time - lower) / tl.total_time) if tl.total_time > 0 else 0.0
     schedule = Schedule(**{**schedule.__dict__, "mode": mode, "budget_bytes": budget,
-                           "created_by": "store_all",
+                           "created_by": source,
                            "predicted_peak_bytes": tl.peak_bytes,
                            "predicted_time": tl.total_time,
-                           "meta": {"mip_gap": 0.0, "lower_bound_s": floor,
+                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
                                     "store_all_time_s": base_time}})
-    stats = {"mode": mode, "search": "skipped: store-all on the fastest Impls fits the budget",
-             "lower_bound_s": floor, "floor_bound_s": floor, "store_all_time_s": base_time,
-             "incumbent_source": "store_all"}
+    stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
+             "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
-                       mip_gap=0.0, solve_time_s=time.perf_counter() - started, backend=backend,
+                       mip_gap=gap, solve_time_s=time.perf_counter() - started, backend=backend,
                        stats=stats)
 
 
