@@ -73,6 +73,8 @@ def run_one(name: str, graph, fraction: float, args) -> dict:
         overhead_pct=round(100 * (r.predicted_time / base.total_time - 1), 2),
         rule_pct=None if rule is None else round(100 * (rule / base.total_time - 1), 2),
         rule=st.get("heuristic"), source=st.get("incumbent_source"),
+        bound_pct=_pct(st.get("lower_bound_s"), base.total_time),
+        stage_bound_pct=_pct(st.get("stage_bound_s"), base.total_time),
         nonzeros=st.get("nonzeros"), build_s=st.get("build_s"),
         rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         cpu_pct=round(100 * (time.process_time() - cpu0)
@@ -83,6 +85,11 @@ def run_one(name: str, graph, fraction: float, args) -> dict:
     return row
 
 
+def _pct(seconds, base: float):
+    """A step time as a percentage over store-all's (None stays None)."""
+    return None if seconds is None else round(100 * (seconds / base - 1), 2)
+
+
 def render(rows: list[dict], args) -> str:
     import pandas as pd
 
@@ -91,7 +98,8 @@ def render(rows: list[dict], args) -> str:
 
     df = pd.DataFrame(rows)
     cols = [c for c in ("model", "ops", "fraction", "budget", "status", "first_s", "best_s",
-                        "solve_s", "gap_pct", "overhead_pct", "rule_pct", "rule", "source",
+                        "solve_s", "gap_pct", "overhead_pct", "bound_pct", "stage_bound_pct",
+                        "rule_pct", "rule", "source",
                         "nonzeros", "build_s", "rss_gib", "cpu_pct", "commit", "note")
             if c in df.columns]
     df = df[cols].astype(object).where(df[cols].notna(), "")
@@ -101,7 +109,9 @@ def render(rows: list[dict], args) -> str:
         f"Time limit {args.time_limit:g} s per solve, target gap {100 * args.mip_gap:g}%, "
         f"analytical A100-40GB costs. fraction: budget over the store-all peak. overhead_pct: "
         f"the answer's predicted step time over store-all; rule_pct: the best simple rule's "
-        f"(the first incumbent). gap_pct: to the proven lower bound (empty: none proven). "
+        f"(the first incumbent). gap_pct: to the proven lower bound (empty: none proven); "
+        f"bound_pct: that bound over store-all, stage_bound_pct: the stage bound's (solver/"
+        f"stage_bound.py). "
         f"build_s: seconds before the search could start (the rules and the MILP's build). "
         f"rss_gib: the process's peak resident memory so far (profiles included). cpu_pct: CPU "
         f"time over wall time on all cores (well under 100: other processes shared them).",
