@@ -94,15 +94,16 @@ def test_least_peak_bound_at_most_the_exact_least_peak(seed, n):
         assert stage_least_peak(GraphFacts(g, mode)) <= exact_min_peak(g, mode=mode)
 
 
-def _two_stage_chain():
+def _two_stage_chain(unit: int = 1):
     """x -> a (op0, saves nothing, 10 s rerun) -> b (op1, saves a) -> out; op1 has an Impl
-    with 4 bytes less internals that costs 1 s more."""
-    b = GraphBuilder("t", input_bytes=1)
-    x = b.input("x", 1)
-    a = b.op("op0", [x], 8, saved=(), fwd=10, bwd=1)
-    out = b.op("op1", [a], 2, fwd=1, bwd=1, impls=[
-        dict(name="default", saved=("in0",), internal_bytes=6, fwd_time=1, bwd_time=1),
-        dict(name="lean", saved=("in0",), internal_bytes=2, fwd_time=1.5, bwd_time=1.5)])
+    with 4 units less internals that costs 1 s more (sizes in units of `unit` bytes)."""
+    b = GraphBuilder("t", input_bytes=unit)
+    x = b.input("x", unit)
+    a = b.op("op0", [x], 8 * unit, saved=(), fwd=10, bwd=1)
+    out = b.op("op1", [a], 2 * unit, fwd=1, bwd=1, impls=[
+        dict(name="default", saved=("in0",), internal_bytes=6 * unit, fwd_time=1, bwd_time=1),
+        dict(name="lean", saved=("in0",), internal_bytes=2 * unit, fwd_time=1.5,
+             bwd_time=1.5)])
     return b.build(outputs=out, stage_grad_bytes=[0, 0])
 
 
@@ -119,6 +120,22 @@ def test_a_stage_over_budget_pays_for_the_cheapest_bytes():
     # the least peak: op1's stage with the lean Impl (4 bytes of internals less) in full mode
     assert stage_least_peak(GraphFacts(g, "checkpoint")) == store.peak_bytes
     assert stage_least_peak(facts) == store.peak_bytes - 4
+
+
+def test_min_budget_proven_by_the_stage_bound_alone(monkeypatch):
+    """A least-memory schedule that reaches the stage bound is proven, to the byte, with branch
+    and bound finding nothing (GiB-sized Values: the MILP's scaled units lose a few bytes)."""
+    import importlib
+
+    from solver.search.pipeline import min_budget_details
+    from solver_cases import branch_and_bound_finding_nothing
+
+    bb = importlib.import_module("solver.search.branch_and_bound")
+    monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(0.0))
+    g = _two_stage_chain(unit=2**30 + 12345)
+    for mode in ("full", "checkpoint"):
+        peak, lower, proven, _ = min_budget_details(g, mode, time_limit_s=5)
+        assert proven and lower == peak == stage_least_peak(GraphFacts(g, mode))
 
 
 def test_cheapest_cover_takes_free_bytes_first_then_by_rate():

@@ -134,7 +134,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
         name, s0, peak0 = "checkpoint", done[3], done[0]
     form_bb = branch_and_bound_form(form) if _sharing(be) else form
     pool = Pool([form, form_bb])
-    pool.raise_bound("stages", stage_least_peak(form.facts, offload) / form.mem_scale)
+    least = stage_least_peak(form.facts, offload)  # exact bytes, no LP tolerance
+    pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, s0, f"heuristic:{name}")
     progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
                         peak=form.mem_scale)
@@ -146,9 +147,11 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     best_peak = simulate(graph, best_s).peak_bytes
     if best_peak > peak0:  # never worse than the rule we started from
         best_s, best_peak = s0, peak0
-    lower = _lower_peak(form, pool)
-    # optimal: branch and bound proved its incumbent within 1e-6, and best_peak is no higher
-    proven = lower >= best_peak or ctx.bb_result.status == B_OPTIMAL
+    lower = max(_lower_peak(form, pool), least)
+    # optimal: a bound reaches it, or branch and bound proved its incumbent within 1e-6 (and
+    # best_peak is no higher)
+    proven = lower >= best_peak or (ctx.bb_result is not None
+                                    and ctx.bb_result.status == B_OPTIMAL)
     lower = min(lower, best_peak)
     out = (best_peak, lower, proven, best_s)
     _MIN_BUDGET_CACHE[key] = out
@@ -209,7 +212,7 @@ def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dead
     if simulate(graph, s).peak_bytes <= budget:
         return s, 0
     lower = _lower_peak(form, pool)
-    if ctx.bb_result.status == INFEASIBLE:
+    if ctx.bb_result is not None and ctx.bb_result.status == INFEASIBLE:
         lower = max(lower, budget + 1)  # nothing below the cutoff, which lies above the budget
     return None, lower
 
