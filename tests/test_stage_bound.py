@@ -85,7 +85,7 @@ def test_bound_at_most_the_exact_optimum(seed, n):
             assert bound <= ref[0] + 1e-9, (mode, budget, bound, ref[0])
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**9), n=st.integers(1, 4))
 def test_least_peak_bound_at_most_the_exact_least_peak(seed, n):
