@@ -130,10 +130,10 @@ def test_min_budget_proven_by_the_stage_bound_alone(monkeypatch):
     from solver.search.pipeline import min_budget_details
     from solver_cases import branch_and_bound_finding_nothing
 
-    # Branch and bound finds nothing for 2 s (LNS reaches the least peak meanwhile, and the stage
-    # bound stops it there).
+    # Branch and bound finds nothing for 1 s (LNS reaches the least peak meanwhile, in
+    # milliseconds on this graph, and the stage bound stops it there).
     bb = importlib.import_module("solver.search.branch_and_bound")
-    monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(2.0))
+    monkeypatch.setattr(bb, "run_milp", branch_and_bound_finding_nothing(1.0))
     g = _two_stage_chain(unit=2**30 + 12345)
     for mode in ("full", "checkpoint"):
         peak, lower, proven, _ = min_budget_details(g, mode, time_limit_s=5)
@@ -149,11 +149,12 @@ def test_cheapest_cover_takes_free_bytes_first_then_by_rate():
     assert math.isinf(_cheapest_cover(items, 21))
 
 
-@pytest.mark.parametrize("name", ["resnet18", "densenet121", "unet", "transformer"])
+@pytest.mark.parametrize("name", ["resnet18", "unet", "transformer"])
 def test_profiled_models_schedules_never_beat_the_bound(name):
     """Profiled graphs (analytical costs, meta device) have what the random graphs may not:
     multi-output ops, in-place and lean Impls, early releases, ops without a backward, unsafe
-    ops. Every rule's schedule and random ones, at their own peaks."""
+    ops. Every rule's schedule and random ones, at their own peaks. (DenseNet-121 passes too,
+    in 7 s: left out of the default run for time.)"""
     import torch
     import torchvision
 
