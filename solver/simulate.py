@@ -242,8 +242,8 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
 
 
 class _Resident(set):
-    """A set of Value ids that keeps the sum of their bytes as it changes (summing at every
-    point made replays quadratic: 5.5 M additions per replay of an 800-op graph)."""
+    """A set of Value ids that keeps the sum of their bytes as it changes (summing the set at
+    every point made each replay quadratic in the graph's size)."""
 
     def __init__(self, nbytes: list[int]):
         super().__init__()
