@@ -76,24 +76,20 @@ def test_chain_optimum_equals_exhaustive_search(seed, n, mode, warm):
 @example(seed=123, n=4)  # scipy's HiGHS presolve called this feasible model infeasible
 def test_dag_every_backend_agrees_with_exhaustive_search(seed, n):
     with no_search_shortcuts():
-        _dag_every_backend_agrees(seed, n)
-
-
-def _dag_every_backend_agrees(seed, n):
-    g = random_dag(random.Random(seed), n, two_impl=True)
-    top = simulate(g, store_all_schedule(g)).peak_bytes
-    for frac in (1.0, 0.7, 0.5):
-        budget = int(top * frac)
-        for mode in ("full", "checkpoint"):
-            ref = exact_optimum(g, budget, mode=mode)
-            for backend in available():
-                r = _solve_or_none(g, budget, mode=mode, backend=backend)
-                if ref is None:
-                    assert r is None, (backend, mode, budget)
-                    continue
-                assert r is not None and r.status == "optimal", (backend, mode, budget)
-                assert r.objective == pytest.approx(ref[0], abs=1e-9), (backend, mode, budget)
-                _check(g, r, budget)
+        g = random_dag(random.Random(seed), n, two_impl=True)
+        top = simulate(g, store_all_schedule(g)).peak_bytes
+        for frac in (1.0, 0.7, 0.5):
+            budget = int(top * frac)
+            for mode in ("full", "checkpoint"):
+                ref = exact_optimum(g, budget, mode=mode)
+                for backend in available():
+                    r = _solve_or_none(g, budget, mode=mode, backend=backend)
+                    if ref is None:
+                        assert r is None, (backend, mode, budget)
+                        continue
+                    assert r is not None and r.status == "optimal", (backend, mode, budget)
+                    assert r.objective == pytest.approx(ref[0], abs=1e-9), (backend, mode, budget)
+                    _check(g, r, budget)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True,
@@ -103,18 +99,14 @@ def _dag_every_backend_agrees(seed, n):
 def test_larger_dags_backends_agree(seed, n):
     """Past the exhaustive search's reach: the backends still agree with each other."""
     with no_search_shortcuts():
-        _larger_dags_backends_agree(seed, n)
-
-
-def _larger_dags_backends_agree(seed, n):
-    g = random_dag(random.Random(seed), n, two_impl=True)
-    top = simulate(g, store_all_schedule(g)).peak_bytes
-    budget = int(top * 0.6)
-    results = {}
-    for backend in available():
-        r = _solve_or_none(g, budget, backend=backend)
-        results[backend] = None if r is None else round(r.objective, 9)
-        if r is not None:
-            assert r.status == "optimal"
-            _check(g, r, budget)
-    assert len(set(results.values())) == 1, results
+        g = random_dag(random.Random(seed), n, two_impl=True)
+        top = simulate(g, store_all_schedule(g)).peak_bytes
+        budget = int(top * 0.6)
+        results = {}
+        for backend in available():
+            r = _solve_or_none(g, budget, backend=backend)
+            results[backend] = None if r is None else round(r.objective, 9)
+            if r is not None:
+                assert r.status == "optimal"
+                _check(g, r, budget)
+        assert len(set(results.values())) == 1, results

@@ -286,7 +286,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         if starts:
             rules_s = reported[1]
             proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
-                                     stage_lower, mip_gap, be.name, started)
+                                     known_lower, stage_lower, mip_gap, be.name, started)
             if proven is not None:
                 return proven
 
@@ -399,13 +399,12 @@ def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFa
 
 
 def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
-                    timelines: dict, stage_lower: float, mip_gap: float, backend: str,
-                    started: float) -> SolveResult | None:
-    """The best rule's schedule (`best`: name, schedule, seconds), when the bounds known before
-    any search (the floor, the stage bound) prove it within `mip_gap`: no MILP is built. None
-    otherwise."""
+                    timelines: dict, lower: float, stage_lower: float, mip_gap: float,
+                    backend: str, started: float) -> SolveResult | None:
+    """The best rule's schedule (`best`: name, schedule, seconds), when `lower`, the bound known
+    before any search (the floor, the stage bound), proves it within `mip_gap`: no MILP is
+    built. None otherwise."""
     name, schedule, seconds = best
-    lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
     if lower < (1 - mip_gap) * seconds:
         return None
     tl = timelines[name] if name in timelines else simulate(graph, schedule)
