@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the default run, pyproject.toml) each worker process has one of the
+    2 cores: one intra-op thread each, or the two workers' OpenMP threads spin against each
+    other."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_collection_finish(session):
