@@ -34,8 +34,9 @@ from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of
 from solver_cases import random_schedules
 from solver.simulate import store_all_schedule
 
-# Sixty models in the default run (about two minutes); FUZZ_EXAMPLES raises it for a longer hunt.
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
+# 250 models in the default run (a few minutes, in one of the suite's two workers);
+# FUZZ_EXAMPLES raises it for a longer hunt.
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "250"))
 
 
 # CPU kernels split their scratch between intra-op threads, so with several threads a peak

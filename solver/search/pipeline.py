@@ -139,6 +139,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     pool.offer_schedule(form, s0, f"heuristic:{name}")
     progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
                         peak=form.mem_scale)
+    progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
         ctx = _search(form, form_bb, be, pool, started + time_limit_s, 1e-6, verbose, progress)
     finally:
@@ -203,6 +204,7 @@ def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dead
     pool.offer_schedule(form, start, "min_peak")
     progress = Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
+    progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
         ctx = _search(form, form_bb, be, pool, deadline, 1e-6, verbose,
                       progress, target=budget / form.mem_scale)
@@ -326,8 +328,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
     progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
                         form.time_scale, f"{graph.model} {format_bytes(budget)}")
-    if pool.has:
-        progress.update(incumbent=pool.obj)
+    # the bounds proven before the search (the floor, the stage bound) are the bar's gap too
+    progress.update(incumbent=pool.obj, bound=pool.bound())
     form_bb = form
     if _sharing(be):
         points = (tight_points(graph, form.decode(pool.get(form)[0]), budget)
