@@ -137,8 +137,8 @@ def chen_schedule(graph: OpGraph, facts: GraphFacts, length: float, *, impl=None
 def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
                     retain: str = "saved", deadline: float | None = None) -> Schedule:
     """Stop keeping Values, best bytes per recompute second first, until the peak fits; then
-    keep again, in reverse order, those whose return still fits (a cheap clean-up pass, cut
-    short at `deadline`, a time.perf_counter() value). The shortest prefix of the order to drop
+    keep again, in reverse order, those whose return still fits and saves time (`keep_more`,
+    cut short at `deadline`, a time.perf_counter() value). The shortest prefix of the order to drop
     is found by galloping and bisection (the peak is close to monotone in it; the result is
     checked): a scan one Value at a time took 35-48 s on an 817-op transformer."""
     ops = graph.ops
@@ -181,28 +181,22 @@ def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
                 hi = mid
             else:
                 lo = mid
-    s = dropping(hi)[0]
-    keep = kept - set(order[:hi])
-    for v in reversed(order[:hi]):
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        trial = build(keep | {v})
-        if simulate(graph, trial).peak_bytes <= budget:
-            keep.add(v)
-            s = trial
-    return s
+    return keep_more(graph, budget, kept - set(order[:hi]), reversed(order[:hi]), build,
+                     deadline, start=dropping(hi)[0])
 
 
 def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
-                    retain: str = "saved") -> Schedule | None:
+                    retain: str = "saved", deadline: float | None = None) -> Schedule | None:
     """Keep the Values whose recomputation costs the most time per byte, as many as fit.
 
     Candidates are all scheduled Values a later stage could read, including those no backward
     reads (DenseNet's feature maps feed only concatenations: keeping them and recomputing the
     concatenation is the memory-efficient DenseNet trick, which a rule that only drops from
     store-all's keep set cannot find). The longest prefix of the ranking that fits the budget is
-    found by bisection (the peak is close to monotone in it, and the result is checked). None if
-    even the empty prefix does not fit."""
+    found by bisection (the peak is close to monotone in it, and the result is checked); then
+    the rest of the ranking is offered to `keep_more` (until `deadline`): a Value past the
+    prefix is often small or live away from the peak. None if even the empty prefix does not
+    fit."""
     ops = graph.ops
     impl = tuple(impl) if impl is not None else (0,) * len(ops)
 
@@ -227,4 +221,44 @@ def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
             best, lo = s, mid + 1
         else:
             hi = mid - 1
-    return best
+    if best is None:
+        return None
+    return keep_more(graph, budget, order[:hi], order[hi:],
+                     lambda keep: schedule_from_keep(graph, keep, impl=impl, retain=retain,
+                                                     facts=facts, mode="checkpoint",
+                                                     created_by="baseline:ranked"),
+                     deadline, start=best)
+
+
+FILL_CHUNK = 8
+"""Candidates `keep_more` offers at once: a chunk that fits is taken whole (one build and one
+replay for many Values where the budget has room), one that does not is halved."""
+
+
+def keep_more(graph: OpGraph, budget: int, keep, candidates, build, deadline: float | None = None,
+              *, start: Schedule | None = None) -> Schedule:
+    """Add `candidates` to the kept set, in their order, wherever the schedule `build(kept)`
+    still fits the budget and gets faster; return the last schedule taken (`start`, if given,
+    is `build(keep)`). Stops at `deadline` (a time.perf_counter() value).
+
+    The rules choose what to keep by a ranking and a prefix; Values past the prefix can still
+    fit (small ones, or live away from the peak), and each kept one spares a recomputation
+    (docs/BENCHMARKS.md, Solver-scale, measures what this adds to the ranked rule)."""
+    keep = set(keep)
+    s = start if start is not None else build(keep)
+    best_time = simulate(graph, s).total_time
+    todo = [v for v in candidates if v not in keep]
+    chunks = [todo[i:i + FILL_CHUNK] for i in range(0, len(todo), FILL_CHUNK)][::-1]
+    while chunks:  # a stack: the first chunk on top, a failed chunk's first half next
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        chunk = chunks.pop()
+        trial = build(keep | set(chunk))
+        tl = simulate(graph, trial)
+        if tl.peak_bytes <= budget and tl.total_time < best_time - 1e-12 * max(1.0, best_time):
+            keep.update(chunk)
+            s, best_time = trial, tl.total_time
+        elif len(chunk) > 1:
+            half = len(chunk) // 2
+            chunks += [chunk[half:], chunk[:half]]
+    return s

@@ -89,7 +89,8 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",
                           lambda impl=impl, retain=retain: ranked_schedule(
-                              graph, budget, facts, retain=retain, impl=impl)))
+                              graph, budget, facts, retain=retain, impl=impl,
+                              deadline=deadline)))
     for tag, impl in variants:
         for retain in ("saved", "none"):
             rules.append((f"{tag}greedy/{retain}",
