@@ -1,8 +1,9 @@
 """First incumbents for the MILP: the best of several cheap schedules, each checked by the simulator.
 
 `heuristic_schedules` builds store-all, the greedy baseline with two retention policies, the
-ranked rule (keep what is dearest to recompute per byte, as much as fits; it also keeps Values no
-backward reads, such as DenseNet's feature maps), Chen's segments at several lengths, segments at
+ranked rule (keep what is dearest to recompute per byte, as much as fits, then whatever else of
+the ranking still fits and saves time; it also keeps Values no backward reads, such as
+DenseNet's feature maps), Chen's segments at several lengths, segments at
 narrow cuts (segments.py: per-block checkpointing where a mask or position tensor crosses every
 block, so no single Value cuts the graph) at lengths 1, 2, 4, ... ops, per-block checkpointing
 read off the model's module paths (what a user would write with torch.utils.checkpoint) and on
