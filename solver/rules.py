@@ -209,25 +209,21 @@ def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
                     and ops[graph.values[v].producer].recompute_unsafe is None),
                    key=lambda v: (-seconds_per_byte(v), v))
 
-    def build(k: int) -> Schedule:
-        return schedule_from_keep(graph, order[:k], impl=impl, retain=retain, facts=facts,
+    def build(keep) -> Schedule:
+        return schedule_from_keep(graph, keep, impl=impl, retain=retain, facts=facts,
                                   mode="checkpoint", created_by="baseline:ranked")
 
     lo, hi, best = 0, len(order), None
     while lo <= hi:
         mid = (lo + hi) // 2
-        s = build(mid)
+        s = build(order[:mid])
         if simulate(graph, s).peak_bytes <= budget:
             best, lo = s, mid + 1
         else:
             hi = mid - 1
     if best is None:
         return None
-    return keep_more(graph, budget, order[:hi], order[hi:],
-                     lambda keep: schedule_from_keep(graph, keep, impl=impl, retain=retain,
-                                                     facts=facts, mode="checkpoint",
-                                                     created_by="baseline:ranked"),
-                     deadline, start=best)
+    return keep_more(graph, budget, order[:hi], order[hi:], build, deadline, start=best)
 
 
 FILL_CHUNK = 8
