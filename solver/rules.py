@@ -227,8 +227,11 @@ def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
 
 
 FILL_CHUNK = 8
+FILL_CHUNK_MAX = 128
 """Candidates `keep_more` offers at once: a chunk that fits is taken whole (one build and one
-replay for many Values where the budget has room), one that does not is halved."""
+replay for many Values where the budget has room) and the next one is twice as large, up to
+FILL_CHUNK_MAX; one that does not fit is halved, and the next fresh one is half as large, down
+to FILL_CHUNK."""
 
 
 def keep_more(graph: OpGraph, budget: int, keep, candidates, build, deadline: float | None = None,
@@ -243,18 +246,25 @@ def keep_more(graph: OpGraph, budget: int, keep, candidates, build, deadline: fl
     keep = set(keep)
     s = start if start is not None else build(keep)
     best_time = simulate(graph, s).total_time
-    todo = [v for v in candidates if v not in keep]
-    chunks = [todo[i:i + FILL_CHUNK] for i in range(0, len(todo), FILL_CHUNK)][::-1]
-    while chunks:  # a stack: the first chunk on top, a failed chunk's first half next
+    todo = [v for v in candidates if v not in keep][::-1]  # popped from the end: in order
+    halves: list[list[int]] = []  # a stack: a failed chunk's first half on top
+    size = FILL_CHUNK
+    while halves or todo:
         if deadline is not None and time.perf_counter() > deadline:
             break
-        chunk = chunks.pop()
+        fresh = not halves
+        chunk = halves.pop() if halves else [todo.pop() for _ in range(min(size, len(todo)))]
         trial = build(keep | set(chunk))
         tl = simulate(graph, trial)
         if tl.peak_bytes <= budget and tl.total_time < best_time - 1e-12 * max(1.0, best_time):
             keep.update(chunk)
             s, best_time = trial, tl.total_time
-        elif len(chunk) > 1:
-            half = len(chunk) // 2
-            chunks += [chunk[half:], chunk[:half]]
+            if fresh:
+                size = min(2 * size, FILL_CHUNK_MAX)
+        else:
+            if fresh:
+                size = max(size // 2, FILL_CHUNK)
+            if len(chunk) > 1:
+                half = len(chunk) // 2
+                halves += [chunk[half:], chunk[:half]]
     return s

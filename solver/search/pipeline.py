@@ -53,12 +53,15 @@ MIN_PEAK_SHARE = 0.3
 """Share of the time limit the min-peak solve for a first incumbent may take."""
 MIN_SEARCH_S = 1.0
 """With less time than this left once the MILP is built, the best rule is the answer."""
-RULES_SHARE = 0.1
+RULES_SHARE = 0.3
 RULES_MIN_S = 10.0
 """The simple rules may take this share of the time limit, and at least RULES_MIN_S, for a first
 incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
-greedy's clean-up stops there). Without a limit they took 686 s of a 120 s solve of Llama-1B
-(608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few seconds."""
+the clean-up passes, rules.keep_more, stop there). Without a limit they took 686 s of a 120 s
+solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
+seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
+Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
+rule's schedule reaches on_incumbent as soon as it is made."""
 
 
 def _sharing(be) -> bool:
