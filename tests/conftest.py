@@ -17,6 +17,13 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked slow first (a stable sort). The workers take whole files in collection
+    order (--dist loadfile); the fuzzer, minutes in one file, collected near the end kept one
+    worker busy alone while the other had finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_finish(session):
     """Move everything imported so far (torch, transformers, the test modules: no activations)
     out of the garbage collector's view. Measurements and profiles run a full collection each
