@@ -87,7 +87,7 @@ def main(argv=None) -> None:
             rows.append((f"{label}: infeasible ({e})", budget, None, None,
                          time.perf_counter() - t0))
     print(f"GPT-2 small shape, batch {args.batch} x {args.seq}, AdamW, analytical:A100-40GB")
-    print(f"| schedule | peak GiB | step s | overhead | gap | solve s |")
+    print("| schedule | peak GiB | step s | overhead | gap | solve s |")
     print("|---|---|---|---|---|---|")
     for label, peak, t, gap, secs in rows:
         over = "" if t is None else f"{t / base.predicted_time - 1:+.1%}"

@@ -40,7 +40,7 @@ import scipy.sparse as sp
 
 from ..blocks import BlockChain, BlockClass, find_blocks
 from ..errors import ScheduleError
-from ..formulation import MILP, Block, Formulation
+from ..formulation import MILP, Formulation
 from ..simulate import simulate
 from .context import SearchContext
 
