@@ -194,8 +194,8 @@ def _keep_more_case(seed: int, n: int, frac: float):
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(st.integers(0, 10 ** 6), st.integers(3, 14), st.floats(0.0, 1.0))
 def test_keep_more_fits_and_only_gets_faster(seed, n, frac):
-    """From a kept set that fits, keep_more returns a schedule that fits, keeps at least as much
-    and is no slower; the ranked rule, which ends with it, fits too."""
+    """From a kept set that fits, keep_more returns a schedule that fits and is no slower; the
+    ranked rule, which ends with it, fits too."""
     g, budget, build, candidates, start = _keep_more_case(seed, n, frac)
     s = rules.keep_more(g, budget, (), candidates, build)
     tl, t0 = simulate(g, s), simulate(g, start)
