@@ -191,6 +191,11 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
            Step("conv1d_on_transpose", (33, 48, 39), 0.5), Step("shared_linear", (11, 61, 44), 0.25),
            Step("add_param", (48, 49, 27), 0.5), Step("sigmoid_inplace", (52, 55, 38), 0.1),
            Step("batch_norm", (16, 40, 53), 0.25)), 3, 129))
+# An Impl measured beside a neighbour's Impl: the ReLU's mask Impl, profiled in the round that also
+# split the Linear reading the same Value, took that Linear's fresh input gradient (added into in
+# place) for its own; beside the default Linear (a view, added out of place) its stage needs
+# 2,112 B more: 18,480 B measured, 16,436 predicted (monetlike/impls/profiling.py, _rounds).
+@example(((Step("relu_inplace", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 235))
 def test_fuzzed_models(case):
     assume(case != KNOWN_OVER_BUDGET)  # run on its own, as a known failure, below
     check_model(*case)

@@ -1,10 +1,16 @@
 """Measuring the registered Impls of every Op, the way the default Impl is measured.
 
-For each Op the registry lists the Impls that apply. They are measured in rounds: round r runs one
-more instrumented training step (and, for measured costs, timing steps) in which every Op with at
-least r+1 candidates runs its r-th candidate and every other Op runs as written. What an Op's
-backward holds, its workspace and its costs depend only on its own nodes, so one step measures
-many Ops at once; a ResNet needs two rounds (BatchNorm + ReLU groups have two candidates).
+For each Op the registry lists the Impls that apply. They are measured in rounds: each round runs
+one more instrumented training step (and, for measured costs, timing steps) in which some Ops run
+one of their candidates and every other Op runs as written. What an Op's backward holds and its
+costs depend on its own nodes; its stage's workspace also depends on the gradients its neighbours'
+backwards hand it: an Op reading its output makes its output gradient (a fresh tensor or a view),
+and an Op reading the same input adds into the same input gradient (in place into a fresh tensor,
+out of place into a view). So the Ops of one round are never neighbours (`_rounds`): each Impl is
+measured as the only change to the model around it, as the default's figures are. Found by
+tests/test_fuzz_models.py: a ReLU's mask Impl measured next to a split Linear (whose input half
+hands over a fresh gradient, which the ReLU's stage adds into in place) was 2,112 B short beside
+the default Linear (a view, added out of place).
 
 The step is the profiler's own (ProfileRun, TimingRun) with the Op's fx nodes replaced: the saved
 set, internal bytes, workspace and stage gradient bytes come from the same saved-tensor and
@@ -47,6 +53,32 @@ def candidates(gm, run: ProfileRun, target: str) -> dict[int, list]:
     return out
 
 
+def _rounds(run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple]]:
+    """Each Op's candidates, in registration order, spread over rounds ({group id: candidate})
+    in which no two Ops are neighbours: one reads what the other makes, or both read one Value.
+    Greedy, in group order: a chain of Ops with candidates takes two rounds per candidate."""
+    groups = {g.gid: g for g in run.groups}
+
+    def graded(tids) -> set:  # only Values with a gradient pass one between Ops
+        return {t for t in tids if run.values[t].requires_grad}
+
+    def neighbours(a, b) -> bool:
+        ga, gb = groups[a], groups[b]
+        ins_a, ins_b = graded(ga.inputs), graded(gb.inputs)
+        return bool(ins_a & set(gb.outputs) or ins_b & set(ga.outputs) or ins_a & ins_b)
+
+    rounds = []
+    for r in range(max(len(c) for c in cands.values())):
+        pending = [gid for gid, c in cands.items() if len(c) > r]
+        while pending:
+            chosen, rest = [], []
+            for gid in pending:
+                (rest if any(neighbours(gid, o) for o in chosen) else chosen).append(gid)
+            rounds.append({gid: cands[gid][r] for gid in chosen})
+            pending = rest
+    return rounds
+
+
 def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, preset, device,
                          repeat: int, note: str, context,
                          clock: str = "wall", target: str | None = None
@@ -62,8 +94,7 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
         return {}
     main_tid = {(v.name, v.index): v.tid for v in run.values}
     result: dict[int, list[dict]] = {}
-    for r in range(max(len(c) for c in cands.values())):
-        chosen = {gid: c[r] for gid, c in cands.items() if len(c) > r}
+    for chosen in _rounds(run, cands):
         subs = {}
         for spec, repl in chosen.values():
             subs.update(repl)
