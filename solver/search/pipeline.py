@@ -278,7 +278,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     if warm_start:
         rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
         timelines: dict = {}
-        reported = [math.inf, None]  # the best time reported so far; when the first fitted
+        # the best time reported so far; when the first and the best fitting one came
+        reported = [math.inf, None, None]
 
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
@@ -286,8 +287,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             tl = timelines[name] = simulate(graph, s)
             if tl.peak_bytes <= budget and tl.total_time < reported[0]:
                 reported[0] = tl.total_time
+                reported[2] = time.perf_counter() - started
                 if reported[1] is None:
-                    reported[1] = time.perf_counter() - started
+                    reported[1] = reported[2]
                 if on_incumbent is not None:
                     on_incumbent(s, known_lower)
 
@@ -303,6 +305,10 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
                                  known_lower, stage_lower, mip_gap, be.name, started)
         if proven is not None:
+            proven.stats.update(first_incumbent_s=_rounded(reported[1]),
+                                best_found_s=_rounded(reported[2]),
+                                heuristic=proven.stats["incumbent_source"],
+                                heuristic_objective_s=proven.objective)
             return proven
 
     form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
@@ -411,6 +417,10 @@ def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFa
                                   base_time, "store_all",
                                   "skipped: store-all on the fastest Impls fits the budget",
                                   backend, started)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
