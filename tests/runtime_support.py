@@ -224,7 +224,7 @@ def weighted_step(module, x, seed):
 PEAK_TOLERANCE = 0.01
 
 
-def measured_peak(graph: OpGraph, model, wrapped, inputs, seed: int = 3) -> int:
+def measured_peak(graph: OpGraph, model, wrapped, inputs, seed: int = 3, loss_fn=None) -> int:
     """Peak of one training step as the simulator counts it: the model's fixed memory plus
     everything the step allocates (memory held by other objects of the test process excluded).
 
@@ -232,11 +232,15 @@ def measured_peak(graph: OpGraph, model, wrapped, inputs, seed: int = 3) -> int:
     (`out = model(x); loss_fn(out).backward()`) and as the simulator assumes; a step that
     dropped them before the backward (`model(x).sum().backward()`) measures less by their
     bytes. A warm-up step builds the runtime's plan; both steps draw the same random numbers.
+    `loss_fn` (of the outputs) replaces the sum, as `monetlike.profile(loss_fn=...)` does.
     """
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
 
     def step():
         out = wrapped(*inputs)
+        if loss_fn is not None:
+            loss_fn(out).backward()
+            return
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         sum(o.float().sum() for o in leaves).backward()
 

@@ -19,7 +19,7 @@ import copy
 import sys
 import time
 import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -31,7 +31,7 @@ from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .gpu_like import GpuLike
-from .interpreter import ProfileError, ProfileRun, TimingRun
+from .interpreter import ProfileError, ProfileRun, TimingRun, loss_fn_in_use
 from .memory import storage_of
 
 __all__ = ["profile", "OPTIMIZER_STATE_MULTIPLIER"]
@@ -131,7 +131,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             optimizer: str | None = None, repeat: int = 5,
             leaf_modules: Iterable = (), impls: bool = True,
             host_bandwidth: float | None = None, clock: str = "wall",
-            impl_target: str | None = None, capture: str = "auto") -> OpGraph:
+            impl_target: str | None = None, capture: str = "auto",
+            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -155,6 +156,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         None: the profile's own target (the measured device; a GPU for analytical costs). The
         runtime's structure check re-profiles on the meta device and passes the device the
         schedule was measured on, so that both graphs have the same Impls.
+    loss_fn: the training loss as a function of the model's output (a scalar tensor), e.g.
+        `lambda out: F.cross_entropy(out, labels)`; None: the sum of the floating outputs.
+        The step's memory depends on it: its backward hands the model a real output gradient
+        (a sum's is an expanded scalar) and runs its own kernels first; a profile made with
+        another loss can predict a peak the step exceeds. `meta["loss"]` records it.
     capture: "auto" (torch.fx symbolic tracing, torch.export when fx fails), "fx" or "export"
         (monetlike.capture); `meta["capture"]` records which one made the graph. A mapping of
         keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels) is accepted as
@@ -220,7 +226,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).
             gpu_like = ((lambda: GpuLike(preset.compute_capability)) if kind == "analytical"
                         else contextlib.nullcontext)
-            with torch.enable_grad(), gpu_like():
+            with torch.enable_grad(), gpu_like(), loss_fn_in_use(loss_fn):
                 run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
                                  device_note=note, progress=bar, device=device)
                 run.profile_step(xs)
@@ -238,16 +244,17 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             if impls:
                 from ..impls.profiling import measure_alternatives
 
-                alternatives = measure_alternatives(
-                    gm, work, xs, run, measured=kind == "measured", preset=preset,
-                    device=device, repeat=repeat, note=note, clock=clock, target=impl_target,
-                    context=gpu_like)
-                from ..impls.profiling import inplace_alternatives
+                with loss_fn_in_use(loss_fn):
+                    alternatives = measure_alternatives(
+                        gm, work, xs, run, measured=kind == "measured", preset=preset,
+                        device=device, repeat=repeat, note=note, clock=clock,
+                        target=impl_target, context=gpu_like)
+                    from ..impls.profiling import inplace_alternatives
 
-                for gid, alts in inplace_alternatives(gm, xs, run, measured=kind == "measured",
-                                                      device=device, repeat=repeat,
-                                                      clock=clock).items():
-                    alternatives.setdefault(gid, []).extend(alts)
+                    for gid, alts in inplace_alternatives(
+                            gm, xs, run, measured=kind == "measured", device=device,
+                            repeat=repeat, clock=clock).items():
+                        alternatives.setdefault(gid, []).extend(alts)
         finally:
             if bar is not None:
                 bar.close()
@@ -279,6 +286,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                                   for m in leaf_modules],
                                  "training": bool(model.training),
                                  "capture": gm.meta["capture"],
+                                 # the peaks predicted hold for a step ending with this loss
+                                 "loss": "sum of the outputs" if loss_fn is None else
+                                 getattr(loss_fn, "__qualname__", repr(loss_fn)),
                              })
         graph = dataclasses.replace(graph, meta={**graph.meta,
                                                  "op_modules": _op_modules(gm, graph)})

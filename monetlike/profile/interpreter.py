@@ -26,6 +26,7 @@ downsample branch of a ResNet bottleneck when its add is written in place).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,9 +135,37 @@ class _NodeRec:
         self.random = False
 
 
+# The user's loss, while `profile(..., loss_fn=...)` runs: every run of the profile (the
+# instrumented step, the timing steps, the Impls' rounds) ends with it.
+_LOSS_FN: contextvars.ContextVar = contextvars.ContextVar("monetlike_loss_fn", default=None)
+
+
+@contextlib.contextmanager
+def loss_fn_in_use(loss_fn):
+    """Within this block, training_loss is `loss_fn(model output)` (None: the default sum)."""
+    token = _LOSS_FN.set(loss_fn)
+    try:
+        yield
+    finally:
+        _LOSS_FN.reset(token)
+
+
 def training_loss(out) -> "torch.Tensor | None":
-    """The loss of every profiled (and calibrated) step: the sum of each floating output that
-    requires grad, in fp32; None when no output needs a gradient."""
+    """The loss of every profiled (and calibrated) step: the loss_fn in use (loss_fn_in_use) of
+    the model's output, else the sum of each floating output that requires grad, in fp32; None
+    when no output needs a gradient.
+
+    The loss matters to the peak: its backward hands the model a real output gradient (a sum's
+    is an expanded scalar) and runs its own kernels before the model's first stage."""
+    loss_fn = _LOSS_FN.get()
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            got = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                   if isinstance(loss, torch.Tensor) else type(loss).__name__)
+            raise ProfileError(f"loss_fn must return a scalar tensor that requires grad (the "
+                               f"loss of the model's output); it returned {got}")
+        return loss
     grads = [t for t in tree_leaves(out)
              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     return sum(t.float().sum() for t in grads) if grads else None
@@ -234,6 +263,9 @@ class ProfileRun(fx.Interpreter):
         self.pos = -1
         self.fixed_names: dict[int, str] = {}
         self.contiguous: dict[str, bool] = {}  # node -> its tensor result is contiguous
+        # With a user's loss (loss_fn_in_use): marks before its forward and before its backward,
+        # with the Value bytes live at the second (_charge_loss).
+        self._loss_marks: tuple | None = None
 
     # -- dispatch-level observers -----------------------------------------------------------
     def _on_create(self, key: int, nbytes: int) -> None:
@@ -382,9 +414,30 @@ class ProfileRun(fx.Interpreter):
             g = self.groups[gid]
             g.stage_start = max(g.stage_start, other0)
             g.bwd_peak = g.stage_start + max(0, top[gid] - other0)
+        self._charge_loss()
         if self._end is not None:
             end, values = self._end
             self.final_grad_bytes = max(self.final_grad_bytes, a.level(end) - values)
+
+    def _charge_loss(self) -> None:
+        """A user's loss runs its own kernels between the model's forward and its first stage:
+        their peak, forward and backward, is charged to the first stage, whose backward point
+        holds at least what the step held then (every Value kept or output at the end of the
+        forward, the first stage's recomputations on top; its gradients, the output's among
+        them, on top of the loss's forward), so the charge errs on the safe side. Not to the
+        last Op's forward point: an in-place Impl there frees its input, which the loss's
+        moment does not. The default sum allocates only scalars there and is left out."""
+        if self._loss_marks is None or not self._bwd_windows:
+            return
+        a = self.alloc
+        before, values_before, start, values_start = self._loss_marks
+        g = self.groups[self._bwd_windows[0][0]]
+        first_mark = self._bwd_windows[0][1]
+        # gradients and other non-Value bytes at each moment, as the stages count them
+        forward = a.level(before) - values_before + a.peak_between(before, start) - a.level(before)
+        backward = (a.level(start) - values_start + a.peak_between(start, first_mark)
+                    - a.level(start))
+        g.bwd_peak = max(g.bwd_peak, forward, backward)
 
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
@@ -424,7 +477,12 @@ class ProfileRun(fx.Interpreter):
             # does not. Frees are still seen: the tracker watches storages through weakrefs.
             plain = self.alloc is not None and self.roofline is None
             with contextlib.nullcontext() if plain else tr:
-                loss = training_loss(leaves)
+                before_loss = self._mark() if self.alloc is not None else None
+                values = tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL]
+                loss = training_loss(out)
+                if before_loss is not None and _LOSS_FN.get() is not None:
+                    self._loss_marks = (before_loss, values, self._mark(),
+                                        tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
                 if loss is not None:
                     self.phase = "backward"
                     with observing_releases(self._on_release):
