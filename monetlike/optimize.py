@@ -5,8 +5,9 @@
 
 The schedule is cached as JSON under `cache_dir` (default `$MONETLIKE_CACHE` or
 `~/.cache/monetlike`), keyed by everything that changes the answer: the graph fingerprint (model
-structure, batch, shapes, dtypes, Impl set), the budget, the fixed memory (optimizer state,
-parameters, inputs), the cost provenance and the solver settings. Measured costs differ a little
+structure, batch, shapes, dtypes, Impl set), the budget, the memory figures (fixed memory, what
+each Impl holds and its workspaces, each stage's gradients: a `loss_fn` changes the first
+stage's), the cost provenance and the solver settings. Measured costs differ a little
 from run to run, so they are not part of the key: a cached schedule is reused as long as the
 structure and settings are the same. Files are written atomically (a reader sees the old file
 or the new one), so concurrent processes never read half a schedule; an unreadable cache entry
@@ -32,7 +33,7 @@ from .runtime import ScheduleWrapper
 
 __all__ = ["optimize", "solve_cached", "default_cache_dir"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def default_cache_dir() -> str:
@@ -48,11 +49,22 @@ def _cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
         "param_bytes": graph.param_bytes,
         "optimizer_bytes": graph.optimizer_bytes,
         "input_bytes": graph.input_bytes,
+        "memory": _memory_figures(graph),
         "cost": graph.cost_provenance,
         "solve": {k: repr(v) for k, v in sorted(solve_kwargs.items())},
     }
     blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _memory_figures(graph: OpGraph) -> str:
+    """A digest of every byte count the simulator reads (the allocator's, so the same from run
+    to run; unlike measured times, which are left out of the key)."""
+    figures = [graph.stage_grad_bytes, graph.final_grad_bytes, [v.bytes for v in graph.values],
+               [[(i.saved, i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
+                  i.recompute_workspace, i.overwrites, i.early_release) for i in op.impls]
+                for op in graph.ops]]
+    return hashlib.sha256(json.dumps(figures).encode()).hexdigest()[:16]
 
 
 def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
@@ -100,7 +112,7 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
-             leaf_modules: Iterable = (), **solve_kwargs) -> ScheduleWrapper:
+             leaf_modules: Iterable = (), loss_fn=None, **solve_kwargs) -> ScheduleWrapper:
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
 
     budget: bytes or a string such as "8GiB" (the whole training-step peak: parameters,
@@ -108,6 +120,8 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
     cost: "measured" (time each op here) or "analytical:<DEVICE>" (roofline; see
         monetlike.profile).
     optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
+    loss_fn: the training loss of the model's output (monetlike.profile): its memory is part of
+        the step's peak. None: the sum of the outputs.
     solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
     """
     from .profile import profile
@@ -115,6 +129,6 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
     budget_bytes = parse_bytes(budget)
     leaf_modules = list(leaf_modules)
     graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
-                    leaf_modules=leaf_modules)
+                    leaf_modules=leaf_modules, loss_fn=loss_fn)
     schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, **solve_kwargs)
     return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
