@@ -269,3 +269,30 @@ def test_a_rule_the_bounds_prove_is_the_answer_without_a_milp(seed, n):
 def test_some_answers_need_no_milp():
     """The property above is not vacuous."""
     assert sum(_check_rule_answers(seed, 3) for seed in range(8)) > 0
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**9), n=st.integers(3, 6),
+       bandwidth=st.sampled_from((0.5, 4.0, 64.0)))
+def test_offload_bound_at_most_the_milp_optimum(seed, n, bandwidth):
+    """With offload, a Value can also come back from host memory, for a stage or for a rerun's
+    input (the closure LP's o_u): the bound stays at or under the MILP's proven optimum (tiny
+    graphs, solved to a zero gap)."""
+    import dataclasses
+
+    import solver
+
+    g = dataclasses.replace(random_dag(random.Random(seed), n, two_impl=True),
+                            host_bandwidth=bandwidth)
+    top = simulate(g, store_all_schedule(g)).peak_bytes
+    for frac in (0.8, 0.6):
+        budget = int(top * frac)
+        try:
+            r = solver.solve(g, budget, offload=True, mip_gap=0, time_limit_s=20)
+        except solver.InfeasibleBudgetError:
+            continue
+        if r.status != "optimal":
+            continue
+        bound = stage_bound(GraphFacts(g, "full"), budget, offload=True)
+        assert bound <= r.objective * (1 + 1e-6), (budget, bound, r.objective)
