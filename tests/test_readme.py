@@ -1,0 +1,28 @@
+"""README's one-line examples run as written (their budget had become infeasible once, unseen)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_the_optimize_examples_run(tmp_path, monkeypatch):
+    """The blocks that call monetlike.optimize, in order, in one namespace (the second reuses
+    the first's model and input), with the schedule cache in a temporary directory."""
+    blocks = [b for b in _python_blocks() if "monetlike.optimize(" in b]
+    assert len(blocks) == 2, "README's optimize examples changed: update this test"
+    monkeypatch.setenv("MONETLIKE_CACHE", str(tmp_path))
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    assert namespace["wrapped"].schedule.budget_bytes == 160 * 2**20
