@@ -120,3 +120,11 @@ def test_the_schedule_cache_tells_losses_apart():
     assert first.fingerprint == with_loss.fingerprint  # the same structure
     assert _cache_key(first, 10**7, {}) == _cache_key(again, 10**7, {})
     assert _cache_key(first, 10**7, {}) != _cache_key(with_loss, 10**7, {})
+
+
+def test_a_loss_on_a_profile_that_cannot_count_it_is_refused():
+    """Only the CPU allocator's log sees the loss's kernels: elsewhere loss_fn says so."""
+    model, x = _wide_model()
+    with pytest.raises(NotImplementedError, match="measured CPU profiles"):
+        monetlike.profile(model, x.to("meta"), cost="analytical:A100-40GB",
+                          loss_fn=LOSSES["pow_mean"])

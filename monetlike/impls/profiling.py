@@ -57,15 +57,12 @@ def _rounds(run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple]]:
     """Each Op's candidates, in registration order, spread over rounds ({group id: candidate})
     in which no two Ops are neighbours: one reads what the other makes, or both read one Value.
     Greedy, in group order: a chain of Ops with candidates takes two rounds per candidate."""
-    groups = {g.gid: g for g in run.groups}
-
-    def graded(tids) -> set:  # only Values with a gradient pass one between Ops
-        return {t for t in tids if run.values[t].requires_grad}
+    # only Values with a gradient pass one between Ops
+    ins = {g.gid: {t for t in g.inputs if run.values[t].requires_grad} for g in run.groups}
+    outs = {g.gid: set(g.outputs) for g in run.groups}
 
     def neighbours(a, b) -> bool:
-        ga, gb = groups[a], groups[b]
-        ins_a, ins_b = graded(ga.inputs), graded(gb.inputs)
-        return bool(ins_a & set(gb.outputs) or ins_b & set(ga.outputs) or ins_a & ins_b)
+        return bool(ins[a] & outs[b] or ins[b] & outs[a] or ins[a] & ins[b])
 
     rounds = []
     for r in range(max(len(c) for c in cands.values())):

@@ -433,10 +433,9 @@ class ProfileRun(fx.Interpreter):
         before, values_before, start, values_start = self._loss_marks
         g = self.groups[self._bwd_windows[0][0]]
         first_mark = self._bwd_windows[0][1]
-        # gradients and other non-Value bytes at each moment, as the stages count them
-        forward = a.level(before) - values_before + a.peak_between(before, start) - a.level(before)
-        backward = (a.level(start) - values_start + a.peak_between(start, first_mark)
-                    - a.level(start))
+        # the peak of gradients and other non-Value bytes over each part, as stages count them
+        forward = a.peak_between(before, start) - values_before
+        backward = a.peak_between(start, first_mark) - values_start
         g.bwd_peak = max(g.bwd_peak, forward, backward)
 
     # -- the run ----------------------------------------------------------------------------
@@ -477,11 +476,12 @@ class ProfileRun(fx.Interpreter):
             # does not. Frees are still seen: the tracker watches storages through weakrefs.
             plain = self.alloc is not None and self.roofline is None
             with contextlib.nullcontext() if plain else tr:
-                before_loss = self._mark() if self.alloc is not None else None
-                values = tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL]
+                user_loss = self.alloc is not None and _LOSS_FN.get() is not None
+                if user_loss:
+                    before = (self._mark(), tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
                 loss = training_loss(out)
-                if before_loss is not None and _LOSS_FN.get() is not None:
-                    self._loss_marks = (before_loss, values, self._mark(),
+                if user_loss:
+                    self._loss_marks = (*before, self._mark(),
                                         tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
                 if loss is not None:
                     self.phase = "backward"
