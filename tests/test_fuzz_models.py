@@ -3,7 +3,8 @@
 Hypothesis draws small models from the grammar of tests/fuzz_models.py. For each, by the CPU
 allocator's own count (measure_step):
 - the wrapped store-all step's peak equals the predicted peak within 1%;
-- for two schedules drawn at random, the wrapped step peaks at most 1% above the prediction;
+- for two schedules drawn at random, the wrapped step peaks at or under the prediction (a
+  schedule predicted at its budget must not go over it);
 - with every in-place Impl on store-all, the wrapped step's peak equals the prediction within 1%;
 - for the solver's schedules at two budgets between the least feasible peak and store-all, the
   wrapped step peaks at or under the budget and at most 1% above the prediction (check_model
@@ -25,14 +26,15 @@ import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 import monetlike
 import solver
 from fuzz_models import FUZZ_PROGRAMS, Step, build
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of
 from solver_cases import random_schedules
-from solver.simulate import store_all_schedule
+from solver.rules import schedule_from_keep
+from solver.simulate import simulate, store_all_schedule
 
 # 250 models in the default run (a few minutes, in one of the suite's two workers);
 # FUZZ_EXAMPLES raises it for a longer hunt.
@@ -77,7 +79,8 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
     assert _close(measured, predicted), ("store-all", measured, predicted)
 
     # Two schedules drawn at random (kept sets, Impls): the solver's choices depend on its time
-    # limit, these do not.
+    # limit, these do not. Never above the prediction: a solver may return any of them at a
+    # budget equal to its peak (BATCHNORM_RECOMPUTED below went 128 B over, within 1%).
     rng = random.Random(seed)
     drawn = (random_schedules(graph, rng)[2], random_schedules(graph, rng, random_impls=True)[1])
     for schedule in drawn:
@@ -85,7 +88,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
         measured = measured_peak(graph, model,
                                  monetlike.ScheduleWrapper(model, schedule, graph=graph),
                                  (tokens,))
-        assert measured <= expected * (1 + PEAK_TOLERANCE), ("random", measured, expected)
+        assert measured <= expected, ("random", measured, expected)
 
     # Every in-place Impl the profiler offers, at once, on store-all: each kernel then runs in
     # place with grad, whose backward must be the out-of-place one's that the Impl's figures
@@ -197,22 +200,37 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
 # 2,112 B more: 18,480 B measured, 16,436 predicted (monetlike/impls/profiling.py, _rounds).
 @example(((Step("relu_inplace", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 235))
 def test_fuzzed_models(case):
-    assume(case != KNOWN_OVER_BUDGET)  # run on its own, as a known failure, below
     check_model(*case)
 
 
-# NOT FIXED (issue 18 stays open). In the suite's worker process, the schedule solved at this
-# model's lower budget (predicted 30,980 B, the budget itself) measured 31,096 B: 116 B over, in
-# the last two of four full runs (once as a drawn example). Alone it measures 30,980 B each time.
-# Something small is allocated in some steps and not in others.
-KNOWN_OVER_BUDGET = ((Step("batch_norm", (32, 6, 54), 0.1), Step("batch_norm", (25, 42, 3), 0.1),
-                      Step("dropout", (20, 28, 36), 0.25), Step("slice_cat", (38, 56, 53), 0.25),
-                      Step("linear", (49, 33, 12), 0.25), Step("stack_mean", (57, 34, 51), 0.25),
-                      Step("slice_cat", (53, 27, 54), 0.5), Step("chunk_cat", (53, 11, 62), 0.5),
-                      Step("sigmoid_inplace", (5, 36, 8), 0.25)), 1, 14495)
+# Over the budget by 116 B in the suite's worker (not alone): there, the solver returned another
+# schedule of the same predicted peak, one recomputing the BatchNorms. A recomputation runs a
+# BatchNorm without its running statistics (runtime/recompute.py), another kernel path with
+# 128 B more scratch; the profile had taken the forward's. Now measured as recomputed
+# (profile/interpreter.py, _nograd_transient). The schedule below peaks at that recomputation.
+BATCHNORM_RECOMPUTED = ((Step("batch_norm", (32, 6, 54), 0.1), Step("batch_norm", (25, 42, 3), 0.1),
+                         Step("dropout", (20, 28, 36), 0.25), Step("slice_cat", (38, 56, 53), 0.25),
+                         Step("linear", (49, 33, 12), 0.25), Step("stack_mean", (57, 34, 51), 0.25),
+                         Step("slice_cat", (53, 27, 54), 0.5), Step("chunk_cat", (53, 11, 62), 0.5),
+                         Step("sigmoid_inplace", (5, 36, 8), 0.25)), 1, 14495)
 
 
-@pytest.mark.xfail(reason="issue 18, not fixed: 116 B over the budget in the suite's worker "
-                          "process, at the budget alone", strict=False)
-def test_known_over_budget_case():
-    check_model(*KNOWN_OVER_BUDGET)
+def test_batchnorm_recomputed_at_the_peak():
+    """Allocator-measured 31,224 B against 31,096 predicted before the fix; 5 of 1,200 random
+    schedules of this model were under-predicted so (128 B), within the random check's 1%."""
+    _freeze_heap()
+    model, tokens = build(*BATCHNORM_RECOMPUTED)
+    graph = monetlike.profile(model, tokens, repeat=1)
+    names = [op.name for op in graph.ops]
+    assert names[2:4] == ["layers_0", "layers_1"], names  # the two BatchNorms
+    keep = {v.id for v in graph.values if v.producer in (4, 5)}  # dropout's and tanh's outputs
+    schedule = schedule_from_keep(graph, keep, retain="none")
+    stages = {st.op: st.recompute for st in schedule.stages}
+    assert {2, 3} <= set(stages[11]), stages  # recomputed before tanh_1's stage, at the peak
+    point = simulate(graph, schedule).peak_point
+    assert (point.phase, graph.ops[point.op].name) == ("recompute", "layers_1"), point
+    expected = peak_of(graph, schedule)
+    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
+                             (tokens,))
+    assert measured == expected
+    check_model(*BATCHNORM_RECOMPUTED)

@@ -38,6 +38,7 @@ from solver.errors import MonetlikeError
 
 from ..allocator import AllocatorLog
 from ..impls.registry import observing_releases
+from ..runtime import recompute as rc
 from ..torch_private import tree_leaves
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
@@ -538,7 +539,7 @@ class ProfileRun(fx.Interpreter):
                                + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
             if (self.phase == "forward" and n.op in ("call_module", "call_function",
                                                      "call_method")
-                    and not rec.writes and not rec.unsafe):
+                    and not rec.unsafe and self._rerun_writes_nothing(rec, n, args, kwargs)):
                 rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs)
         if isinstance(result, torch.Tensor):
             self.contiguous[n.name] = result.is_contiguous()
@@ -555,13 +556,25 @@ class ProfileRun(fx.Interpreter):
             return None  # nobody reads it: free it now, as eager PyTorch would
         return result
 
+    def _rerun_writes_nothing(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> bool:
+        """Whether running `n` again as a recomputation does writes no existing storage: it
+        writes none in the forward, or only what the recomputation leaves out (a BatchNorm's
+        running statistics)."""
+        if not rec.writes:
+            return True
+        spared = {storage_of(t)._cdata for t in rc.writes_left_out(n.op, n.target, args, kwargs,
+                                                                   self.fetch_attr)}
+        return set(rec.writes) <= spared
+
     def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> int:
         """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
         the memory before it and the outputs it leaves. Under no_grad nothing is saved for a
         backward, so an Impl's internals (a ReLU mask, max-pool indices) are not made unless the
         kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics). Only for
-        nodes that write no existing storage (run twice, an in-place write would apply twice);
-        the generator state is put back, so later nodes draw what they drew before."""
+        nodes whose recomputation writes no existing storage (run twice, an in-place write would
+        apply twice); run by the runtime's own rule (rc.call_for_recompute: a BatchNorm without
+        its running statistics takes another kernel path, with other scratch). The generator
+        state is put back, so later nodes draw what they drew before."""
         tr = self.tracker
         tr.reset_window()
         start = tr.live
@@ -572,7 +585,7 @@ class ProfileRun(fx.Interpreter):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 start_mark = self._mark()  # after fork_rng's own copy of the state
-                again = getattr(self, n.op)(n.target, args, kwargs)
+                again = rc.call_for_recompute(n.op, n.target, args, kwargs, self.fetch_attr)
                 end_mark = self._mark()
         except Exception as e:
             raise ProfileError(

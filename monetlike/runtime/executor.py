@@ -643,16 +643,7 @@ class ScheduledForward:
                         f"marks such ops recompute_unsafe: profile again and solve again")
 
     def call_for_recompute(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-        if node.op == "call_module":
-            return rc.call_module_for_recompute(self.fetch_attr(node.target), args, kwargs)
-        if node.op == "call_function":
-            return rc.call_function_for_recompute(node.target, args, kwargs)
-        if node.op == "call_method":
-            self_obj, *rest = args
-            return getattr(self_obj, node.target)(*rest, **kwargs)
-        if node.op == "get_attr":
-            return self.fetch_attr(node.target)
-        raise RuntimeError(f"ScheduleWrapper: cannot recompute node {node.format_node()}")
+        return rc.call_for_recompute(node.op, node.target, args, kwargs, self.fetch_attr)
 
 
 _MISSING = object()

@@ -201,6 +201,46 @@ def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
     return _norm_kind(type(mod)) == "instancenorm"
 
 
+def call_for_recompute(kind: str, target: Any, args: tuple, kwargs: dict, fetch_attr) -> Any:
+    """Run an fx node (`kind` its op, `target` its target) as a recomputation does. The runtime
+    recomputes with it and the profiler measures a recomputation's transient memory with it:
+    a norm run without running statistics takes other kernel paths (other scratch) than the
+    forward that updated them."""
+    if kind == "call_module":
+        return call_module_for_recompute(fetch_attr(target), args, kwargs)
+    if kind == "call_function":
+        return call_function_for_recompute(target, args, kwargs)
+    if kind == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, target)(*rest, **kwargs)
+    if kind == "get_attr":
+        return fetch_attr(target)
+    raise RuntimeError(f"ScheduleWrapper: cannot recompute an fx node of kind {kind!r} "
+                       f"(target {target})")
+
+
+def writes_left_out(kind: str, target: Any, args: tuple, kwargs: dict, fetch_attr) -> list:
+    """The tensors the node's forward writes in place and `call_for_recompute` does not (a
+    norm's running statistics): with no other write, running it again under no_grad changes
+    nothing."""
+    if kind == "call_module":
+        mod = fetch_attr(target)
+        if (_is_plain_batchnorm(mod) or _is_plain_instancenorm(mod)) and not kwargs \
+                and len(args) == 1:
+            return [b for name, b in mod.named_buffers()
+                    if b is not None and name in allowed_buffer_writes(mod)]
+        return []
+    if kind != "call_function":
+        return []
+    if target in (F.batch_norm, F.instance_norm):
+        names = ("input", "running_mean", "running_var")
+        bound = _bind_norm(target, args, kwargs, names)
+        return [bound[k] for k in names[1:] if isinstance(bound.get(k), torch.Tensor)]
+    if target in _ATEN_NORMS:
+        return [t for t in args[3:5] if isinstance(t, torch.Tensor)]
+    return []
+
+
 def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """Call `mod` as its original forward did, but without updating running statistics."""
     if _is_plain_batchnorm(mod) and not kwargs and len(args) == 1:
