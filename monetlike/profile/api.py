@@ -160,9 +160,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         `lambda out: F.cross_entropy(out, labels)`; None: the sum of the floating outputs.
         The step's memory depends on it: its backward hands the model a real output gradient
         (a sum's is an expanded scalar) and runs its own kernels first; a profile made with
-        another loss can predict a peak the step exceeds. `meta["loss"]` records it. Measured
-        CPU profiles only for now (NotImplementedError elsewhere: on CUDA and the meta device
-        the loss's own kernels are not yet counted).
+        another loss can predict a peak the step exceeds. `meta["loss"]` records it. It runs
+        on the profile's device: for analytical costs the output is on the meta device, so
+        tensors it uses (labels) must be made on "meta" too or from the output.
     capture: "auto" (torch.fx symbolic tracing, torch.export when fx fails), "fx" or "export"
         (monetlike.capture); `meta["capture"]` records which one made the graph. A mapping of
         keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels) is accepted as
@@ -224,13 +224,6 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         xs = tuple(xs)
         n_nodes = len(gm.graph.nodes)
         bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
-        if loss_fn is not None and device.type != "cpu":
-            # Only the CPU allocator's event log sees the loss's kernels between the forward
-            # and the first stage (ProfileRun._charge_loss); elsewhere they would go uncounted.
-            raise NotImplementedError(
-                f"profile(loss_fn=...) is implemented for measured CPU profiles; this one runs "
-                f"on {device} ({cost}), where the loss's own memory is not yet counted. Profile "
-                f"on the CPU with cost='measured', or leave loss_fn out (the sum of the outputs)")
         try:
             with loss_fn_in_use(loss_fn):  # every run of the step ends with it
                 # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).

@@ -160,7 +160,15 @@ def training_loss(out) -> "torch.Tensor | None":
     is an expanded scalar) and runs its own kernels before the model's first stage."""
     loss_fn = _LOSS_FN.get()
     if loss_fn is not None:
-        loss = loss_fn(out)
+        try:
+            loss = loss_fn(out)
+        except Exception as e:
+            devices = sorted({str(t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor)})
+            raise ProfileError(
+                f"loss_fn failed on the model's output (on {', '.join(devices)}): "
+                f"{type(e).__name__}: {e}. It runs on the device of the profile; for analytical "
+                f"costs that is 'meta', so make the tensors it uses (labels) there or from the "
+                f"output") from e
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             got = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
                    if isinstance(loss, torch.Tensor) else type(loss).__name__)
@@ -265,8 +273,12 @@ class ProfileRun(fx.Interpreter):
         self.fixed_names: dict[int, str] = {}
         self.contiguous: dict[str, bool] = {}  # node -> its tensor result is contiguous
         # With a user's loss (loss_fn_in_use): marks before its forward and before its backward,
-        # with the Value bytes live at the second (_charge_loss).
+        # with the Value bytes live at each (_charge_loss, the CPU allocator's count); the
+        # window open over its backward and the peaks read by the tracker and on CUDA
+        # (_loss_window_*), charged when the first stage starts (_bwd_pre).
         self._loss_marks: tuple | None = None
+        self._loss_open: tuple | None = None
+        self._loss_peaks: tuple[int, ...] = ()
 
     # -- dispatch-level observers -----------------------------------------------------------
     def _on_create(self, key: int, nbytes: int) -> None:
@@ -439,6 +451,28 @@ class ProfileRun(fx.Interpreter):
         backward = a.peak_between(start, first_mark) - values_start
         g.bwd_peak = max(g.bwd_peak, forward, backward)
 
+    def _loss_window_start(self) -> tuple:
+        """Open a window over the loss's own memory: (allocator mark, Value bytes live, the CUDA
+        allocator's bytes and the non-Value bytes then)."""
+        tr = self.tracker
+        tr.reset_window()
+        values = tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL]
+        cuda = None
+        if self.cuda is not None:  # pragma: no cover - no GPU in CI
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+            cuda = (torch.cuda.memory_allocated(self.cuda), tr.live_by_class[OTHER])
+        return self._mark(), values, cuda
+
+    def _loss_window_peak(self, window: tuple, tracked: bool) -> int:
+        """The highest non-Value bytes since `window` opened, as a stage counts them: by the
+        tracker (when it watched the loss: meta, CUDA) and the CUDA allocator. The CPU
+        allocator's count is read after the run (_charge_loss)."""
+        peak = self.tracker.window_class_peak if tracked else 0
+        if window[2] is not None:  # pragma: no cover - no GPU in CI
+            alloc0, other0 = window[2]
+            peak = max(peak, other0 + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
+        return peak
+
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
         if self.alloc is None:
@@ -477,13 +511,14 @@ class ProfileRun(fx.Interpreter):
             # does not. Frees are still seen: the tracker watches storages through weakrefs.
             plain = self.alloc is not None and self.roofline is None
             with contextlib.nullcontext() if plain else tr:
-                user_loss = self.alloc is not None and _LOSS_FN.get() is not None
+                user_loss = _LOSS_FN.get() is not None
                 if user_loss:
-                    before = (self._mark(), tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
+                    before = self._loss_window_start()
                 loss = training_loss(out)
                 if user_loss:
-                    self._loss_marks = (*before, self._mark(),
-                                        tr.live_by_class[VALUE] + tr.live_by_class[INTERNAL])
+                    forward = self._loss_window_peak(before, tracked=not plain)
+                    self._loss_open = (*self._loss_window_start(), not plain, forward)
+                    self._loss_marks = (*before[:2], *self._loss_open[:2])
                 if loss is not None:
                     self.phase = "backward"
                     with observing_releases(self._on_release):
@@ -777,6 +812,10 @@ class ProfileRun(fx.Interpreter):
     def _bwd_pre(self, gid: int) -> None:
         if gid == self.bcur:
             return None
+        if self._loss_open is not None:  # the loss's backward ends where the model's begins
+            *window, tracked, forward = self._loss_open
+            self._loss_peaks = (forward, self._loss_window_peak(window, tracked))
+            self._loss_open = None
         self._close_interval()
         self.bcur = gid
         g = self.groups[gid]
@@ -785,7 +824,9 @@ class ProfileRun(fx.Interpreter):
             g.ran_backward = True
             self.backward_order.append(gid)
             g.stage_start = self.tracker.live_by_class[OTHER]
-            g.bwd_peak = g.stage_start
+            # The first stage is charged the loss's peaks as well (_charge_loss says why).
+            g.bwd_peak = max((g.stage_start, *self._loss_peaks))
+            self._loss_peaks = ()
         self.tracker.reset_window()
         if self.alloc is not None:
             tr = self.tracker
