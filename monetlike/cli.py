@@ -28,7 +28,7 @@ from solver.errors import (BackendUnavailableError, BudgetParseError, FormatErro
                            InfeasibleBudgetError, MonetlikeError, ScheduleMismatchError)
 from solver.units import format_bytes, parse_bytes
 
-from .modelspec import ModelSpecError, build_model
+from .modelspec import ModelSpecError, build_model, load_loss
 from .zoo import ZooError
 
 # Errors that mean "you asked for something malformed": exit code 2.
@@ -172,9 +172,10 @@ def _profile_args(args):
     from .profile import profile
 
     model = build_model(args.model)
+    loss_fn = load_loss(args.loss)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
     graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
-                    host_bandwidth=getattr(args, "host_bandwidth", None))
+                    host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
     if getattr(args, "calibrate", False):
         from .calibrate import calibrate
 
@@ -581,7 +582,7 @@ def cmd_explain(args) -> int:
     model = build_model(args.model)
     ex = explain(model, example_inputs(args.batch, args.input_shape,
                                        _profile_device(args.cost), model),
-                 optimizer=args.optimizer, cost=args.cost)
+                 optimizer=args.optimizer, cost=args.cost, loss_fn=load_loss(args.loss))
     print(ex.report())
     if args.plot:
         ex.plot(args.plot)
@@ -630,7 +631,8 @@ def cmd_maxbatch(args) -> int:
     with interruptible("monetlike maxbatch"):
         found = max_batch(model, args.budget, shape, max_overhead=args.max_overhead,
                           cost=args.cost, optimizer=args.optimizer, limit=args.limit,
-                          time_limit_s=args.time_limit, make_inputs=make)
+                          time_limit_s=args.time_limit, make_inputs=make,
+                          loss_fn=load_loss(args.loss))
     base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
     print(f"largest batch that fits: {found.batch}")
     print(summary_table(found.graph, found.result, args.budget, base))
@@ -684,6 +686,11 @@ def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
                         "analytical:A100-40GB")
     p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
                    help="optimizer whose state counts towards the budget")
+    p.add_argument("--loss", default="sum",
+                   help="the training loss of the model's output, whose memory is part of the "
+                        "step: sum (default), cross_entropy (logits against class 0), "
+                        "mean_square, or a function like mypkg.losses:loss or "
+                        "path/to/loss.py:loss")
 
 
 def _add_host_bandwidth(p) -> None:

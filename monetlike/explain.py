@@ -199,9 +199,11 @@ def _verdict(peak: int, floor: int, breakdown: dict[str, int], activation_bytes:
 
 
 def explain(model, example_inputs, *, optimizer: str | None = None,
-            cost: str = "analytical:A100-40GB", time_limit_s: float = 60.0) -> Explanation:
-    """Profile `model` (analytical costs on the meta device by default) and explain its memory."""
+            cost: str = "analytical:A100-40GB", time_limit_s: float = 60.0,
+            loss_fn=None) -> Explanation:
+    """Profile `model` (analytical costs on the meta device by default, with `loss_fn` as
+    monetlike.profile takes it) and explain its memory."""
     from .profile import profile
 
-    graph = profile(model, example_inputs, cost=cost, optimizer=optimizer)
+    graph = profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn)
     return explain_graph(graph, model, time_limit_s=time_limit_s)

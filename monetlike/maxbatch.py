@@ -94,12 +94,14 @@ def scale_batch(example, batch: int, device=None):
 def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = None, *,
               max_overhead: float | None = None, cost: str = "analytical:A100-40GB",
               optimizer: str | None = None, limit: int = 1 << 16, time_limit_s: float = 60.0,
-              make_inputs: Callable | None = None, example_inputs: Any = None) -> MaxBatchResult:
+              make_inputs: Callable | None = None, example_inputs: Any = None,
+              loss_fn: Callable | None = None) -> MaxBatchResult:
     """Largest batch in [1, limit] whose solved schedule fits `budget` with overhead <= max_overhead.
 
     The batches planned are made as the module docstring says: `make_inputs(b)`, else
     `example_inputs` scaled to b (keyword batches too), else the model's `example_inputs(b,
-    seq_len)`, else a float tensor (b, *input_shape)."""
+    seq_len)`, else a float tensor (b, *input_shape). `loss_fn`: the training loss of the
+    model's output, as monetlike.profile takes it."""
     from .profile import profile
 
     budget = parse_bytes(budget)
@@ -109,7 +111,7 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = No
     plans: dict[int, tuple] = {}
 
     def plan(b: int) -> bool:
-        graph = profile(model, make_inputs(b), cost=cost, optimizer=optimizer)
+        graph = profile(model, make_inputs(b), cost=cost, optimizer=optimizer, loss_fn=loss_fn)
         try:
             r = solver.solve(graph, budget, time_limit_s=time_limit_s)
         except solver.InfeasibleBudgetError:

@@ -73,6 +73,68 @@ def _load_file(path: str):
     return module
 
 
+def cross_entropy_loss(out):
+    """Cross-entropy of the model's logits (a mapping's "logits", else its first floating
+    tensor; (..., classes), flattened to rows) against class 0: the memory of a classifier's or
+    a language model's loss, whatever the labels."""
+    import torch
+    import torch.nn.functional as F
+
+    from .torch_private import tree_leaves
+
+    logits = out.get("logits") if isinstance(out, dict) else None
+    if logits is None:
+        logits = next((t for t in tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if logits is None or logits.dim() < 2:
+        raise ModelSpecError(f"--loss cross_entropy needs logits of shape (..., classes) among "
+                             f"the model's outputs; got {_outputs(out)}")
+    logits = logits.flatten(0, -2)
+    labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    return F.cross_entropy(logits, labels)
+
+
+def mean_square_loss(out):
+    """The mean of the squares of every floating output that requires grad, summed."""
+    import torch
+
+    from .torch_private import tree_leaves
+
+    leaves = [t for t in tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise ModelSpecError(f"--loss mean_square needs a floating output that requires grad; "
+                             f"got {_outputs(out)}")
+    return sum(t.pow(2).mean() for t in leaves)
+
+
+def _outputs(out) -> str:
+    from .torch_private import tree_leaves
+
+    shapes = [tuple(t.shape) for t in tree_leaves(out) if hasattr(t, "shape")]
+    return f"outputs of shapes {shapes}" if shapes else f"an output of type {type(out).__name__}"
+
+
+LOSSES = {"sum": None, "cross_entropy": cross_entropy_loss, "mean_square": mean_square_loss}
+"""The losses a LOSS argument names; "sum" is the profiler's default (the sum of the outputs)."""
+
+
+def load_loss(spec: "str | None") -> "Callable | None":
+    """The loss a LOSS argument names: one of LOSSES, or an importable function of the model's
+    output (`mypkg.losses:loss`, `path/to/loss.py:loss`) returning a scalar. None for the
+    default sum."""
+    if spec is None:
+        return None
+    name = spec.strip()
+    if name in LOSSES:
+        return LOSSES[name]
+    if ":" not in name and "." not in name:
+        raise ModelSpecError(f"unknown loss {spec!r}: expected one of {', '.join(LOSSES)}, or a "
+                             f"function of the model's output like 'mypkg.losses:loss' or "
+                             f"'path/to/loss.py:loss'")
+    return load_factory(name)
+
+
 def build_model(spec: str, **kwargs):
     """Call the factory; torchvision's googlenet/inception get their training-friendly defaults."""
     factory = load_factory(spec)

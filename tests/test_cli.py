@@ -12,17 +12,17 @@ from monetlike.cli import build_parser, main
 # The whole surface: subcommand -> its options. Change this only on purpose.
 SURFACE = {
     "profile": ["--batch", "--calibrate", "--cost", "--host-bandwidth", "--input-shape",
-                "--optimizer", "-o/--output"],
+                "--loss", "--optimizer", "-o/--output"],
     "solve": ["--backend", "--batch", "--budget", "--cost", "--graph", "--host-bandwidth",
-              "--input-shape", "--mode", "--offload", "--optimizer", "--time-limit", "--verbose",
-              "-o/--output"],
+              "--input-shape", "--loss", "--mode", "--offload", "--optimizer", "--time-limit",
+              "--verbose", "-o/--output"],
     "backends": [],
     "check": ["--batch", "--input-shape", "--model"],
     "zoo": [],
-    "explain": ["--batch", "--cost", "--input-shape", "--optimizer", "--plot"],
-    "pareto": ["--backend", "--batch", "--budgets", "--cost", "--input-shape", "--optimizer",
-               "--plot", "--time-limit"],
-    "maxbatch": ["--budget", "--cost", "--input-shape", "--limit", "--max-overhead",
+    "explain": ["--batch", "--cost", "--input-shape", "--loss", "--optimizer", "--plot"],
+    "pareto": ["--backend", "--batch", "--budgets", "--cost", "--input-shape", "--loss",
+               "--optimizer", "--plot", "--time-limit"],
+    "maxbatch": ["--budget", "--cost", "--input-shape", "--limit", "--loss", "--max-overhead",
                  "--optimizer", "--time-limit", "-o/--output"],
 }
 ZOO_SURFACE = {"list": [], "show": [], "pick": ["--batch", "--budget", "--model", "-o/--output"]}
@@ -152,6 +152,57 @@ def test_profile_records_the_host_link(tmp_path, capsys):
     code, out, _ = _run(["profile", *_tiny(tmp_path), "-o", str(g)], capsys)  # measured, CPU
     assert code == 0 and "host link none (offload unavailable)" in out
     assert json.loads(g.read_text())["host_bandwidth"] is None
+
+
+WIDE = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4096))
+
+def pow_mean(out):
+    return out.pow(2).mean()
+"""
+
+
+@pytest.mark.parametrize("cost", ["measured", "analytical:A100-40GB"])
+def test_profile_with_a_loss(tmp_path, capsys, cost):
+    """--loss profiles the step with that loss (monetlike.profile(loss_fn=...)): on a 4096-wide
+    output its kernels set the peak, by a named loss or a function from a file."""
+    import json
+
+    from solver import OpGraph, simulate, store_all_schedule
+
+    f = tmp_path / "wide.py"
+    f.write_text(WIDE)
+    model = [f"{f}:build", "--batch", "64", "--input-shape", "8", "--cost", cost]
+    peaks = {}
+    for loss in ("sum", "cross_entropy", "mean_square", f"{f}:pow_mean"):
+        g = tmp_path / "g.json"
+        code, out, err = _run(["profile", *model, "--loss", loss, "-o", str(g)], capsys)
+        assert code == 0, err
+        graph = OpGraph.from_dict(json.loads(g.read_text()))
+        peaks[loss] = simulate(graph, store_all_schedule(graph)).peak_bytes
+        assert graph.meta["loss"] == {"sum": "sum of the outputs",
+                                      "cross_entropy": "cross_entropy_loss",
+                                      "mean_square": "mean_square_loss"}.get(loss, "pow_mean")
+    output = 64 * 4096 * 4
+    for loss in ("cross_entropy", "mean_square", f"{f}:pow_mean"):
+        assert peaks[loss] >= peaks["sum"] + output, (loss, peaks)
+    assert peaks[f"{f}:pow_mean"] == peaks["mean_square"]  # the same loss, named or imported
+
+
+def test_a_bad_loss_is_a_usage_error(tmp_path, capsys):
+    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", "huber"], capsys)
+    assert code == 2 and "unknown loss 'huber'" in err and "cross_entropy" in err
+    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", f"{tmp_path}/nowhere.py:loss"],
+                        capsys)
+    assert code == 2 and "does not exist" in err
+    # a loss that does not give a scalar says what it got
+    f = tmp_path / "loss.py"
+    f.write_text("def per_row(out):\n    return out.sum(-1)\n")
+    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", f"{f}:per_row"], capsys)
+    assert code != 0 and "scalar tensor" in err and "shape (4,)" in err, err
 
 
 def test_offload_without_a_host_link_is_a_usage_error(tmp_path, capsys):

@@ -162,6 +162,8 @@ def training_loss(out) -> "torch.Tensor | None":
     if loss_fn is not None:
         try:
             loss = loss_fn(out)
+        except MonetlikeError:
+            raise
         except Exception as e:
             devices = sorted({str(t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor)})
             raise ProfileError(
