@@ -113,12 +113,12 @@ def _fresh(x):
             if isinstance(x, torch.Tensor) else x)
 
 
-def _one_step(module, args: tuple, kwargs: dict, seed: int):
+def _one_step(module, args: tuple, kwargs: dict, seed: int, loss_fn=_loss):
     torch.manual_seed(seed)
     xs = tuple(_fresh(x) for x in args)
     kw = {k: _fresh(v) for k, v in kwargs.items()}
     out = module(*xs, **kw)
-    _loss(out).backward()
+    loss_fn(out).backward()
     return ([o.detach() for o in _tensors(out)],
             [x.grad for x in (*xs, *kw.values()) if isinstance(x, torch.Tensor)])
 
@@ -145,7 +145,7 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(module, model, args, kwargs, repeat):
+def _measure(module, model, args, kwargs, repeat, loss_fn=_loss):
     """Peak of one step of `module` counted like the simulator: this model's parameters,
     buffers and inputs plus what the step allocates (other copies alive in this process, such as
     the plain model, are not counted), and its median time."""
@@ -153,7 +153,7 @@ def _measure(module, model, args, kwargs, repeat):
 
     def step():
         out = module(*args, **kwargs)
-        _loss(out).backward()
+        loss_fn(out).backward()
 
     step()  # warm-up (the first scheduled call builds its plan)
     for p in model.parameters():
@@ -165,9 +165,12 @@ def _measure(module, model, args, kwargs, repeat):
 
 
 def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Module,
-                   example_inputs: Any, *, repeat: int = 3, seed: int = 0) -> CheckReport:
+                   example_inputs: Any, *, repeat: int = 3, seed: int = 0,
+                   loss_fn=None) -> CheckReport:
     """Run `schedule` on `model` with `example_inputs` (a tensor, a tuple of positional inputs or
-    a mapping of keyword inputs) here; compare with plain PyTorch."""
+    a mapping of keyword inputs) here; compare with plain PyTorch. `loss_fn`: the loss the
+    schedule was profiled with (monetlike.profile), else a signed sum of the outputs."""
+    loss_fn = loss_fn or _loss
     if not isinstance(schedule, Schedule):
         schedule = Schedule.load(schedule)
     args, kwargs = split_example(model, example_inputs)
@@ -177,8 +180,8 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
 
     # Gradients first (the first scheduled call also checks the fingerprint and raises
     # ScheduleMismatchError for a schedule made for another model or batch).
-    out_p, gx_p = _one_step(plain, args, kwargs, seed)
-    out_w, gx_w = _one_step(wrapped, args, kwargs, seed)
+    out_p, gx_p = _one_step(plain, args, kwargs, seed, loss_fn)
+    out_w, gx_w = _one_step(wrapped, args, kwargs, seed, loss_fn)
     grads_p = [p.grad for p in plain.parameters()]
     grads_w = [p.grad for p in mine.parameters()]
     worst, ok = 0.0, True
@@ -186,8 +189,8 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
         d, good = _max_diff(a, b)
         worst, ok = max(worst, d), ok and good
 
-    m_plain = _measure(plain, plain, args, kwargs, repeat)
-    m_mine = _measure(wrapped, mine, args, kwargs, repeat)
+    m_plain = _measure(plain, plain, args, kwargs, repeat, loss_fn)
+    m_mine = _measure(wrapped, mine, args, kwargs, repeat, loss_fn)
 
     predicted = schedule.predicted_peak_bytes
     if predicted is None:

@@ -273,6 +273,8 @@ def _save_schedule(sched, graph, args, **meta_extra) -> None:
     meta = {**sched.meta, "input_shape": list(_graph_input_shape(graph) or ()), **meta_extra}
     if args.model:  # a hint for `check` (module docstring), never imported from the file
         meta["model_spec"] = args.model
+    if getattr(args, "loss", "sum") != "sum":
+        meta["loss"] = args.loss  # what `check` measures with, unless told otherwise
     dataclasses.replace(sched, meta=meta).save(args.output)
 
 
@@ -478,9 +480,10 @@ def cmd_check(args) -> int:
     batch = args.batch or _schedule_batch(sched, args.schedule)
     shape = args.input_shape or _schedule_input_shape(sched, args.schedule)
     model = build_model(args.model)
+    loss_fn = load_loss(args.loss or _recorded_loss(sched, args.schedule))
     x = _check_inputs(model, sched, args, batch, shape)
     try:
-        report = check_schedule(sched, model, x)
+        report = check_schedule(sched, model, x, loss_fn=loss_fn)
     except MonetlikeError:
         raise
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
@@ -490,6 +493,19 @@ def cmd_check(args) -> int:
                          f"was made for and its --input-shape") from e
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
     return 0 if getattr(report, "passed", True) else 1
+
+
+def _recorded_loss(sched, path: str) -> str:
+    """The loss a schedule was solved with (`solve --loss`), when it is one of the built-in
+    names; a function is only named back as a hint (a file never chooses the code to run)."""
+    from .modelspec import LOSSES
+
+    recorded = sched.meta.get("loss", "sum")
+    if not isinstance(recorded, str) or recorded in LOSSES:
+        return recorded if isinstance(recorded, str) else "sum"
+    raise UsageError(f"this schedule was solved with the loss {_hint(recorded)}; check runs "
+                     f"the step with the same loss: if you trust that code, run `monetlike "
+                     f"check {path} --model ... --loss {_hint(recorded)}`")
 
 
 def _describe_inputs(x) -> str:
@@ -744,6 +760,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model factory to run the schedule on (required: a schedule "
                                    "file never chooses the code to run; the one it records is "
                                    "shown as a hint)")
+    p.add_argument("--loss", default=None,
+                   help="the loss to run the step with (default: the one the schedule was "
+                        "solved with when it is a built-in name, else a signed sum of the "
+                        "outputs)")
     p.add_argument("--batch", type=_positive_int, help="batch (default: the schedule's)")
     p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
                                                       "(default: the schedule's); the sequence "

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ SURFACE = {
               "--input-shape", "--loss", "--mode", "--offload", "--optimizer", "--time-limit",
               "--verbose", "-o/--output"],
     "backends": [],
-    "check": ["--batch", "--input-shape", "--model"],
+    "check": ["--batch", "--input-shape", "--loss", "--model"],
     "zoo": [],
     "explain": ["--batch", "--cost", "--input-shape", "--loss", "--optimizer", "--plot"],
     "pareto": ["--backend", "--batch", "--budgets", "--cost", "--input-shape", "--loss",
@@ -190,6 +191,35 @@ def test_profile_with_a_loss(tmp_path, capsys, cost):
     for loss in ("cross_entropy", "mean_square", f"{f}:pow_mean"):
         assert peaks[loss] >= peaks["sum"] + output, (loss, peaks)
     assert peaks[f"{f}:pow_mean"] == peaks["mean_square"]  # the same loss, named or imported
+
+
+def test_a_schedule_solved_with_a_loss_is_checked_with_it(tmp_path, capsys):
+    """`solve --loss` records a built-in loss in the schedule and `check` runs the step with it
+    (its peak within the prediction); a loss function from a file is only named back as a
+    hint until --loss gives it."""
+    import json
+
+    f = tmp_path / "wide.py"
+    f.write_text(WIDE)
+    model = [f"{f}:build", "--batch", "64", "--input-shape", "8"]
+    for loss, recorded in (("cross_entropy", True), (f"{f}:pow_mean", False)):
+        s = tmp_path / "s.json"
+        code, out, err = _run(["solve", *model, "--loss", loss, "--budget", "64MiB",
+                               "--time-limit", "5", "-o", str(s)], capsys)
+        assert code == 0, err
+        assert json.loads(s.read_text())["meta"]["loss"] == loss
+        code, out, err = _run(["check", str(s), "--model", f"{f}:build"], capsys)
+        if recorded:
+            assert code == 0, (out, err)
+            # the loss's output-sized tensors are in the measured step: measured == predicted
+            # (with the signed sum, 1 MiB less)
+            peaks = re.search(r"peak memory +\S+ MiB +(\S+) MiB predicted (\S+) MiB", out)
+            assert peaks and peaks.group(1) == peaks.group(2), out
+        else:
+            assert code == 2 and f"--loss {loss}" in err, err
+            code, out, err = _run(["check", str(s), "--model", f"{f}:build", "--loss", loss],
+                                  capsys)
+            assert code == 0, (out, err)
 
 
 def test_a_bad_loss_is_a_usage_error(tmp_path, capsys):
