@@ -441,6 +441,39 @@ def test_relu_impls_at_zero_and_nan(inplace):
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("grad_kind", ["contiguous", "transposed", "expanded"])
+@pytest.mark.parametrize("act", ["relu", "hardtanh"])
+@pytest.mark.parametrize("min_slice", [8, None])
+def test_mask_impls_give_the_default_s_gradient_layout(grad_kind, act, min_slice):
+    """The input gradient of relu_mask and hardtanh_mask has the strides of the default's (an
+    elementwise kernel of the gradient and the saved output decides them), and the same bits.
+    With a contiguous one where the default's was transposed (the gradient of a sum is expanded:
+    the output's layout wins), a transposed Linear's split backward copied it: 2,048 B over the
+    prediction (tests/test_fuzz_models.py). Sliced (min_slice 8) and whole."""
+    from unittest import mock
+
+    from monetlike.impls import bitmask
+    from monetlike.impls.hardtanh import Hardtanh
+    from monetlike.impls.relu import RELU, ActMask
+
+    torch.manual_seed(0)
+    base = torch.randn(4, 16, 8)
+    grad = {"contiguous": torch.randn(4, 8, 16),
+            "transposed": torch.randn(4, 16, 8).transpose(1, 2),
+            "expanded": torch.ones(()).expand(4, 8, 16)}[grad_kind]
+    fn, impl = ((lambda t: F.relu(t)), RELU) if act == "relu" else \
+        ((lambda t: F.hardtanh(t, -0.5, 0.5)), Hardtanh(-0.5, 0.5))
+    got = []
+    with mock.patch.object(bitmask, "MIN_SLICE", min_slice or bitmask.MIN_SLICE):
+        for masked in (False, True):
+            x = base.clone().requires_grad_()
+            y = ActMask.apply(x.transpose(1, 2), impl, False) if masked else fn(x.transpose(1, 2))
+            g, = torch.autograd.grad(y, x, grad)
+            got.append(g)
+    assert got[1].stride() == got[0].stride(), grad_kind
+    assert torch.equal(got[1], got[0])
+
+
 def test_hardtanh_matching_refuses_what_it_cannot_do():
     from monetlike.impls.hardtanh import hardtanh_call
     from monetlike.trace import trace

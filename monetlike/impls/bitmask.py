@@ -65,19 +65,33 @@ def pack_of(y: torch.Tensor, mask_of) -> torch.Tensor:
 def _unpack(packed: torch.Tensor, a: int, b: int, w: torch.Tensor) -> torch.Tensor:
     """Elements a..b of the packed mask, as bool (`w`: the bit weights)."""
     bits = packed[a // 8:(b + 7) // 8].unsqueeze(-1).bitwise_and(w)
-    return bits.ne_(0).view(torch.bool).view(-1)[:b - a]
+    return bits.ne_(0).view(torch.bool).view(-1)[a % 8:a % 8 + b - a]
 
 
-def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool) -> torch.Tensor:
+def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,
+                stride: tuple[int, ...] | None = None) -> torch.Tensor:
     """+0 where the packed mask is set, `grad` elsewhere (same shape as the mask's tensor, in
-    row-major order); in place when `in_place` and `grad` is contiguous."""
-    if in_place and grad.is_contiguous():
+    row-major order), with strides `stride` (default: contiguous). In place when `in_place` and
+    `grad` is contiguous with those strides."""
+    stride = tuple(stride) if stride is not None else torch.empty(grad.shape, device="meta").stride()
+    if in_place and grad.is_contiguous() and tuple(grad.stride()) == stride:
         out = grad
     else:
-        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        out = torch.empty_strided(grad.shape, stride, dtype=grad.dtype, device=grad.device)
         out.copy_(grad)
-    flat = out.view(-1)
     w = _weights(packed.device)
-    for a, b in _bounds(flat.numel()):
-        flat[a:b].masked_fill_(_unpack(packed, a, b, w), 0)
+    n = out.numel()
+    if out.is_contiguous():
+        flat = out.view(-1)
+        for a, b in _bounds(n):
+            flat[a:b].masked_fill_(_unpack(packed, a, b, w), 0)
+        return out
+    # Not row-major: slices of whole rows of the first dimension, each filled through its view.
+    rows = out.shape[0]
+    row = n // rows if rows else 0
+    step = max(1, _bounds(n)[0][1] // max(row, 1)) if n else 1
+    for i in range(0, rows, step):
+        j = min(rows, i + step)
+        part = out[i:j]
+        part.masked_fill_(_unpack(packed, i * row, j * row, w).view(part.shape), 0)
     return out

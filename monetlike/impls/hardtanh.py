@@ -48,6 +48,9 @@ class Hardtanh(Activation):
     def grad_from_pre(self, grad, z):
         return torch.ops.aten.hardtanh_backward(grad, z, self.min_val, self.max_val)
 
+    def default_backward(self, grad, saved):
+        return self.grad_from_pre(grad, saved)
+
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
