@@ -192,9 +192,13 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
             x = creator.get((arg.name, None)) if arg is not None else None
             # A non-contiguous other operand (x.add_(y.transpose(1, 2))): autograd then makes
             # a gradient-sized copy in an earlier Op's stage, which this Op's figures cannot
-            # carry (found by tests/test_fuzz_models.py).
+            # carry (found by tests/test_fuzz_models.py). A non-contiguous operand written into
+            # by a binary op: the result keeps its layout where `a + b` takes its own (the
+            # first operand's), and the gradients behind it change layout (an embedding's
+            # backward then copied one: 512 B over a budget, also found by the fuzzer).
+            binary = len(node.all_input_nodes) > 1
             strided = [n for n in node.all_input_nodes
-                       if n is not arg and not run.contiguous.get(n.name, True)]
+                       if (n is not arg or binary) and not run.contiguous.get(n.name, True)]
             if x is not None and not strided and _may_overwrite(run, g, x, saved_anywhere,
                                                                   foreign):
                 found[g.gid] = (spec, subs, x)
