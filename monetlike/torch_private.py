@@ -106,6 +106,15 @@ def sdp_priority_order() -> list:
 # -- profiler ------------------------------------------------------------------------------------
 # No public API gives the allocation events with their times: prof.events() and key_averages()
 # fold them into the operators' totals.
+def outside_dispatch_modes():
+    """A context with the active TorchDispatchModes (the profiler's storage tracker) set aside:
+    for bookkeeping kernels that are no part of the step (an Impl asking a kernel which layout
+    it gives, on tiny tensors) and must not be counted as its memory or cost."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int, int] | None]]:
     """A finished profile's events: (start ns, name, (device, bytes, address) of an allocation
     (bytes < 0 for a free) or None)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..torch_private import BatchNormBase, sole_owner
+from ..torch_private import BatchNormBase, outside_dispatch_modes, sole_owner
 from . import bitmask
 from .registry import ImplSpec, module_of, register
 
@@ -58,11 +58,12 @@ class Activation:
         did not see). Asked of the default's own kernel on the device, run on tensors of at most
         2 elements per dimension laid out in the same order (the meta kernels decide some
         layouts otherwise than the CPU's: hardtanh_backward's)."""
-        g, g_key = _same_order(grad.shape, grad.stride(), grad)
-        saved, s_key = _same_order(grad.shape, saved_stride, grad)
-        key = (repr(self), g_key, s_key, grad.dtype, grad.device.type)
-        if key not in _LAYOUTS:  # a handful of layouts per model: the kernel runs once each
-            _LAYOUTS[key] = tuple(self.default_backward(g, saved).stride())
+        with outside_dispatch_modes():  # not the step's: the profile must not count it
+            g, g_key = _same_order(grad.shape, grad.stride(), grad)
+            saved, s_key = _same_order(grad.shape, saved_stride, grad)
+            key = (repr(self), g_key, s_key, grad.dtype, grad.device.type)
+            if key not in _LAYOUTS:  # a handful of layouts per model: the kernel runs once each
+                _LAYOUTS[key] = tuple(self.default_backward(g, saved).stride())
         return _dense_in_order(grad.shape, _LAYOUTS[key])
 
 
