@@ -599,8 +599,8 @@ class ProfileRun(fx.Interpreter):
         running statistics)."""
         if not rec.writes:
             return True
-        spared = {storage_of(t)._cdata for t in rc.writes_left_out(n.op, n.target, args, kwargs,
-                                                                   self.fetch_attr)}
+        left_out = rc.writes_left_out(n.op, n.target, args, kwargs, self.fetch_attr)
+        spared = {s._cdata for s in map(storage_of, left_out) if s is not None}
         return set(rec.writes) <= spared
 
     def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> int:
