@@ -501,8 +501,10 @@ def _recorded_loss(sched, path: str) -> str:
     from .modelspec import LOSSES
 
     recorded = sched.meta.get("loss", "sum")
-    if not isinstance(recorded, str) or recorded in LOSSES:
-        return recorded if isinstance(recorded, str) else "sum"
+    if not isinstance(recorded, str):
+        return "sum"
+    if recorded in LOSSES:
+        return recorded
     raise UsageError(f"this schedule was solved with the loss {_hint(recorded)}; check runs "
                      f"the step with the same loss: if you trust that code, run `monetlike "
                      f"check {path} --model ... --loss {_hint(recorded)}`")

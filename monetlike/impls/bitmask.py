@@ -89,7 +89,7 @@ def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,
     # Not row-major: slices of whole rows of the first dimension, each filled through its view.
     rows = out.shape[0]
     row = n // rows if rows else 0
-    step = max(1, _bounds(n)[0][1] // max(row, 1)) if n else 1
+    step = max(1, _bounds(n)[0][1] // row) if row else 1  # rows per slice
     for i in range(0, rows, step):
         j = min(rows, i + step)
         part = out[i:j]

@@ -58,12 +58,14 @@ class Activation:
         did not see). Asked of the default's own kernel on the device, run on tensors of at most
         2 elements per dimension laid out in the same order (the meta kernels decide some
         layouts otherwise than the CPU's: hardtanh_backward's)."""
-        with outside_dispatch_modes():  # not the step's: the profile must not count it
-            g, g_key = _same_order(grad.shape, grad.stride(), grad)
-            saved, s_key = _same_order(grad.shape, saved_stride, grad)
-            key = (repr(self), g_key, s_key, grad.dtype, grad.device.type)
-            if key not in _LAYOUTS:  # a handful of layouts per model: the kernel runs once each
-                _LAYOUTS[key] = tuple(self.default_backward(g, saved).stride())
+        g, saved = _small_geometry(grad.shape, grad.stride()), _small_geometry(grad.shape,
+                                                                               saved_stride)
+        key = (repr(self), g, saved, grad.dtype, grad.device.type)
+        if key not in _LAYOUTS:  # a handful of layouts per model: the kernel runs once each
+            with outside_dispatch_modes():  # not the step's: the profile must not count it
+                g_t, saved_t = (torch.zeros(sum(st) + 1, dtype=grad.dtype, device=grad.device)
+                                .as_strided(size, st) for size, st in (g, saved))
+                _LAYOUTS[key] = tuple(self.default_backward(g_t, saved_t).stride())
         return _dense_in_order(grad.shape, _LAYOUTS[key])
 
 
@@ -75,16 +77,15 @@ def _order(stride, shape) -> list[int]:
     return sorted(range(len(shape)), key=lambda d: (stride[d], -d))
 
 
-def _same_order(shape, stride, like: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """A tensor of at most 2 elements per dimension with `stride`'s order of dimensions (its
-    expanded ones expanded): what a kernel decides a result's layout from; and its geometry."""
+def _small_geometry(shape, stride) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(size, stride) of a tensor of at most 2 elements per dimension with `stride`'s order of
+    dimensions (its expanded ones expanded): what a kernel decides a result's layout from."""
     small = [1 if n == 1 else 2 for n in shape]
     out, size = [0] * len(shape), 1
     for d in _order(stride, shape):
         if stride[d] != 0:
             out[d], size = size, size * small[d]
-    t = torch.zeros(size, dtype=like.dtype, device=like.device).as_strided(small, out)
-    return t, (tuple(small), tuple(out))
+    return tuple(small), tuple(out)
 
 
 def _dense_in_order(shape, stride) -> tuple[int, ...]:

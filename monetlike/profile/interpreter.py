@@ -165,7 +165,8 @@ def training_loss(out) -> "torch.Tensor | None":
         except MonetlikeError:
             raise
         except Exception as e:
-            devices = sorted({str(t.device) for t in tree_leaves(out) if isinstance(t, torch.Tensor)})
+            devices = sorted({str(t.device) for t in tree_leaves(out)
+                              if isinstance(t, torch.Tensor)})
             raise ProfileError(
                 f"loss_fn failed on the model's output (on {', '.join(devices)}): "
                 f"{type(e).__name__}: {e}. It runs on the device of the profile; for analytical "
@@ -274,13 +275,11 @@ class ProfileRun(fx.Interpreter):
         self.pos = -1
         self.fixed_names: dict[int, str] = {}
         self.contiguous: dict[str, bool] = {}  # node -> its tensor result is contiguous
-        # With a user's loss (loss_fn_in_use): marks before its forward and before its backward,
-        # with the Value bytes live at each (_charge_loss, the CPU allocator's count); the
-        # window open over its backward and the peaks read by the tracker and on CUDA
-        # (_loss_window_*), charged when the first stage starts (_bwd_pre).
-        self._loss_marks: tuple | None = None
-        self._loss_open: tuple | None = None
-        self._loss_peaks: tuple[int, ...] = ()
+        # With a user's loss (loss_fn_in_use): the windows opened before its forward and before
+        # its backward (_loss_window_start), whether the tracker watched it, and its forward's
+        # peak. The CPU allocator's count is charged after the run (_charge_loss), the
+        # tracker's and CUDA's when the first stage starts (_bwd_pre).
+        self._loss: tuple | None = None
 
     # -- dispatch-level observers -----------------------------------------------------------
     def _on_create(self, key: int, nbytes: int) -> None:
@@ -442,10 +441,10 @@ class ProfileRun(fx.Interpreter):
         them, on top of the loss's forward), so the charge errs on the safe side. Not to the
         last Op's forward point: an in-place Impl there frees its input, which the loss's
         moment does not. The default sum allocates only scalars there and is left out."""
-        if self._loss_marks is None or not self._bwd_windows:
+        if self._loss is None or not self._bwd_windows:
             return
         a = self.alloc
-        before, values_before, start, values_start = self._loss_marks
+        (before, values_before, _), (start, values_start, _) = self._loss[:2]
         g = self.groups[self._bwd_windows[0][0]]
         first_mark = self._bwd_windows[0][1]
         # the peak of gradients and other non-Value bytes over each part, as stages count them
@@ -519,8 +518,7 @@ class ProfileRun(fx.Interpreter):
                 loss = training_loss(out)
                 if user_loss:
                     forward = self._loss_window_peak(before, tracked=not plain)
-                    self._loss_open = (*self._loss_window_start(), not plain, forward)
-                    self._loss_marks = (*before[:2], *self._loss_open[:2])
+                    self._loss = (before, self._loss_window_start(), not plain, forward)
                 if loss is not None:
                     self.phase = "backward"
                     with observing_releases(self._on_release):
@@ -814,10 +812,11 @@ class ProfileRun(fx.Interpreter):
     def _bwd_pre(self, gid: int) -> None:
         if gid == self.bcur:
             return None
-        if self._loss_open is not None:  # the loss's backward ends where the model's begins
-            *window, tracked, forward = self._loss_open
-            self._loss_peaks = (forward, self._loss_window_peak(window, tracked))
-            self._loss_open = None
+        loss_peaks = ()
+        if self._loss is not None and not self.backward_order:
+            # the first stage: the loss's backward ends where the model's begins
+            _, start, tracked, forward = self._loss
+            loss_peaks = (forward, self._loss_window_peak(start, tracked))
         self._close_interval()
         self.bcur = gid
         g = self.groups[gid]
@@ -827,8 +826,7 @@ class ProfileRun(fx.Interpreter):
             self.backward_order.append(gid)
             g.stage_start = self.tracker.live_by_class[OTHER]
             # The first stage is charged the loss's peaks as well (_charge_loss says why).
-            g.bwd_peak = max((g.stage_start, *self._loss_peaks))
-            self._loss_peaks = ()
+            g.bwd_peak = max((g.stage_start, *loss_peaks))
         self.tracker.reset_window()
         if self.alloc is not None:
             tr = self.tracker

@@ -225,11 +225,8 @@ def writes_left_out(kind: str, target: Any, args: tuple, kwargs: dict, fetch_att
     nothing."""
     if kind == "call_module":
         mod = fetch_attr(target)
-        if (_is_plain_batchnorm(mod) or _is_plain_instancenorm(mod)) and not kwargs \
-                and len(args) == 1:
-            return [b for name, b in mod.named_buffers()
-                    if b is not None and name in allowed_buffer_writes(mod)]
-        return []
+        allowed = allowed_buffer_writes(mod) if not kwargs and len(args) == 1 else ()
+        return [b for name, b in mod.named_buffers() if b is not None and name in allowed]
     if kind != "call_function":
         return []
     if target in (F.batch_norm, F.instance_norm):
