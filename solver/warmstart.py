@@ -9,7 +9,9 @@ block, so no single Value cuts the graph) at lengths 1, 2, 4, ... ops, per-block
 read off the model's module paths (what a user would write with torch.utils.checkpoint) and on
 the repeated blocks found in the graph itself (blocks.py: identical layers), both also with
 selective activation checkpointing's policy (rules.SAC_SAVE_KINDS: matmul, convolution and
-attention outputs kept inside a block; the plans peers' users write, as starts), and
+attention outputs kept inside a block; the plans peers' users write, as starts), the chain
+combination on those blocks (chain.py: one plan per block, chosen together by dynamic
+programming under the budget), and
 "keep nothing" (the least-memory rule), each on Impl 0 and on the memory-lean Impls; `best_fitting`
 keeps the fastest that fits the budget. `lp_rounding`
 solves the MILP's LP relaxation and rounds its residency columns at several thresholds
@@ -23,6 +25,7 @@ import time
 
 from .analysis import GraphFacts
 from .blocks import find_blocks, repeated_block_checkpoint_schedule
+from .chain import chain_schedule
 from .rules import (SAC_SAVE_KINDS, chen_schedule, greedy_schedule, ranked_schedule,
                     recompute_closure, schedule_from_keep)
 from .canonical import canonicalize
@@ -86,6 +89,9 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
             rules.append((f"{tag}repeated_blocks{sac}",
                           lambda impl=impl, kinds=kinds: repeated_block_checkpoint_schedule(
                               graph, facts, impl=impl, chain=chain(), save_kinds=kinds)))
+        rules.append((f"{tag}chain",
+                      lambda impl=impl: chain_schedule(graph, budget, facts, impl=impl,
+                                                       chain=chain(), deadline=deadline)))
     for tag, impl in variants:
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",

@@ -189,6 +189,32 @@ def random_inplace_dag(rng: random.Random, n: int) -> OpGraph:
     return b.build(outputs=output, stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
 
 
+def random_repeated(rng: random.Random, k: int, inner: int) -> OpGraph:
+    """A prologue op, k copies of one random block of `inner` ops plus a residual add, and an
+    epilogue op: every op of a block reads the block's input or earlier Values of the block
+    (skips, joins), so only the residual stream crosses between blocks."""
+    template = []
+    for i in range(inner):
+        n_in = 1 if i == 0 or rng.random() < 0.5 else 2
+        ins = sorted(set(rng.sample(range(i + 1), min(n_in, i + 1))))  # 0: the block's input
+        saved = rng.choice([("in0",), ("out0",), ("in0", "out0"), ()])
+        template.append((ins, rng.randint(1, 9), saved, rng.randint(1, 5), rng.randint(1, 5),
+                         rng.choice([0, 0, 1]), rng.choice([0, 1, 2])))
+    stream = rng.randint(1, 4)
+    b = GraphBuilder("repeated", param_bytes=rng.randint(0, 3), input_bytes=rng.randint(1, 3))
+    h = b.op("embed", [b.input("x", b.input_bytes)], stream, saved=(), fwd=1, bwd=1)
+    for c in range(k):
+        local = [h]
+        for i, (ins, size, saved, fwd, bwd, fwd_ws, bwd_ws) in enumerate(template):
+            local.append(b.op(f"b{c}.op{i}", [local[u] for u in ins], size, saved=saved,
+                              fwd=fwd, bwd=bwd, fwd_ws=fwd_ws, bwd_ws=bwd_ws))
+        h = b.op(f"b{c}.add", [h, local[-1]] if inner else [h], stream, saved=(), fwd=0.5,
+                 bwd=0.5)
+    out = b.op("loss", [h], 1, saved=("in0",), fwd=1, bwd=1)
+    grads = [1] * (len(b.ops))
+    return b.build(outputs=out, stage_grad_bytes=grads, final_grad_bytes=1)
+
+
 def random_schedules(g: OpGraph, rng: random.Random, *, random_impls: bool = False) -> list:
     """Schedules from every rule with random kept sets, plus store-all and Chen's; with
     `random_impls`, each op's Impl drawn at random too (five store-all and five kept-set

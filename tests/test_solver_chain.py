@@ -1,0 +1,109 @@
+"""Chain combination (solver/chain.py): the dynamic programme against brute force over option
+tables, the whole rule against brute force over every combination of segment plans replayed by
+the simulator, and against the monolithic MILP, on generated chains of a random block."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import solver
+from solver.analysis import GraphFacts
+from solver.blocks import find_blocks
+from solver.chain import Option, chain_schedule, combine, measure, segment_keeps
+from solver.rules import schedule_from_keep
+from solver.simulate import simulate, store_all_schedule
+from solver_cases import random_repeated
+
+
+def chain_peak(options, picked) -> int:
+    """The chain's model of the step's peak (solver/chain.py), written out."""
+    held, peak = 0, 0
+    for opts, i in zip(options, picked):
+        peak = max(peak, held + opts[i].peak)
+        held += opts[i].extra
+    return peak
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 12), st.integers(0, 5)),
+                         min_size=1, max_size=4), min_size=1, max_size=5),
+       st.integers(0, 30))
+def test_combine_finds_the_brute_force_optimum(table, budget):
+    options = [[Option(frozenset(), e, p, float(t)) for e, p, t in seg] for seg in table]
+    fitting = [(sum(options[b][i].time for b, i in enumerate(c)), c)
+               for c in itertools.product(*(range(len(o)) for o in options))
+               if chain_peak(options, c) <= budget]
+    picked = combine(options, budget)
+    if not fitting:
+        assert picked is None
+        return
+    assert picked is not None and chain_peak(options, picked) <= budget
+    assert sum(options[b][i].time for b, i in enumerate(picked)) == min(t for t, _ in fitting)
+
+
+def _setup(seed: int, k: int, inner: int):
+    g = random_repeated(random.Random(seed), k, inner)
+    facts = GraphFacts(g, "checkpoint")
+    chain = find_blocks(g)
+    return g, facts, chain
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10 ** 6), st.integers(2, 3), st.integers(1, 4), st.floats(0.0, 1.0))
+@example(seed=0, k=3, inner=3, frac=0.3)
+def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac):
+    """Every combination of the segments' options, each replayed by the simulator: the rule's
+    schedule is the fastest that fits, and the chain's model of each combination's peak and
+    recomputation time is the simulator's."""
+    g, facts, chain = _setup(seed, k, inner)
+    assert chain.classes, "the generator repeats a block"
+    impl = (0,) * len(g.ops)
+    forced = frozenset().union(*chain.cuts)
+    keeps = segment_keeps(g, facts, chain, impl, forced)
+    options = measure(g, facts, chain, impl, forced, keeps)
+    base = simulate(g, schedule_from_keep(g, set(forced), retain="saved",
+                                          facts=facts)).recompute_time
+    rows = []
+    for c in itertools.product(*(range(len(o)) for o in options)):
+        keep = set(forced).union(*(options[b][i].keep for b, i in enumerate(c)))
+        tl = simulate(g, schedule_from_keep(g, keep, retain="saved", facts=facts))
+        assert chain_peak(options, c) == tl.peak_bytes
+        assert math.isclose(base + sum(options[b][i].time for b, i in enumerate(c)), tl.recompute_time,
+                            rel_tol=1e-12, abs_tol=1e-12)
+        rows.append((tl.peak_bytes, tl.total_time))
+    least = min(p for p, _ in rows)
+    top = max(p for p, _ in rows)
+    budget = int(least + frac * (top - least))
+    best = min(t for p, t in rows if p <= budget)
+    s = chain_schedule(g, budget, facts, chain=chain)
+    assert s is not None
+    tl = simulate(g, s)
+    assert tl.peak_bytes <= budget
+    assert math.isclose(tl.total_time, best, rel_tol=1e-12)
+    assert chain_schedule(g, least - 1, facts, chain=chain) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10 ** 6), st.integers(2, 3), st.integers(1, 3), st.floats(0.0, 1.0))
+def test_chain_schedule_against_the_monolithic_milp(seed, k, inner, frac):
+    """The MILP's optimum over every schedule is never slower than the chain's, and the chain's
+    schedule is one the MILP accepts at its own peak: the same optimum when the MILP's best plan
+    keeps the boundaries and one prefix per block, faster when it does not."""
+    g, facts, chain = _setup(seed, k, inner)
+    lo = simulate(g, schedule_from_keep(g, set().union(*chain.cuts), retain="saved",
+                                        facts=facts)).peak_bytes
+    hi = simulate(g, store_all_schedule(g)).peak_bytes
+    budget = int(lo + frac * (hi - lo))
+    s = chain_schedule(g, budget, facts, chain=chain)
+    assert s is not None  # boundaries alone fit
+    ours = simulate(g, s)
+    r = solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
+    assert r.status == "optimal"
+    assert r.predicted_time <= ours.total_time * (1 + 1e-9)
+    at_our_peak = solver.solve(g, ours.peak_bytes, mode="checkpoint", time_limit_s=30, mip_gap=0)
+    assert at_our_peak.predicted_time <= ours.total_time * (1 + 1e-9)
