@@ -5,29 +5,31 @@ programming (in the manner of Rotor and Rockmate).
 Here every boundary Value between segments (the chain's cuts: a transformer's residual stream,
 a broadcast mask) is kept from the forward pass, so a segment is only ever rebuilt from its own
 inputs, and a segment's plan is a set of its own Values kept besides: an *option*. A segment's
-options are the prefixes of its Values ranked by recomputation seconds per byte (the ranked
-rule's order, per segment), at most MAX_OPTIONS of them, evenly spaced. Measured by the
+options are every subset of its Values when it has few, else the prefixes of its Values ranked
+by recomputation seconds per byte (the ranked rule's order, per segment; at most MAX_OPTIONS,
+evenly spaced) and each prefix with one more Value of the next ADDITIONS. Measured by the
 simulator, each option has:
-- `extra`: the bytes it keeps beyond its segment's first option. They are held from the
-  segment's forward to its backward, so over every point of the segments after it (their
-  forward runs later and their backward earlier);
-- `peak`: the highest point of the segment's own forward, recomputations and backward, less
-  the other segments' extra bytes held there;
-- `time`: the seconds of the segment's recomputations.
+- `extra`: what it holds beyond its segment's first option after the segment's forward, until
+  its backward: over every point of the segments after it (their forward runs later and their
+  backward earlier);
+- `peak`: the highest point of the segment's own forward, recomputations and backward;
+- `time`: the step's recomputation seconds beyond the first options'.
 The step's peak is then the largest, over segments b, of b's `peak` plus the `extra` of the
 segments before b, and its time the sum of the `time`s. `combine` finds the fastest choice of
 one option per segment under a budget exactly, by a Pareto front of (bytes held, seconds) over
-the prefixes of the chain (docs/formulation.md, "Chain combination").
+the prefixes of the chain (docs/formulation.md, "Chain combination", says where the model is
+exact and where it errs on the safe side).
 
 Each option is replayed once, alone (`measure`); twins share their options, replayed on one
-member: a 48-layer transformer's options take about 30 replays, not one per layer and option
-(850). The answer is replayed too: where the chain's model is wrong (a
-segment's Values held where it says they are not), the replay's peak exceeds the budget, the
-budget is lowered by the excess and the combination tried again (ROUNDS times at most).
+member: a 48-layer transformer's options take about 170 replays, not one per layer and option
+(7,300). The answer is replayed too: where the chain's model is wrong, the replay's peak exceeds
+the budget, the budget is lowered by the excess and the combination tried again (ROUNDS times at
+most).
 
 Limits: boundaries are always kept (plans that drop the residual stream and recompute two
 layers at once, Chen's, are left to the other rules and the MILP); one Impl per op (the
-caller's); an option is a prefix of one ranking, not any subset of a segment's Values.
+caller's); a large segment's options are prefixes of one ranking and single additions to them,
+not every subset.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ MAX_OPTIONS = 32
 ALL_SUBSETS_UP_TO = 5
 """A segment with at most this many Values to choose from has every subset as an option (32 at
 most), not only the prefixes of its ranking."""
+ADDITIONS = 16
+"""Single additions per prefix: the prefix plus one of this many next positions of the ranking
+(a transformer layer's 17 Values give 18 prefixes and 136 additions)."""
 ROUNDS = 4
 """Combinations tried at lowered budgets when the answer's replay exceeds the budget."""
 
@@ -58,11 +63,12 @@ class Option:
 
     keep: frozenset[int]
     extra: int
-    """Bytes kept beyond the segment's first option, held over the later segments' points."""
+    """Bytes held beyond the segment's first option, over the later segments' points."""
     peak: int
-    """The highest point of the segment's own part of the step, without other segments' extra."""
+    """The highest point of the segment's own part of the step (other segments at their first
+    options)."""
     time: float
-    """Seconds of the segment's recomputations."""
+    """The step's recomputation seconds beyond the first options'."""
 
 
 def ranked_values(graph: OpGraph, facts: GraphFacts, ops, impl, forced) -> list[int]:
@@ -86,77 +92,164 @@ def prefix_lengths(n: int, limit: int = MAX_OPTIONS) -> list[int]:
     return sorted({round(i * n / (limit - 1)) for i in range(limit)})
 
 
+def option_positions(n: int) -> tuple[list[frozenset[int]], int]:
+    """The options of a segment with n Values to choose from, as sets of positions in its
+    ranking, the empty one first; and how many of them come first as the main ones (every
+    subset when n is small, else the prefixes) before the single additions (a prefix and one
+    of the next ADDITIONS positions after it: a Value past the prefix is often small or live
+    away from the peak, as `rules.keep_more` finds on whole plans)."""
+    if n <= ALL_SUBSETS_UP_TO:
+        return [frozenset(c) for k in range(n + 1) for c in itertools.combinations(range(n), k)], \
+            2 ** n
+    lengths = prefix_lengths(n)
+    main = [frozenset(range(k)) for k in lengths]
+    added = [frozenset(range(k)) | {i} for k in lengths for i in range(k + 1, min(n, k + 1 + ADDITIONS))]
+    return main + added, len(main)
+
+
 def segment_keeps(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl,
-                  forced) -> list[list[frozenset[int]]]:
-    """Per segment, the keep sets of its options (the first empty): every subset of its Values
-    when they are few, else the prefixes of its ranking."""
-    out = []
+                  forced) -> tuple[list[list[frozenset[int]]], list[int]]:
+    """Per segment, the keep sets of its options (`option_positions` over its ranking; twins
+    rank their Values in the same order, so their options correspond), and how many are main."""
+    keeps, main = [], []
     for seg in chain.segments:
         order = ranked_values(graph, facts, seg.ops, impl, forced)
-        if len(order) <= ALL_SUBSETS_UP_TO:
-            out.append([frozenset(c) for k in range(len(order) + 1)
-                        for c in itertools.combinations(order, k)])
-        else:
-            out.append([frozenset(order[:k]) for k in prefix_lengths(len(order))])
-    return out
+        positions, m = option_positions(len(order))
+        keeps.append([frozenset(order[i] for i in pos) for pos in positions])
+        main.append(m)
+    return keeps, main
 
 
 def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
-            keeps: list[list[frozenset[int]]], deadline: float | None = None
+            keeps: list[list[frozenset[int]]], main: list[int], deadline: float | None = None
             ) -> list[list[Option]] | None:
     """Each option's extra bytes, own peak and seconds, replayed with its segment at the option
-    and every other segment at its first (None past `deadline`, a time.perf_counter() value).
+    and every other segment at its first; dominated options left out (`undominated`). Main
+    options first, for every segment, then the additions: past `deadline` (a
+    time.perf_counter() value) None while main options are missing, else without the
+    additions not yet replayed.
 
     An option's effect reaches beyond its own Values: keeping a Value can make a boundary
     Value before it needless, which the canonical schedule then drops. So its `extra` is read
-    off the replay (the most any later segment's part of the step grows), not summed from its
-    Values' bytes; its `time` is the step's recomputation seconds beyond the first options'.
-    A class's options are replayed on one member (its first) and carried to its twins, whose
-    forward and backward parts of the step differ from the first's by constants (the other
-    segments' Values, the gradients made so far): per part, a twin's peak under an option is
-    its own peak under the first option plus the change the option made on the first member."""
+    off the replay (the most any point of a later segment's part of the step grows), not
+    summed from its Values' bytes; its `time` is the step's recomputation seconds beyond the
+    first options'. A class's options are replayed on one member and carried to its twins
+    point by point: at the point of each op's forward and at each backward stage (its
+    recomputations and backward), a twin's bytes under an option are its own under the first
+    option plus the change the option made at the renamed point of the replayed member. What
+    differs between twins there (the gradients made so far, other segments' Values) does not
+    depend on the option, except for a Value from outside that a member is the last to read:
+    its option decides when that Value is freed (the first of a transformer's layers is the
+    last to read the attention mask). So twins are carried only from a member that reads the
+    same of its outside Values last (`_outside_reads`); the others are replayed themselves.
+    Its `extra` is the change of what is held after its last forward op, or more where a later
+    point grows more."""
     S = len(chain.segments)
-    seg_of_op = [0] * len(graph.ops)
+    n = len(graph.ops)
+    seg_of_op = [0] * n
     for b, seg in enumerate(chain.segments):
         for j in seg.ops:
             seg_of_op[j] = b
 
+    nbytes = [v.bytes for v in graph.values]
+    rep_of = _representatives(graph, chain)
+    reps = sorted(set(rep_of))
+    last_ops = {chain.segments[rep].stop - 1 for rep in reps}
+
     def replay(choice):
-        """Per segment, the peak of its forward part and of its recomputations and backward;
-        and the step's recomputation seconds."""
+        """Per op, the bytes at its forward point and the most at its backward stage (the
+        stage's recomputations and backward; -1 for an op without one); the bytes held after
+        the forward of each representative's last op; the bytes at the end of the step; the
+        step's recomputation seconds."""
         keep = set(forced).union(*(keeps[b][i] for b, i in enumerate(choice)))
         tl = simulate(graph, schedule_from_keep(graph, keep, impl=impl, retain="saved",
                                                 facts=facts, mode="checkpoint"))
-        fwd, bwd = [0] * S, [0] * S
+        fwd, bwd, end, held = [0] * n, [-1] * n, 0, {}
         for p in tl.points:
             if p.phase == "forward":
-                fwd[seg_of_op[p.op]] = max(fwd[seg_of_op[p.op]], p.bytes)
-            else:  # the end of the step counts with the first segment: nothing kept is held
-                b = seg_of_op[graph.backward_order[p.stage]] if p.stage is not None else 0
-                bwd[b] = max(bwd[b], p.bytes)
-        return fwd, bwd, tl.recompute_time
+                fwd[p.op] = p.bytes
+                if p.op in last_ops:
+                    held[p.op] = sum(nbytes[v] for v in p.resident)
+            elif p.stage is not None:
+                k = graph.backward_order[p.stage]
+                bwd[k] = max(bwd[k], p.bytes)
+            else:
+                end = p.bytes  # nothing any segment keeps is held any more
+        return fwd, bwd, held, end, tl.recompute_time
 
     first = [0] * S
-    base_fwd, base_bwd, base_time = replay(first)
-    # Per segment, per option: (change of its forward peak, of its backward peak, extra, time).
-    effect: list[list[tuple[int, int, int, float]] | None] = [None] * S
-    for b, seg in enumerate(chain.segments):
-        rep = b if seg.cls is None else chain.classes[seg.cls].members[0]
-        if effect[rep] is None:
-            row = [(0, 0, 0, 0.0)]
-            for i in range(1, len(keeps[rep])):
+    base_fwd, base_bwd, base_held, base_end, base_time = replay(first)
+    # Per representative, per option: its ops' bytes at their two points, extra, seconds.
+    measured: dict[int, list[tuple[list[int], list[int], int, float]]] = {}
+    for rep in reps:
+        ops = chain.segments[rep].ops
+        measured[rep] = [([base_fwd[j] for j in ops], [base_bwd[j] for j in ops], 0, 0.0)]
+    for main_pass in (True, False):
+        for rep in reps:
+            ops = chain.segments[rep].ops
+            last = chain.segments[rep].stop - 1
+            later = range(last + 1, n)
+            for i in (range(1, main[rep]) if main_pass else range(main[rep], len(keeps[rep]))):
                 if deadline is not None and time.perf_counter() > deadline:
-                    return None
-                fwd, bwd, seconds = replay(first[:rep] + [i] + first[rep + 1:])
-                extra = max((max(fwd[j] - base_fwd[j], bwd[j] - base_bwd[j])
-                             for j in range(rep + 1, S)), default=0)
-                row.append((fwd[rep] - base_fwd[rep], bwd[rep] - base_bwd[rep], extra,
-                            seconds - base_time))
-            effect[rep] = row
-        effect[b] = effect[rep]
-    return [[Option(keep, extra, max(base_fwd[b] + df, base_bwd[b] + db), seconds)
-             for keep, (df, db, extra, seconds) in zip(keeps[b], effect[b])]
-            for b in range(S)]
+                    if main_pass:
+                        return None
+                    break  # the additions measured so far are options; the rest are not
+                fwd, bwd, held, _, seconds = replay(first[:rep] + [i] + first[rep + 1:])
+                extra = max([held[last] - base_held[last]]
+                            + [max(fwd[j] - base_fwd[j], bwd[j] - base_bwd[j]) for j in later])
+                measured[rep].append(([fwd[j] for j in ops], [bwd[j] for j in ops], extra,
+                                      seconds - base_time))
+    options = []
+    for b, seg in enumerate(chain.segments):
+        rep = rep_of[b]
+        rep_ops = chain.segments[rep].ops
+        own = [chain.mapping(rep, b).ops[j] for j in rep_ops] if rep != b else list(rep_ops)
+        fwd0, bwd0 = measured[rep][0][0], measured[rep][0][1]
+        opts = []
+        for keep, (fwd, bwd, extra, seconds) in zip(keeps[b], measured[rep]):
+            peak = base_end if b == 0 else 0
+            for q, j in enumerate(own):
+                peak = max(peak, base_fwd[j] + fwd[q] - fwd0[q])
+                if bwd[q] >= 0:
+                    peak = max(peak, base_bwd[j] + bwd[q] - bwd0[q])
+            opts.append(Option(keep, extra, peak, seconds))
+        options.append(undominated(opts))
+    return options
+
+
+def _outside_reads(graph: OpGraph, seg) -> tuple[bool, ...]:
+    """Per Value the segment reads from outside: whether an op before the segment reads it
+    too (so that it is still needed after the segment's backward)."""
+    first_reader: dict[int, int] = {}
+    for op in graph.ops[:seg.start]:
+        for v in op.inputs:
+            first_reader.setdefault(v, op.id)
+    return tuple(v in first_reader for v in seg.inputs)
+
+
+def _representatives(graph: OpGraph, chain: BlockChain) -> list[int]:
+    """Per segment, the segment whose replays give its options: itself, or the last member of
+    its class that reads its outside Values the same way (`_outside_reads`)."""
+    rep_of = list(range(len(chain.segments)))
+    for c in chain.classes:
+        last: dict[tuple[bool, ...], int] = {}
+        for m in c.members:
+            last[_outside_reads(graph, chain.segments[m])] = m
+        for m in c.members:
+            rep_of[m] = last[_outside_reads(graph, chain.segments[m])]
+    return rep_of
+
+
+def undominated(options: list[Option]) -> list[Option]:
+    """The options no other beats or equals in extra, peak and time at once (the first of equal
+    ones stays); the empty option, first, always stays."""
+    out: list[Option] = []
+    for o in sorted(options[1:], key=lambda o: (o.time, o.extra, o.peak)):
+        if not any(q.extra <= o.extra and q.peak <= o.peak for q in out):
+            out.append(o)
+    first = options[0]
+    return [first] + [o for o in out if not (first.extra <= o.extra and first.peak <= o.peak
+                                             and first.time <= o.time)]
 
 
 def combine(options: list[list[Option]], budget: int) -> tuple[int, ...] | None:
@@ -188,8 +281,8 @@ def chain_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
         return None
     impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
     forced = frozenset().union(*chain.cuts)
-    keeps = segment_keeps(graph, facts, chain, impl, forced)
-    options = measure(graph, facts, chain, impl, forced, keeps, deadline)
+    keeps, main = segment_keeps(graph, facts, chain, impl, forced)
+    options = measure(graph, facts, chain, impl, forced, keeps, main, deadline)
     if options is None:
         return None
     target = budget

@@ -50,14 +50,18 @@ def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
 
 
 def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
-                        deadline: float | None = None,
-                        on_schedule=None) -> list[tuple[str, Schedule]]:
+                        deadline: float | None = None, on_schedule=None,
+                        before_costly=None, enough=None) -> list[tuple[str, Schedule]]:
     """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
     not fit the budget. With `deadline` (a time.perf_counter() value) the rules run cheapest
     first and those not started by then are left out (greedy's clean-up pass is cut short):
     on an 817-op transformer store-all, Chen's and the cut segments take under a second, the
     ranked and greedy rules seconds each, keep-nothing about 5 s. `on_schedule(name, schedule)`
-    is called as each one is made (so that a caller can report the first that fits at once)."""
+    is called as each one is made (so that a caller can report the first that fits at once).
+    `before_costly()` is called once before the first of the rules that take seconds on large
+    graphs (ranked, greedy, keep-nothing: a caller can prove a bound then), and `enough()`
+    before each rule after the first: when it returns True the rest are left out (the caller
+    has a schedule proven good enough)."""
     variants = [("", None)]
     lean = lean_impls(graph, facts) if facts.mode == "full" else None
     if lean is not None:
@@ -71,7 +75,7 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
             found.append(find_blocks(graph))
         return found[0]
 
-    rules = []  # (name, thunk), cheapest first
+    rules = []  # (name, thunk), cheapest first; the costly ones from `costly` on
     for tag, impl in variants:
         rules.append((f"{tag}store_all", lambda impl=impl: store_all_schedule(graph, impl)))
         for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
@@ -92,6 +96,7 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
         rules.append((f"{tag}chain",
                       lambda impl=impl: chain_schedule(graph, budget, facts, impl=impl,
                                                        chain=chain(), deadline=deadline)))
+    costly = len(rules)
     for tag, impl in variants:
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",
@@ -109,8 +114,12 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                       lambda impl=impl: schedule_from_keep(graph, (), retain="none", facts=facts,
                                                            impl=impl)))
     out: list[tuple[str, Schedule]] = []
-    for name, make in rules:
+    for i, (name, make) in enumerate(rules):
         if out and deadline is not None and time.perf_counter() > deadline:
+            break
+        if i == costly and before_costly is not None:
+            before_costly()
+        if out and enough is not None and enough():
             break
         s = make()
         if s is not None:

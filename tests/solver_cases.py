@@ -191,28 +191,42 @@ def random_inplace_dag(rng: random.Random, n: int) -> OpGraph:
 
 def random_repeated(rng: random.Random, k: int, inner: int) -> OpGraph:
     """A prologue op, k copies of one random block of `inner` ops plus a residual add, and an
-    epilogue op: every op of a block reads the block's input or earlier Values of the block
-    (skips, joins), so only the residual stream crosses between blocks."""
+    epilogue op: every op of a block reads the block's input, earlier Values of the block (skips,
+    joins) or, half the time, a mask the prologue makes (a Value every block reads from outside,
+    like an attention mask); gradients made per stage follow the block's pattern."""
     template = []
     for i in range(inner):
         n_in = 1 if i == 0 or rng.random() < 0.5 else 2
         ins = sorted(set(rng.sample(range(i + 1), min(n_in, i + 1))))  # 0: the block's input
         saved = rng.choice([("in0",), ("out0",), ("in0", "out0"), ()])
         template.append((ins, rng.randint(1, 9), saved, rng.randint(1, 5), rng.randint(1, 5),
-                         rng.choice([0, 0, 1]), rng.choice([0, 1, 2])))
+                         rng.choice([0, 0, 1]), rng.choice([0, 1, 2]), rng.random() < 0.3))
     stream = rng.randint(1, 4)
+    with_mask = rng.random() < 0.5
+    grad_pattern = [rng.randint(0, 2) for _ in range(inner + 1)]
     b = GraphBuilder("repeated", param_bytes=rng.randint(0, 3), input_bytes=rng.randint(1, 3))
-    h = b.op("embed", [b.input("x", b.input_bytes)], stream, saved=(), fwd=1, bwd=1)
+    x = b.input("x", b.input_bytes)
+    h = b.op("embed", [x], stream, saved=(), fwd=1, bwd=1)
+    mask = b.op("mask", [x], rng.randint(1, 3), saved=(), fwd=1, bwd=0) if with_mask else None
     for c in range(k):
         local = [h]
-        for i, (ins, size, saved, fwd, bwd, fwd_ws, bwd_ws) in enumerate(template):
-            local.append(b.op(f"b{c}.op{i}", [local[u] for u in ins], size, saved=saved,
-                              fwd=fwd, bwd=bwd, fwd_ws=fwd_ws, bwd_ws=bwd_ws))
+        for ins, size, saved, fwd, bwd, fwd_ws, bwd_ws, masked in template:
+            reads = [local[u] for u in ins] + ([mask] if masked and mask is not None else [])
+            local.append(b.op(f"b{c}.op{len(local) - 1}", reads, size, saved=saved, fwd=fwd,
+                              bwd=bwd, fwd_ws=fwd_ws, bwd_ws=bwd_ws))
         h = b.op(f"b{c}.add", [h, local[-1]] if inner else [h], stream, saved=(), fwd=0.5,
                  bwd=0.5)
     out = b.op("loss", [h], 1, saved=("in0",), fwd=1, bwd=1)
-    grads = [1] * (len(b.ops))
-    return b.build(outputs=out, stage_grad_bytes=grads, final_grad_bytes=1)
+    order = [o.id for o in reversed(b.ops) if o.has_backward]
+    grads, made = [], 0
+    for j in order:  # parameter gradients accumulate along the backward
+        name = b.ops[j].name
+        if name.startswith("b"):
+            part = name.split(".")[1]
+            made += grad_pattern[inner if part == "add" else int(part[2:])]
+        grads.append(made)
+    return b.build(outputs=out, backward_order=order, stage_grad_bytes=grads,
+                   final_grad_bytes=made + 1)
 
 
 def random_schedules(g: OpGraph, rng: random.Random, *, random_impls: bool = False) -> list:
@@ -388,11 +402,13 @@ def branch_and_bound_finding_nothing(seconds: float):
 @contextlib.contextmanager
 def no_search_shortcuts():
     """solve without its answers that need no MILP (store-all on the fastest Impls fitting, the
-    best rule proven by the floor and the stage bound): for tests of the search and of the
-    backends, on graphs small enough that those answers would otherwise often be taken."""
+    best rule proven by the floor and the stage bound, which also leaves the costly rules out):
+    for tests of the search and of the backends, on graphs small enough that those answers would
+    otherwise often be taken."""
     import importlib
 
     pipeline = importlib.import_module("solver.search.pipeline")
     with mock.patch.object(pipeline, "_store_all_if_optimal", lambda *a, **k: None), \
-            mock.patch.object(pipeline, "_rule_if_proven", lambda *a, **k: None):
+            mock.patch.object(pipeline, "_rule_if_proven", lambda *a, **k: None), \
+            mock.patch.object(pipeline, "_proven_within", lambda *a, **k: False):
         yield

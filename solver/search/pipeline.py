@@ -2,7 +2,8 @@
 
 1. Validate: parse the budget, build the MILP (formulation.py), and answer a budget below what
    some point of the step needs whatever the schedule with InfeasibleBudgetError at once.
-2. First incumbent: the fastest heuristic schedule of each Impl family that fits (warmstart.py);
+2. First incumbent: the fastest heuristic schedule of each Impl family that fits (warmstart.py;
+   the costly rules are left out once the stage bound proves a cheaper one within the gap);
    when none fits, the least-memory schedule of an exact min-peak solve (which also proves
    infeasibility), pushed below the budget by a min-peak phase when that solve left the budget
    undecided (`min_peak_below`).
@@ -63,9 +64,11 @@ seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARK
 Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
 rule's schedule reaches on_incumbent as soon as it is made."""
 CLOSURE_SHARE = 0.2
-"""After the rules, the stage bound's closure LP (one small LP per backward stage, dearest stage
-first) may take this share of the time limit: 8 s for all 817 stages of a 48-layer GPT. It is
-what proves the rules' schedules on the largest graphs, before the MILP is built."""
+"""Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
+small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
+for all 817 stages of a 48-layer GPT. It is what proves the rules' schedules on the largest
+graphs, before the MILP is built, and what lets the costly rules be left out once a cheaper
+one is proven."""
 
 
 def _sharing(be) -> bool:
@@ -269,11 +272,25 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         return easy
 
     # Bounds known before anything is solved: the floor, and the greedy stage bound
-    # (milliseconds); the closure LP strengthens the latter after the rules.
+    # (milliseconds); the closure LP strengthens the latter during the rules.
     stage_lower = stage_bound(facts, budget, offload, closure=False)
     known_lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
 
     # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
+    # The closure LP strengthens the stage bound before the rules that take seconds (or after
+    # the rules, when they are not run); once a rule's schedule is proven within the target gap
+    # the rest are left out.
+    lower = {"stage": stage_lower, "known": known_lower, "closure": not math.isfinite(stage_lower)}
+
+    def closure_bound():
+        if lower["closure"]:
+            return
+        lower["closure"] = True
+        lower["stage"] = max(lower["stage"], stage_bound(
+            facts, budget, offload,
+            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s)))
+        lower["known"] = max(lower["known"], lower["stage"])
+
     starts, rules_s = [], None
     if warm_start:
         rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
@@ -291,15 +308,14 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                 if reported[1] is None:
                     reported[1] = reported[2]
                 if on_incumbent is not None:
-                    on_incumbent(s, known_lower)
+                    on_incumbent(s, lower["known"])
 
         starts = family_starts(graph, budget, heuristic_schedules(
-            graph, budget, facts, deadline=rules_deadline, on_schedule=replay), timelines)
-    if math.isfinite(stage_lower):
-        stage_lower = max(stage_lower, stage_bound(
-            facts, budget, offload,
-            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s)))
-        known_lower = max(known_lower, stage_lower)
+            graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
+            before_costly=closure_bound,
+            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
+    closure_bound()
+    stage_lower, known_lower = lower["stage"], lower["known"]
     if starts:
         rules_s = reported[1]
         proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
@@ -423,6 +439,11 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 3)
 
 
+def _proven_within(lower: float, seconds: float, mip_gap: float) -> bool:
+    """Whether the bound `lower` proves a schedule of `seconds` within `mip_gap` of optimal."""
+    return lower >= (1 - mip_gap) * seconds
+
+
 def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
                     timelines: dict, lower: float, stage_lower: float, mip_gap: float,
                     backend: str, started: float) -> SolveResult | None:
@@ -430,7 +451,7 @@ def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, b
     before any search (the floor, the stage bound), proves it within `mip_gap`: no MILP is
     built. None otherwise."""
     name, schedule, seconds = best
-    if lower < (1 - mip_gap) * seconds:
+    if not _proven_within(lower, seconds, mip_gap):
         return None
     tl = timelines[name] if name in timelines else simulate(graph, schedule)
     return _answer_without_search(
