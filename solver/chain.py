@@ -219,12 +219,9 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
 
 def _outside_reads(graph: OpGraph, seg) -> tuple[bool, ...]:
     """Per Value the segment reads from outside: whether an op before the segment reads it
-    too (so that it is still needed after the segment's backward)."""
-    first_reader: dict[int, int] = {}
-    for op in graph.ops[:seg.start]:
-        for v in op.inputs:
-            first_reader.setdefault(v, op.id)
-    return tuple(v in first_reader for v in seg.inputs)
+    too (so that it may still be needed after the segment's backward)."""
+    earlier = {v for op in graph.ops[:seg.start] for v in op.inputs}
+    return tuple(v in earlier for v in seg.inputs)
 
 
 def _representatives(graph: OpGraph, chain: BlockChain) -> list[int]:
