@@ -189,11 +189,14 @@ def random_inplace_dag(rng: random.Random, n: int) -> OpGraph:
     return b.build(outputs=output, stage_grad_bytes=grads, final_grad_bytes=rng.randint(0, 3))
 
 
-def random_repeated(rng: random.Random, k: int, inner: int) -> OpGraph:
+def random_repeated(rng: random.Random, k: int, inner: int, *,
+                    fixed_boundaries: bool = False) -> OpGraph:
     """A prologue op, k copies of one random block of `inner` ops plus a residual add, and an
     epilogue op: every op of a block reads the block's input, earlier Values of the block (skips,
     joins) or, half the time, a mask the prologue makes (a Value every block reads from outside,
-    like an attention mask); gradients made per stage follow the block's pattern."""
+    like an attention mask); gradients made per stage follow the block's pattern. With
+    `fixed_boundaries`, the prologue's ops and the adds must never be recomputed (so every plan
+    keeps the boundaries between blocks)."""
     template = []
     for i in range(inner):
         n_in = 1 if i == 0 or rng.random() < 0.5 else 2
@@ -206,8 +209,10 @@ def random_repeated(rng: random.Random, k: int, inner: int) -> OpGraph:
     grad_pattern = [rng.randint(0, 2) for _ in range(inner + 1)]
     b = GraphBuilder("repeated", param_bytes=rng.randint(0, 3), input_bytes=rng.randint(1, 3))
     x = b.input("x", b.input_bytes)
-    h = b.op("embed", [x], stream, saved=(), fwd=1, bwd=1)
-    mask = b.op("mask", [x], rng.randint(1, 3), saved=(), fwd=1, bwd=0) if with_mask else None
+    unsafe = "a boundary" if fixed_boundaries else None
+    h = b.op("embed", [x], stream, saved=(), fwd=1, bwd=1, unsafe=unsafe)
+    mask = (b.op("mask", [x], rng.randint(1, 3), saved=(), fwd=1, bwd=0, unsafe=unsafe)
+            if with_mask else None)
     for c in range(k):
         local = [h]
         for ins, size, saved, fwd, bwd, fwd_ws, bwd_ws, masked in template:
@@ -215,7 +220,7 @@ def random_repeated(rng: random.Random, k: int, inner: int) -> OpGraph:
             local.append(b.op(f"b{c}.op{len(local) - 1}", reads, size, saved=saved, fwd=fwd,
                               bwd=bwd, fwd_ws=fwd_ws, bwd_ws=bwd_ws))
         h = b.op(f"b{c}.add", [h, local[-1]] if inner else [h], stream, saved=(), fwd=0.5,
-                 bwd=0.5)
+                 bwd=0.5, unsafe=unsafe)
     out = b.op("loss", [h], 1, saved=("in0",), fwd=1, bwd=1)
     order = [o.id for o in reversed(b.ops) if o.has_backward]
     grads, made = [], 0
