@@ -60,6 +60,8 @@ def _setup(seed: int, k: int, inner: int):
        st.sampled_from([chain_mod.ALL_SUBSETS_UP_TO, 1]))
 @example(seed=0, k=3, inner=3, frac=0.3, subsets=1)
 @example(seed=3, k=2, inner=2, frac=0.0, subsets=5)  # a mask needless once both blocks keep
+@example(seed=2352, k=2, inner=2, frac=0.0, subsets=5)  # a twin's peak carried from the first
+@example(seed=158495, k=2, inner=3, frac=0.0, subsets=5)  # ... from a member reading the mask last
 def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, subsets):
     """Every combination of the segments' options, each replayed by the simulator: the chain's
     model of each combination's recomputation time is the simulator's, and its peak too, or above
@@ -127,3 +129,27 @@ def test_chain_schedule_against_the_monolithic_milp(seed, k, inner, frac):
     assert r.predicted_time <= ours.total_time * (1 + 1e-9)
     at_our_peak = solver.solve(g, ours.peak_bytes, mode="checkpoint", time_limit_s=30, mip_gap=0)
     assert at_our_peak.predicted_time <= ours.total_time * (1 + 1e-9)
+
+
+def test_solve_leaves_the_costly_rules_out_once_the_chain_is_proven(monkeypatch):
+    """On a profiled transformer the chain's schedule is proven within the target gap by the
+    closure LP before the rules that take seconds: solve answers with it and never runs the
+    ranked, greedy or keep-nothing rules (each made to fail here if called)."""
+    import torch
+
+    import monetlike
+    from monetlike.models import transformer
+    from solver import warmstart
+
+    g = monetlike.profile(transformer(depth=4, dim=64, heads=4),
+                          torch.randn(2, 64, 64, device="meta"), cost="analytical:A100-40GB")
+    budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.7)
+
+    def not_run(*a, **k):
+        raise AssertionError("a costly rule ran after a cheaper one was proven")
+
+    for name in ("ranked_schedule", "greedy_schedule", "schedule_from_keep"):
+        monkeypatch.setattr(warmstart, name, not_run)
+    r = solver.solve(g, budget, mode="checkpoint", time_limit_s=60, mip_gap=0.02)
+    assert r.status == "optimal" and r.stats["incumbent_source"] == "heuristic:chain"
+    assert r.mip_gap <= 0.02 and simulate(g, r.schedule).peak_bytes <= budget
