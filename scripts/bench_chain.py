@@ -90,7 +90,7 @@ def generated_rows(n: int, fixed_boundaries: bool) -> dict:
         lo = simulate(g, schedule_from_keep(g, set().union(*chain.cuts), retain="saved",
                                             facts=facts)).peak_bytes
         hi = simulate(g, store_all_schedule(g)).peak_bytes
-        budget = int(lo + frac * (hi - lo))
+        budget = lo + int(frac * max(0, hi - lo))  # recomputing can need more than store-all
         ours = simulate(g, chain_schedule(g, budget, facts, chain=chain)).total_time
         r = solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
         if r.status != "optimal":

@@ -111,6 +111,7 @@ def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, s
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10 ** 6), st.integers(2, 3), st.integers(1, 3), st.floats(0.0, 1.0))
+@example(seed=1889, k=2, inner=1, frac=1.0)  # boundaries alone need more than store-all
 def test_chain_schedule_against_the_monolithic_milp(seed, k, inner, frac):
     """The MILP's optimum over every schedule is never slower than the chain's, at the budget and
     at the chain's own peak: the chain's family is part of the MILP's. How often the two are the
@@ -120,7 +121,7 @@ def test_chain_schedule_against_the_monolithic_milp(seed, k, inner, frac):
     lo = simulate(g, schedule_from_keep(g, set().union(*chain.cuts), retain="saved",
                                         facts=facts)).peak_bytes
     hi = simulate(g, store_all_schedule(g)).peak_bytes
-    budget = int(lo + frac * (hi - lo))
+    budget = lo + int(frac * max(0, hi - lo))  # recomputing can need more than store-all
     s = chain_schedule(g, budget, facts, chain=chain)
     assert s is not None  # boundaries alone fit
     ours = simulate(g, s)
