@@ -35,6 +35,12 @@ from .segments import block_schedule, cut_lengths, cut_schedule
 from .simulate import simulate, store_all_schedule
 
 
+CHAIN_SHARE = 0.5
+"""The chain combination may take this share of the rules' time left when it starts (its replays
+grow with the candidates of the segments it cannot carry from a twin), so that the ranked and
+greedy rules after it still run."""
+
+
 def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
     """Per op, the allowed Impl holding the fewest bytes for its backward (saved scheduled
     Values plus internals; ties: the faster), or None when that is Impl 0 everywhere. A
@@ -75,6 +81,13 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
             found.append(find_blocks(graph))
         return found[0]
 
+    def share(fraction: float) -> float | None:
+        """A deadline `fraction` of the way from now to `deadline`."""
+        if deadline is None:
+            return None
+        now = time.perf_counter()
+        return now + fraction * max(0.0, deadline - now)
+
     rules = []  # (name, thunk), cheapest first; the costly ones from `costly` on
     for tag, impl in variants:
         rules.append((f"{tag}store_all", lambda impl=impl: store_all_schedule(graph, impl)))
@@ -95,7 +108,8 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                               graph, facts, impl=impl, chain=chain(), save_kinds=kinds)))
         rules.append((f"{tag}chain",
                       lambda impl=impl: chain_schedule(graph, budget, facts, impl=impl,
-                                                       chain=chain(), deadline=deadline)))
+                                                       chain=chain(),
+                                                       deadline=share(CHAIN_SHARE))))
     costly = len(rules)
     for tag, impl in variants:
         for retain in ("saved", "all"):
