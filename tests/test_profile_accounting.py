@@ -96,6 +96,31 @@ def test_batchnorm_train_saves_input_and_statistics():
     assert conv.impls[0].saved == ()  # its input is the graph input
 
 
+class HomemadeNorm(nn.Module):
+    """A module of its own that keeps a running mean under BatchNorm's buffer name: the runtime
+    does not rewrite it for recomputation, so a recomputation would update the mean again."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(c))
+
+    def forward(self, x):
+        self.running_mean.mul_(0.9).add_(x.detach().mean((0, 2, 3)), alpha=0.1)
+        return x - self.running_mean[:, None, None]
+
+
+def test_a_buffer_named_like_batchnorms_is_unsafe_outside_torchs_batchnorm():
+    """The profiler asks the runtime's rule (recompute.allowed_buffer_writes) of the module that
+    owns a written buffer, not the buffer's name: torch's BatchNorm may write its running
+    statistics (the recomputation leaves them out), a module of one's own may not (as a leaf
+    module its update is part of its op, which a recomputation would run again)."""
+    m = nn.Sequential(nn.Conv2d(C, 5, 3, padding=1), HomemadeNorm(5),
+                      nn.BatchNorm2d(5)).train()
+    g = prof(m, x_img(), leaf_modules=[HomemadeNorm])
+    assert "writes parameter or buffer '1.running_mean'" in by_name(g, "_1").recompute_unsafe
+    assert by_name(g, "_2").kind == "BatchNorm2d" and by_name(g, "_2").recompute_unsafe is None
+
+
 def test_maxpool_saves_input_and_int64_indices():
     m = nn.Sequential(nn.Conv2d(C, 4, 3, padding=1), nn.MaxPool2d(2))
     g = prof(m, x_img())

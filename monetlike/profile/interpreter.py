@@ -42,7 +42,7 @@ from ..runtime import recompute as rc
 from ..torch_private import tree_leaves
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
-from .safety import aten_unsafe_reason, is_bn_buffer, module_hook_reason, written_tensors
+from .safety import aten_unsafe_reason, module_hook_reason, written_tensors
 
 __all__ = ["ProfileError", "ProfileRun", "TimingRun", "Group", "TmpValue"]
 
@@ -482,6 +482,19 @@ class ProfileRun(fx.Interpreter):
             self._profile_step(inputs)
         self._apply_allocator_windows()
 
+    def _write_left_out_by_recompute(self, name: str) -> bool:
+        """Whether the parameter or buffer `name` is one a recomputation does not write again:
+        the runtime's own rule (`recompute.allowed_buffer_writes`: the running statistics of
+        torch's BatchNorm and tracking InstanceNorm), asked of the module that owns it."""
+        owner, _, leaf = name.rpartition(".")
+        for root in (self.model, self.gm):
+            try:
+                mod = root.get_submodule(owner)
+            except AttributeError:
+                continue
+            return leaf in rc.allowed_buffer_writes(mod)
+        return False
+
     def _profile_step(self, inputs: tuple) -> None:
         tr = self.tracker
         for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
@@ -673,7 +686,7 @@ class ProfileRun(fx.Interpreter):
                 value_writes.append(tr.tag_of(key))
         for key in fixed_writes:
             name = self.fixed_names.get(key, "?")
-            if not is_bn_buffer(name):
+            if not self._write_left_out_by_recompute(name):
                 reasons.append(f"writes parameter or buffer '{name}' in place")
         if n.op == "call_module":
             hook = module_hook_reason(self.gm.get_submodule(n.target), n.target)

@@ -24,7 +24,7 @@ import torch
 
 from ..torch_private import tree_leaves
 
-__all__ = ["aten_unsafe_reason", "written_tensors", "module_hook_reason", "is_bn_buffer"]
+__all__ = ["aten_unsafe_reason", "written_tensors", "module_hook_reason"]
 
 DATA_DEPENDENT = {
     "nonzero", "nonzero_static", "argwhere", "unique", "_unique", "_unique2", "unique_dim",
@@ -33,7 +33,6 @@ DATA_DEPENDENT = {
 }
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
                          "_dtensor"}
-BN_BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _op_name(func) -> str:
@@ -105,6 +104,3 @@ def module_hook_reason(module: torch.nn.Module, qualname: str) -> str | None:
             return f"module {where} ({type(m).__name__}) has forward hooks; they would run again"
     return None
 
-
-def is_bn_buffer(name: str) -> bool:
-    return name.endswith(BN_BUFFER_SUFFIXES)
