@@ -30,6 +30,7 @@ from solver.units import format_bytes
 
 from .capture import split_example
 from .measure import measure_step
+from .profile.interpreter import training_loss
 from .runtime import ScheduleWrapper
 from .torch_private import tree_leaves
 
@@ -169,8 +170,13 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
                    loss_fn=None) -> CheckReport:
     """Run `schedule` on `model` with `example_inputs` (a tensor, a tuple of positional inputs or
     a mapping of keyword inputs) here; compare with plain PyTorch. `loss_fn`: the loss the
-    schedule was profiled with (monetlike.profile), else a signed sum of the outputs."""
-    loss_fn = loss_fn or _loss
+    schedule was profiled with (monetlike.profile). Without one, gradients are compared under a
+    signed sum of the outputs (their gradient is then not all ones) and peaks are measured under
+    the profiler's own default (the sum of the outputs, `training_loss`), whose backward holds
+    no output-sized tensor: the signed sum's two would count against a schedule profiled without
+    them."""
+    grad_loss = loss_fn or _loss
+    peak_loss = loss_fn or training_loss
     if not isinstance(schedule, Schedule):
         schedule = Schedule.load(schedule)
     args, kwargs = split_example(model, example_inputs)
@@ -180,8 +186,8 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
 
     # Gradients first (the first scheduled call also checks the fingerprint and raises
     # ScheduleMismatchError for a schedule made for another model or batch).
-    out_p, gx_p = _one_step(plain, args, kwargs, seed, loss_fn)
-    out_w, gx_w = _one_step(wrapped, args, kwargs, seed, loss_fn)
+    out_p, gx_p = _one_step(plain, args, kwargs, seed, grad_loss)
+    out_w, gx_w = _one_step(wrapped, args, kwargs, seed, grad_loss)
     grads_p = [p.grad for p in plain.parameters()]
     grads_w = [p.grad for p in mine.parameters()]
     worst, ok = 0.0, True
@@ -189,8 +195,8 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
         d, good = _max_diff(a, b)
         worst, ok = max(worst, d), ok and good
 
-    m_plain = _measure(plain, plain, args, kwargs, repeat, loss_fn)
-    m_mine = _measure(wrapped, mine, args, kwargs, repeat, loss_fn)
+    m_plain = _measure(plain, plain, args, kwargs, repeat, peak_loss)
+    m_mine = _measure(wrapped, mine, args, kwargs, repeat, peak_loss)
 
     predicted = schedule.predicted_peak_bytes
     if predicted is None:

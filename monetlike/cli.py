@@ -764,8 +764,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "shown as a hint)")
     p.add_argument("--loss", default=None,
                    help="the loss to run the step with (default: the one the schedule was "
-                        "solved with when it is a built-in name, else a signed sum of the "
-                        "outputs)")
+                        "solved with when it is a built-in name; else gradients are compared "
+                        "under a signed sum of the outputs and peaks measured under their sum, "
+                        "the profiler's default)")
     p.add_argument("--batch", type=_positive_int, help="batch (default: the schedule's)")
     p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
                                                       "(default: the schedule's); the sequence "

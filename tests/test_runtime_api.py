@@ -20,7 +20,7 @@ opt_mod = _il.import_module("monetlike.optimize")  # the module (monetlike.optim
 from runtime_support import compare_step, every, keep_schedule
 from solver.errors import InfeasibleBudgetError, ScheduleMismatchError
 from solver.schedule import SolveResult
-from solver.simulate import simulate, store_all_schedule
+from solver.simulate import simulate, store_all_schedule, with_predictions
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,6 +53,22 @@ def test_check_schedule_reports_exact_gradients_and_less_memory(tmp_path):
     assert json.dumps(report.to_dict())
     for k, v in model.state_dict().items():  # the user's model was not trained
         assert torch.equal(v, before[k])
+
+
+def test_check_measures_the_peak_under_the_loss_the_schedule_was_profiled_with():
+    """Without a loss_fn, check compares gradients under a signed sum of the outputs but measures
+    peaks under the profiler's default (their sum): the signed sum's output-sized tensors (16 MiB
+    more here, at a peak of the 16 MiB output and the 16 MiB its expanded gradient becomes in
+    the Linear's backward) are no part of the schedule's prediction."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8192)
+    x = torch.randn(512, 16)
+    graph = monetlike.profile(model, x)
+    report = check_schedule(with_predictions(graph, store_all_schedule(graph)), model, x,
+                            repeat=1)
+    assert report.grads_match and report.max_abs_grad_diff == 0.0
+    assert report.within_prediction, (report.peak_bytes, report.predicted_peak_bytes)
+    assert report.peak_bytes == report.predicted_peak_bytes
 
 
 def test_check_schedule_for_another_batch_is_refused():
