@@ -21,8 +21,8 @@ the prefixes of the chain (docs/formulation.md, "Chain combination", says where 
 exact and where it errs on the safe side).
 
 Each option is replayed once, alone (`measure`); twins share their options, replayed on one
-member: a 48-layer transformer's options take about 170 replays, not one per layer and option
-(7,300). The answer is replayed too: where the chain's model is wrong, the replay's peak exceeds
+member: a 48-layer transformer's options take 213 replays, not one per layer and option
+(6,517). The answer is replayed too: where the chain's model is wrong, the replay's peak exceeds
 the budget, the budget is lowered by the excess and the combination tried again (ROUNDS times at
 most).
 
@@ -103,7 +103,8 @@ def option_positions(n: int) -> tuple[list[frozenset[int]], int]:
             2 ** n
     lengths = prefix_lengths(n)
     main = [frozenset(range(k)) for k in lengths]
-    added = [frozenset(range(k)) | {i} for k in lengths for i in range(k + 1, min(n, k + 1 + ADDITIONS))]
+    added = [frozenset(range(k)) | {i}
+             for k in lengths for i in range(k + 1, min(n, k + 1 + ADDITIONS))]
     return main + added, len(main)
 
 
