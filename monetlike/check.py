@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from solver.errors import ScheduleMismatchError
 from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.units import format_bytes
@@ -165,6 +166,20 @@ def _measure(module, model, args, kwargs, repeat, loss_fn=_loss):
                        start_bytes=own, device=m.device)
 
 
+def _predicted_here(model, example_inputs, schedule: Schedule, loss_fn, fallback) -> int:
+    """The simulator's peak for a schedule that carries no prediction (one made by hand): on a
+    profile of the model measured here, by the allocator, under the loss the peaks are measured
+    with. `fallback`, the wrapper's own graph (a structure profile on the meta device, where no
+    kernel allocates scratch), only when the measured profile is of another graph."""
+    from .profile.api import profile
+
+    graph = profile(copy.deepcopy(model).train(), example_inputs, repeat=1, loss_fn=loss_fn)
+    try:
+        return simulate(graph, schedule).peak_bytes
+    except ScheduleMismatchError:
+        return simulate(fallback, schedule).peak_bytes
+
+
 def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Module,
                    example_inputs: Any, *, repeat: int = 3, seed: int = 0,
                    loss_fn=None) -> CheckReport:
@@ -200,7 +215,8 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
 
     predicted = schedule.predicted_peak_bytes
     if predicted is None:
-        predicted = simulate(wrapped.graph_for(*args, **kwargs), schedule).peak_bytes
+        predicted = _predicted_here(model, example_inputs, schedule, loss_fn,
+                                    wrapped.graph_for(*args, **kwargs))
     slack_mul, slack_add = PEAK_SLACK
     budget = schedule.budget_bytes
     return CheckReport(

@@ -69,6 +69,11 @@ def test_check_measures_the_peak_under_the_loss_the_schedule_was_profiled_with()
     assert report.grads_match and report.max_abs_grad_diff == 0.0
     assert report.within_prediction, (report.peak_bytes, report.predicted_peak_bytes)
     assert report.peak_bytes == report.predicted_peak_bytes
+    # A schedule made by hand carries no prediction: check profiles the model here, by the
+    # allocator (not the wrapper's structure profile on the meta device, where the expanded
+    # gradient's 16 MiB copy is not allocated).
+    bare = check_schedule(store_all_schedule(graph), model, x, repeat=1)
+    assert bare.predicted_peak_bytes == bare.peak_bytes == report.peak_bytes
 
 
 def test_check_schedule_for_another_batch_is_refused():
