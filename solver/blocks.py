@@ -406,22 +406,51 @@ def find_blocks(graph: OpGraph, *, digits: int = DIGITS) -> BlockChain:
         if hi > free_from:
             work.append((free_from, hi))
     fixed.sort()
-    # Classes by encoding, numbered in op order.
-    cls_of: dict[tuple, int] = {}
-    for _, _, enc in fixed:
-        cls_of.setdefault(enc, len(cls_of))
-    bounds: list[tuple[int, int, int | None]] = []
+    bounds: list[tuple[int, int, bool]] = []
     pos = 0
-    for s, e, enc in fixed:
+    for s, e, _ in fixed:
         if s > pos:
-            bounds.append((pos, s, None))
-        bounds.append((s, e, cls_of[enc]))
+            bounds.append((pos, s, False))
+        bounds.append((s, e, True))
         pos = e
     if pos < n:
-        bounds.append((pos, n, None))
+        bounds.append((pos, n, False))
+    return _assemble(graph, prep, bounds, digits)
+
+
+def merged(chain: BlockChain, phase: int) -> BlockChain:
+    """The chain with its segments merged two by two, from segment `phase` on (0 or 1; with 1 the
+    first segment stays alone): the cut inside each pair is no longer a boundary. Units with
+    equal encodings are twins (classes), as in find_blocks. The chain combination plans on it
+    too (chain.py), where a plan may then recompute a boundary instead of keeping it."""
+    graph = chain.graph
+    if graph is None:
+        raise ValueError("this BlockChain carries no graph")
+    segs = chain.segments
+    groups = [segs[:phase]] if phase else []
+    groups += [segs[i:i + 2] for i in range(phase, len(segs), 2)]
+    bounds = [(grp[0].start, grp[-1].stop, True) for grp in groups if grp]
+    return _assemble(graph, _Prep(graph, chain.digits), bounds, chain.digits)
+
+
+def _assemble(graph: OpGraph, prep: "_Prep", bounds: list[tuple[int, int, bool]],
+              digits: int) -> BlockChain:
+    """The chain of segments `bounds` ((start, stop, may be a twin), covering the ops in order):
+    the ones that may be twins and share an encoding with another form a class, numbered in op
+    order."""
+    encs = [prep.encoding(s, e) if twin else None for s, e, twin in bounds]
+    count: dict[tuple, int] = {}
+    for enc in encs:
+        if enc is not None:
+            count[enc] = count.get(enc, 0) + 1
+    cls_of: dict[tuple, int] = {}
+    for enc in encs:
+        if enc is not None and count[enc] >= 2:
+            cls_of.setdefault(enc, len(cls_of))
     segments = tuple(
-        Segment(s, e, c, _digest(prep.encoding(s, e, spelled=True)), prep.inputs(s, e),
-                prep.outputs(s, e)) for s, e, c in bounds)
+        Segment(s, e, cls_of.get(enc) if enc is not None else None,
+                _digest(prep.encoding(s, e, spelled=True)), prep.inputs(s, e),
+                prep.outputs(s, e)) for (s, e, _), enc in zip(bounds, encs))
     cuts = tuple(prep.cuts([seg.start for seg in segments[1:]]))
     cut_bytes = tuple(sum(graph.values[v].bytes for v in c) for c in cuts)
     members: dict[int, list[int]] = {}

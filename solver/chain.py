@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from .analysis import GraphFacts
-from .blocks import BlockChain, find_blocks
+from .blocks import BlockChain, find_blocks, merged
 from .graph import OpGraph
 from .rules import schedule_from_keep
 from .schedule import Schedule
@@ -270,13 +270,18 @@ def combine(options: list[list[Option]], budget: int) -> tuple[int, ...] | None:
 
 
 def chain_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
-                   chain: BlockChain | None = None,
-                   deadline: float | None = None) -> Schedule | None:
+                   chain: BlockChain | None = None, deadline: float | None = None,
+                   pairs: int | None = None) -> Schedule | None:
     """The fastest schedule of the chain's family (module docstring) that fits `budget`, checked
-    by the simulator; None when the graph has no repeated blocks or nothing of the family fits."""
+    by the simulator; None when the graph has no repeated blocks or nothing of the family fits.
+    `pairs` 0 or 1: plan on the chain's segments merged two by two from that segment on
+    (`blocks.merged`), so that the boundary inside each pair is a Value a plan may keep or
+    recompute like any other."""
     chain = chain if chain is not None else find_blocks(graph)
     if not chain.classes:
         return None
+    if pairs is not None:
+        chain = merged(chain, pairs)
     impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
     forced = frozenset().union(*chain.cuts)
     keeps, main = segment_keeps(graph, facts, chain, impl, forced)

@@ -39,6 +39,9 @@ CHAIN_SHARE = 0.5
 """The chain combination may take this share of the rules' time left when it starts (its replays
 grow with the candidates of the segments it cannot carry from a twin), so that the ranked and
 greedy rules after it still run."""
+PAIRS_SHARE = 0.25
+"""The same for each of its runs on pairs of segments (blocks.merged), which come after the
+closure LP (with the costly rules): four of them leave the ranked rule a third of that time."""
 
 
 def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
@@ -111,6 +114,12 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                                                        chain=chain(),
                                                        deadline=share(CHAIN_SHARE))))
     costly = len(rules)
+    for tag, impl in variants:
+        for phase in (0, 1):
+            rules.append((f"{tag}chain/pairs{phase}",
+                          lambda impl=impl, phase=phase: chain_schedule(
+                              graph, budget, facts, impl=impl, chain=chain(),
+                              deadline=share(PAIRS_SHARE), pairs=phase)))
     for tag, impl in variants:
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",

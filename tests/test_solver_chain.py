@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import solver
 from solver.analysis import GraphFacts
-from solver.blocks import find_blocks
+from solver.blocks import find_blocks, merged
 import solver.chain as chain_mod
 from solver.chain import Option, chain_schedule, combine, measure, segment_keeps
 from solver.rules import schedule_from_keep
@@ -57,27 +57,31 @@ def _setup(seed: int, k: int, inner: int):
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10 ** 6), st.integers(2, 3), st.integers(1, 4), st.floats(0.0, 1.0),
-       st.sampled_from([chain_mod.ALL_SUBSETS_UP_TO, 1]))
-@example(seed=0, k=3, inner=3, frac=0.3, subsets=1)
-@example(seed=3, k=2, inner=2, frac=0.0, subsets=5)  # a mask needless once both blocks keep
-@example(seed=2352, k=2, inner=2, frac=0.0, subsets=5)  # a twin's peak carried from the first
-@example(seed=158495, k=2, inner=3, frac=0.0, subsets=5)  # ... from a member reading the mask last
-def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, subsets):
+       st.sampled_from([chain_mod.ALL_SUBSETS_UP_TO, 1]), st.sampled_from([None, 0, 1]))
+@example(seed=0, k=3, inner=3, frac=0.3, subsets=1, pairs=None)
+@example(seed=3, k=2, inner=2, frac=0.0, subsets=5, pairs=None)  # a mask needless once both keep
+@example(seed=2352, k=2, inner=2, frac=0.0, subsets=5, pairs=None)  # a twin carried from the first
+@example(seed=158495, k=2, inner=3, frac=0.0, subsets=5, pairs=None)  # ... from the mask's last reader
+def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, subsets, pairs):
     """Every combination of the segments' options, each replayed by the simulator: the chain's
     model of each combination's recomputation time is the simulator's, and its peak too, or above
     it (safe) where a Value read from outside by every block (the mask) is needless once every
     block keeps what reads it, a saving no block's own replay sees. The rule's schedule is the
     fastest combination the model fits (the exact optimum over every combination, dominated
     options included, when nothing is shared). `subsets` 1 gives options made of prefixes and
-    single additions even to these small blocks."""
+    single additions even to these small blocks; `pairs` plans on segments merged two by two
+    (blocks.merged: two blocks of at most two ops, so that every combination stays few)."""
+    if pairs is not None:
+        k, inner = 2, min(inner, 2)
     g, facts, chain = _setup(seed, k, inner)
     assert chain.classes, "the generator repeats a block"
     shared = bool(chain.classes[0].broadcast)
+    links = chain if pairs is None else merged(chain, pairs)
     impl = (0,) * len(g.ops)
-    forced = frozenset().union(*chain.cuts)
+    forced = frozenset().union(*links.cuts)
     with mock.patch.object(chain_mod, "ALL_SUBSETS_UP_TO", subsets):
-        keeps, main = segment_keeps(g, facts, chain, impl, forced)
-        options = measure(g, facts, chain, impl, forced, keeps, main)
+        keeps, main = segment_keeps(g, facts, links, impl, forced)
+        options = measure(g, facts, links, impl, forced, keeps, main)
 
         def replay(keep_sets):
             keep = set(forced).union(*keep_sets)
@@ -97,7 +101,7 @@ def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, s
         least = min(p for p, _ in modelled)
         top = max(p for p, _ in rows)
         budget = int(least + frac * (top - least))
-        s = chain_schedule(g, budget, facts, chain=chain)
+        s = chain_schedule(g, budget, facts, chain=chain, pairs=pairs)
         assert s is not None
         tl = simulate(g, s)
         assert tl.peak_bytes <= budget
@@ -106,7 +110,7 @@ def test_chain_schedule_is_the_best_combination_replayed(seed, k, inner, frac, s
         if not shared:
             assert math.isclose(tl.total_time, min(t for p, t in rows if p <= budget),
                                 rel_tol=1e-12)
-            assert chain_schedule(g, least - 1, facts, chain=chain) is None
+            assert chain_schedule(g, least - 1, facts, chain=chain, pairs=pairs) is None
 
 
 @settings(max_examples=25, deadline=None)
@@ -116,20 +120,26 @@ def test_chain_schedule_against_the_monolithic_milp(seed, k, inner, frac):
     """The MILP's optimum over every schedule is never slower than the chain's, at the budget and
     at the chain's own peak: the chain's family is part of the MILP's. How often the two are the
     same optimum is scripts/bench_chain.py's count (docs/BENCHMARKS.md, Chain combination): not
-    always, the chain keeping every boundary and retaining only what a later backward reads."""
+    always (the chain keeps the boundaries between its links and retains only what a later
+    backward reads). On pairs of segments the chain may find nothing: the boundaries it keeps
+    are fewer but its options coarser."""
     g, facts, chain = _setup(seed, k, inner)
     lo = simulate(g, schedule_from_keep(g, set().union(*chain.cuts), retain="saved",
                                         facts=facts)).peak_bytes
     hi = simulate(g, store_all_schedule(g)).peak_bytes
     budget = lo + int(frac * max(0, hi - lo))  # recomputing can need more than store-all
-    s = chain_schedule(g, budget, facts, chain=chain)
-    assert s is not None  # boundaries alone fit
-    ours = simulate(g, s)
     r = solver.solve(g, budget, mode="checkpoint", time_limit_s=30, mip_gap=0)
     assert r.status == "optimal"
-    assert r.predicted_time <= ours.total_time * (1 + 1e-9)
-    at_our_peak = solver.solve(g, ours.peak_bytes, mode="checkpoint", time_limit_s=30, mip_gap=0)
-    assert at_our_peak.predicted_time <= ours.total_time * (1 + 1e-9)
+    for pairs in (None, 0, 1):
+        s = chain_schedule(g, budget, facts, chain=chain, pairs=pairs)
+        assert s is not None or pairs is not None  # boundaries alone fit
+        if s is None:
+            continue
+        ours = simulate(g, s)
+        assert r.predicted_time <= ours.total_time * (1 + 1e-9)
+        at_our_peak = solver.solve(g, ours.peak_bytes, mode="checkpoint", time_limit_s=30,
+                                   mip_gap=0)
+        assert at_our_peak.predicted_time <= ours.total_time * (1 + 1e-9)
 
 
 def test_solve_leaves_the_costly_rules_out_once_the_chain_is_proven(monkeypatch):
