@@ -26,10 +26,13 @@ member: a 48-layer transformer's options take 213 replays, not one per layer and
 the budget, the budget is lowered by the excess and the combination tried again (ROUNDS times at
 most).
 
-Limits: boundaries are always kept (plans that drop the residual stream and recompute two
-layers at once, Chen's, are left to the other rules and the MILP); one Impl per op (the
-caller's); a large segment's options are prefixes of one ranking and single additions to them,
-not every subset.
+The chain's links can also be its segments merged two by two (`pairs`, blocks.merged): the
+boundary inside each pair is then a candidate like any other Value, which a plan may drop and
+recompute from the boundary before it.
+
+Limits: the boundaries between links are kept (plans that recompute across several layers,
+Chen's, are left to the other rules and the MILP); one Impl per op (the caller's); a large
+segment's options are prefixes of one ranking and single additions to them, not every subset.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.analysis import GraphFacts
-from solver.blocks import find_blocks, repeated_block_checkpoint_schedule, translate
+from solver.blocks import find_blocks, merged, repeated_block_checkpoint_schedule, translate
 from solver.graph import OpGraph
 from solver.simulate import simulate, store_all_schedule
 from solver_cases import GraphBuilder, random_dag, resnet_like
@@ -554,3 +554,22 @@ def test_profiled_gpt2_has_its_layers_as_one_class():
     assert len(layers[0].broadcast) == 1
     s = repeated_block_checkpoint_schedule(g, GraphFacts(g, "checkpoint"), chain=ch)
     assert simulate(g, s).peak_bytes < simulate(g, store_all_schedule(g)).peak_bytes
+
+
+@pytest.mark.parametrize("phase", [0, 1])
+def test_merged_pairs_keep_the_chain_invariants(phase):
+    """blocks.merged: segments two by two from `phase` on; equal pairs are twins; the cuts are
+    those of the kept boundaries, as an independent count gives them."""
+    g, first, _ = stacked(6)
+    ch = find_blocks(g)
+    m = merged(ch, phase)
+    check_chain(g, m)
+    starts = [s.start for s in ch.segments]
+    assert [s.start for s in m.segments] == starts[:phase] + starts[phase::2]
+    # 8 segments (prologue, 6 blocks of 3 ops, epilogue): from the first, (prologue, block 0),
+    # two pairs of blocks, (block 5, epilogue); from the second, the prologue, three pairs, the
+    # epilogue alone. The pairs of blocks are twins.
+    lengths = [len(s) for s in m.segments]
+    assert lengths == ([first + 3, 6, 6, 3 + 2] if phase == 0 else [first, 6, 6, 6, 2])
+    assert [[len(m.segments[i]) for i in c.members] for c in m.classes] == \
+        [[6] * (2 if phase == 0 else 3)]
