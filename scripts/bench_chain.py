@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     from bench_doc import header
     from bench_solver import code_version, markdown_table
 
+    commit = code_version()  # the code the rows come from, before anything runs
     models = [m for m in args.models.split(",") if m]
     fractions = [float(f) for f in args.fractions.split(",") if f]
     df = pd.DataFrame(scale_rows(models, fractions, args.clean_up_s))
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
            if args.generated else None)
     command = "python scripts/bench_chain.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(header(command.strip()))
-    print(f"Commit {code_version()}. Overheads (_pct) over store-all's predicted step time.\n")
+    print(f"Commit {commit}. Overheads (_pct) over store-all's predicted step time.\n")
     print(markdown_table(df))
     if gen is not None:
         print()
