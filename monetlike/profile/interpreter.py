@@ -117,13 +117,14 @@ def _early_releases(levels: list[int], frees: list[tuple[int, int, int]]) -> lis
 
 
 class _NodeRec:
-    __slots__ = ("node", "pos", "created", "writes", "reads", "saved", "unsafe", "cost",
+    __slots__ = ("node", "pos", "created", "writes", "spared", "reads", "saved", "unsafe", "cost",
                  "start_live", "peak", "nograd_transient", "marks", "nograd_marks", "random")
 
     def __init__(self, node: fx.Node, pos: int):
         self.node, self.pos = node, pos
         self.created: set[int] = set()
         self.writes: list[int] = []
+        self.spared: frozenset[int] = frozenset()  # writes a recomputation leaves out
         self.reads: list[int] = []
         self.saved: list[tuple[int, int]] = []
         self.unsafe: list[str] = []
@@ -482,19 +483,6 @@ class ProfileRun(fx.Interpreter):
             self._profile_step(inputs)
         self._apply_allocator_windows()
 
-    def _write_left_out_by_recompute(self, name: str) -> bool:
-        """Whether the parameter or buffer `name` is one a recomputation does not write again:
-        the runtime's own rule (`recompute.allowed_buffer_writes`: the running statistics of
-        torch's BatchNorm and tracking InstanceNorm), asked of the module that owns it."""
-        owner, _, leaf = name.rpartition(".")
-        for root in (self.model, self.gm):
-            try:
-                mod = root.get_submodule(owner)
-            except AttributeError:
-                continue
-            return leaf in rc.allowed_buffer_writes(mod)
-        return False
-
     def _profile_step(self, inputs: tuple) -> None:
         tr = self.tracker
         for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
@@ -585,9 +573,16 @@ class ProfileRun(fx.Interpreter):
             if self.cuda is not None:  # pragma: no cover
                 rec.peak = max(rec.peak, rec.start_live
                                + torch.cuda.max_memory_allocated(self.cuda) - alloc0)
+            if rec.writes:
+                # The runtime's own rule (recompute.writes_left_out): the running statistics a
+                # recomputed BatchNorm or InstanceNorm does not write again.
+                left_out = rc.writes_left_out(n.op, n.target, args, kwargs, self.fetch_attr)
+                rec.spared = frozenset(s._cdata for s in map(storage_of, left_out)
+                                       if s is not None)
             if (self.phase == "forward" and n.op in ("call_module", "call_function",
                                                      "call_method")
-                    and not rec.unsafe and self._rerun_writes_nothing(rec, n, args, kwargs)):
+                    and not rec.unsafe and set(rec.writes) <= rec.spared):
+                # a rerun writes no existing storage but what the recomputation leaves out
                 rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs)
         if isinstance(result, torch.Tensor):
             self.contiguous[n.name] = result.is_contiguous()
@@ -603,16 +598,6 @@ class ProfileRun(fx.Interpreter):
         if not n.users and n.op != "output":
             return None  # nobody reads it: free it now, as eager PyTorch would
         return result
-
-    def _rerun_writes_nothing(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> bool:
-        """Whether running `n` again as a recomputation does writes no existing storage: it
-        writes none in the forward, or only what the recomputation leaves out (a BatchNorm's
-        running statistics)."""
-        if not rec.writes:
-            return True
-        left_out = rc.writes_left_out(n.op, n.target, args, kwargs, self.fetch_attr)
-        spared = {s._cdata for s in map(storage_of, left_out) if s is not None}
-        return set(rec.writes) <= spared
 
     def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> int:
         """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
@@ -685,8 +670,8 @@ class ProfileRun(fx.Interpreter):
             elif cls in (VALUE, INPUT):
                 value_writes.append(tr.tag_of(key))
         for key in fixed_writes:
-            name = self.fixed_names.get(key, "?")
-            if not self._write_left_out_by_recompute(name):
+            if key not in rec.spared:
+                name = self.fixed_names.get(key, "?")
                 reasons.append(f"writes parameter or buffer '{name}' in place")
         if n.op == "call_module":
             hook = module_hook_reason(self.gm.get_submodule(n.target), n.target)
