@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from .analysis import GraphFacts
 from .blocks import BlockChain, find_blocks, merged
 from .graph import OpGraph
-from .rules import schedule_from_keep
+from .rules import ranked_values, schedule_from_keep
 from .schedule import Schedule
 from .simulate import simulate
 
@@ -72,20 +72,6 @@ class Option:
     options)."""
     time: float
     """The step's recomputation seconds beyond the first options'."""
-
-
-def ranked_values(graph: OpGraph, facts: GraphFacts, ops, impl, forced) -> list[int]:
-    """The Values made by `ops` that a plan may keep, dearest to recompute per byte first."""
-    g_ops, values = graph.ops, graph.values
-    cands = [w for j in ops for w in g_ops[j].outputs
-             if facts.scheduled[w] and facts.horizon[w] >= 0 and w not in forced
-             and g_ops[j].recompute_unsafe is None]
-
-    def seconds_per_byte(v: int) -> float:
-        p = values[v].producer
-        return g_ops[p].impls[impl[p]].rerun_time / max(values[v].bytes, 1)
-
-    return sorted(cands, key=lambda v: (-seconds_per_byte(v), v))
 
 
 def prefix_lengths(n: int, limit: int = MAX_OPTIONS) -> list[int]:
@@ -117,7 +103,8 @@ def segment_keeps(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl,
     rank their Values in the same order, so their options correspond), and how many are main."""
     keeps, main = [], []
     for seg in chain.segments:
-        order = ranked_values(graph, facts, seg.ops, impl, forced)
+        made = (w for j in seg.ops for w in graph.ops[j].outputs)
+        order = ranked_values(graph, facts, made, impl, exclude=forced)
         positions, m = option_positions(len(order))
         keeps.append([frozenset(order[i] for i in pos) for pos in positions])
         main.append(m)
@@ -145,16 +132,11 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
     depend on the option, except for a Value from outside that a member is the last to read:
     its option decides when that Value is freed (the first of a transformer's layers is the
     last to read the attention mask). So twins are carried only from a member that reads the
-    same of its outside Values last (`_outside_reads`); the others are replayed themselves.
+    same of its outside Values last (`_representatives`); the others are replayed themselves.
     Its `extra` is the change of what is held after its last forward op, or more where a later
     point grows more."""
     S = len(chain.segments)
     n = len(graph.ops)
-    seg_of_op = [0] * n
-    for b, seg in enumerate(chain.segments):
-        for j in seg.ops:
-            seg_of_op[j] = b
-
     nbytes = [v.bytes for v in graph.values]
     rep_of = _representatives(graph, chain)
     reps = sorted(set(rep_of))
@@ -221,23 +203,21 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
     return options
 
 
-def _outside_reads(graph: OpGraph, seg) -> tuple[bool, ...]:
-    """Per Value the segment reads from outside: whether an op before the segment reads it
-    too (so that it may still be needed after the segment's backward)."""
-    earlier = {v for op in graph.ops[:seg.start] for v in op.inputs}
-    return tuple(v in earlier for v in seg.inputs)
-
-
 def _representatives(graph: OpGraph, chain: BlockChain) -> list[int]:
     """Per segment, the segment whose replays give its options: itself, or the last member of
-    its class that reads its outside Values the same way (`_outside_reads`)."""
+    its class that reads its outside Values the same way: for each, whether an op before the
+    segment reads it too (so that it may still be needed after the segment's backward)."""
+    first_read: dict[int, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            first_read.setdefault(v, op.id)
     rep_of = list(range(len(chain.segments)))
     for c in chain.classes:
-        last: dict[tuple[bool, ...], int] = {}
+        reads = {m: tuple(first_read[v] < chain.segments[m].start
+                          for v in chain.segments[m].inputs) for m in c.members}
+        last = {reads[m]: m for m in c.members}
         for m in c.members:
-            last[_outside_reads(graph, chain.segments[m])] = m
-        for m in c.members:
-            rep_of[m] = last[_outside_reads(graph, chain.segments[m])]
+            rep_of[m] = last[reads[m]]
     return rep_of
 
 

@@ -185,6 +185,23 @@ def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
                      deadline, start=dropping(hi)[0])
 
 
+def ranked_values(graph: OpGraph, facts: GraphFacts, values, impl, exclude=frozenset()
+                  ) -> list[int]:
+    """The Values among `values` a plan may keep (scheduled, read by a later stage, not made by
+    an op that must never be recomputed; not in `exclude`), dearest to recompute per byte
+    first (ties: the lower id)."""
+    ops, vals = graph.ops, graph.values
+
+    def seconds_per_byte(v: int) -> float:
+        p = vals[v].producer
+        return ops[p].impls[impl[p]].rerun_time / max(vals[v].bytes, 1)
+
+    return sorted((v for v in values
+                   if facts.scheduled[v] and facts.horizon[v] >= 0 and v not in exclude
+                   and ops[vals[v].producer].recompute_unsafe is None),
+                  key=lambda v: (-seconds_per_byte(v), v))
+
+
 def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
                     retain: str = "saved", deadline: float | None = None) -> Schedule | None:
     """Keep the Values whose recomputation costs the most time per byte, as many as fit.
@@ -197,17 +214,8 @@ def ranked_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
     the rest of the ranking is offered to `keep_more` (until `deadline`): a Value past the
     prefix is often small or live away from the peak. None if even the empty prefix does not
     fit."""
-    ops = graph.ops
-    impl = tuple(impl) if impl is not None else (0,) * len(ops)
-
-    def seconds_per_byte(v: int) -> float:
-        p = graph.values[v].producer
-        return ops[p].impls[impl[p]].rerun_time / max(graph.values[v].bytes, 1)
-
-    order = sorted((v for v in range(len(graph.values))
-                    if facts.scheduled[v] and facts.horizon[v] >= 0
-                    and ops[graph.values[v].producer].recompute_unsafe is None),
-                   key=lambda v: (-seconds_per_byte(v), v))
+    impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
+    order = ranked_values(graph, facts, range(len(graph.values)), impl)
 
     def build(keep) -> Schedule:
         return schedule_from_keep(graph, keep, impl=impl, retain=retain, facts=facts,
