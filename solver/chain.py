@@ -148,8 +148,7 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
         the forward of each representative's last op; the bytes at the end of the step; the
         step's recomputation seconds."""
         keep = set(forced).union(*(keeps[b][i] for b, i in enumerate(choice)))
-        tl = simulate(graph, schedule_from_keep(graph, keep, impl=impl, retain="saved",
-                                                facts=facts, mode="checkpoint"))
+        tl = simulate(graph, _plan(graph, keep, impl, facts))
         fwd, bwd, end, held = [0] * n, [-1] * n, 0, {}
         for p in tl.points:
             if p.phase == "forward":
@@ -221,6 +220,13 @@ def _representatives(graph: OpGraph, chain: BlockChain) -> list[int]:
     return rep_of
 
 
+def _plan(graph: OpGraph, keep, impl, facts: GraphFacts) -> Schedule:
+    """The family's schedule of a kept set: the rest recomputed on demand, recomputed Values
+    held while a later backward reads them."""
+    return schedule_from_keep(graph, keep, impl=impl, retain="saved", facts=facts,
+                              mode="checkpoint", created_by="baseline:chain")
+
+
 def undominated(options: list[Option]) -> list[Option]:
     """The options no other beats or equals in extra, peak and time at once (the first of equal
     ones stays); the empty option, first, always stays."""
@@ -277,8 +283,7 @@ def chain_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
         if picked is None:
             return None
         keep = set(forced).union(*(opts[i].keep for opts, i in zip(options, picked)))
-        s = schedule_from_keep(graph, keep, impl=impl, retain="saved", facts=facts,
-                               mode="checkpoint", created_by="baseline:chain")
+        s = _plan(graph, keep, impl, facts)
         peak = simulate(graph, s).peak_bytes
         if peak <= budget:
             return s
