@@ -419,17 +419,21 @@ def find_blocks(graph: OpGraph, *, digits: int = DIGITS) -> BlockChain:
     return _assemble(graph, prep, bounds, digits)
 
 
-def merged(chain: BlockChain, phase: int) -> BlockChain:
-    """The chain with its segments merged two by two, from segment `phase` on (0 or 1; with 1 the
-    first segment stays alone): the cut inside each pair is no longer a boundary. Units with
-    equal encodings are twins (classes), as in find_blocks. The chain combination plans on it
-    too (chain.py), where a plan may then recompute a boundary instead of keeping it."""
+def merged(chain: BlockChain, phase: int, length: int = 2) -> BlockChain:
+    """The chain with its segments merged `length` by `length`, from segment `phase` on
+    (0 <= phase < length; the first `phase` segments merged into one, the last group may be
+    shorter): the cuts inside each group are no longer boundaries. Units with equal encodings
+    are twins (classes), as in find_blocks. The chain combination plans on it too (chain.py),
+    where a plan may then recompute a boundary instead of keeping it."""
     graph = chain.graph
     if graph is None:
         raise ValueError("this BlockChain carries no graph")
+    if not 0 <= phase < length:
+        raise ValueError(f"merged: phase must be in 0..{length - 1} for groups of {length}, "
+                         f"got {phase}")
     segs = chain.segments
     groups = [segs[:phase]] if phase else []
-    groups += [segs[i:i + 2] for i in range(phase, len(segs), 2)]
+    groups += [segs[i:i + length] for i in range(phase, len(segs), length)]
     bounds = [(grp[0].start, grp[-1].stop, True) for grp in groups if grp]
     return _assemble(graph, _Prep(graph, chain.digits), bounds, chain.digits)
 

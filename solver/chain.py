@@ -16,9 +16,9 @@ simulator, each option has:
 - `time`: the step's recomputation seconds beyond the first options'.
 The step's peak is then the largest, over segments b, of b's `peak` plus the `extra` of the
 segments before b, and its time the sum of the `time`s. `combine` finds the fastest choice of
-one option per segment under a budget exactly, by a Pareto front of (bytes held, seconds) over
-the prefixes of the chain (docs/formulation.md, "Chain combination", says where the model is
-exact and where it errs on the safe side).
+links covering the chain and one option per link under a budget exactly, by a Pareto front of
+(bytes held, seconds) at each boundary (docs/formulation.md, "Chain combination", says where
+the model is exact and where it errs on the safe side).
 
 Each option is replayed once, alone (`measure`); twins share their options, replayed on one
 member: a 48-layer transformer's options take 213 replays, not one per layer and option
@@ -26,13 +26,17 @@ member: a 48-layer transformer's options take 213 replays, not one per layer and
 the budget, the budget is lowered by the excess and the combination tried again (ROUNDS times at
 most).
 
-The chain's links can also be its segments merged two by two (`pairs`, blocks.merged): the
-boundary inside each pair is then a candidate like any other Value, which a plan may drop and
-recompute from the boundary before it.
+The links need not be single segments: with `longest` L, every run of up to L consecutive
+segments is a link too (blocks.merged groups them), whose inner boundaries are candidates like
+any other Value, which a plan may drop and recompute from the boundary before the run. Every
+link's options are measured against the same base (every boundary kept, nothing else), its
+first option keeping its inner boundaries, so links of any length combine: the programme
+chooses the runs (which boundaries are kept) and an option for each at once.
 
-Limits: the boundaries between links are kept (plans that recompute across several layers,
-Chen's, are left to the other rules and the MILP); one Impl per op (the caller's); a large
-segment's options are prefixes of one ranking and single additions to them, not every subset.
+Limits: the boundaries between links are kept (a plan that recomputes across more than L
+segments, Chen's, is left to the other rules and the MILP); one Impl per op (the caller's); a
+large link's options are prefixes of one ranking and single additions to them, not every
+subset.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ MAX_OPTIONS = 32
 ALL_SUBSETS_UP_TO = 5
 """A segment with at most this many Values to choose from has every subset as an option (32 at
 most), not only the prefixes of its ranking."""
+SUBSET_WORK = 8192
+"""Or with more, while its subsets times the graph's ops (what their replays cost) stay within
+this: a 15-op graph's links have every subset up to 9 Values, an 800-op transformer's up to 5."""
 ADDITIONS = 16
 """Single additions per prefix: the prefix plus one of this many next positions of the ranking
 (a transformer layer's 17 Values give 18 prefixes and 136 additions)."""
@@ -81,13 +88,14 @@ def prefix_lengths(n: int, limit: int = MAX_OPTIONS) -> list[int]:
     return sorted({round(i * n / (limit - 1)) for i in range(limit)})
 
 
-def option_positions(n: int) -> tuple[list[frozenset[int]], int]:
+def option_positions(n: int, ops: int = 0) -> tuple[list[frozenset[int]], int]:
     """The options of a segment with n Values to choose from, as sets of positions in its
     ranking, the empty one first; and how many of them come first as the main ones (every
-    subset when n is small, else the prefixes) before the single additions (a prefix and one
-    of the next ADDITIONS positions after it: a Value past the prefix is often small or live
-    away from the peak, as `rules.keep_more` finds on whole plans)."""
-    if n <= ALL_SUBSETS_UP_TO:
+    subset when n is small or its replays on a graph of `ops` ops are cheap, else the prefixes)
+    before the single additions (a prefix and one of the next ADDITIONS positions after it: a
+    Value past the prefix is often small or live away from the peak, as `rules.keep_more` finds
+    on whole plans)."""
+    if n <= ALL_SUBSETS_UP_TO or 2 ** n * ops <= SUBSET_WORK:
         return [frozenset(c) for k in range(n + 1) for c in itertools.combinations(range(n), k)], \
             2 ** n
     lengths = prefix_lengths(n)
@@ -97,28 +105,34 @@ def option_positions(n: int) -> tuple[list[frozenset[int]], int]:
     return main + added, len(main)
 
 
-def segment_keeps(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl,
-                  forced) -> tuple[list[list[frozenset[int]]], list[int]]:
+def segment_keeps(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
+                  inner: list[frozenset[int]] | None = None
+                  ) -> tuple[list[list[frozenset[int]]], list[int]]:
     """Per segment, the keep sets of its options (`option_positions` over its ranking; twins
-    rank their Values in the same order, so their options correspond), and how many are main."""
+    rank their Values in the same order, so their options correspond), and how many are main.
+    With `inner` (per segment, the boundaries inside it that the base keeps), that set is the
+    first option, the reference the others are measured from."""
     keeps, main = [], []
-    for seg in chain.segments:
+    for b, seg in enumerate(chain.segments):
         made = (w for j in seg.ops for w in graph.ops[j].outputs)
         order = ranked_values(graph, facts, made, impl, exclude=forced)
-        positions, m = option_positions(len(order))
-        keeps.append([frozenset(order[i] for i in pos) for pos in positions])
+        positions, m = option_positions(len(order), len(graph.ops))
+        sets = [frozenset(order[i] for i in pos) for pos in positions]
+        if inner is not None and inner[b]:
+            sets, m = [inner[b]] + sets, m + 1
+        keeps.append(sets)
         main.append(m)
     return keeps, main
 
 
 def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
-            keeps: list[list[frozenset[int]]], main: list[int], deadline: float | None = None
-            ) -> list[list[Option]] | None:
+            keeps: list[list[frozenset[int]]], main: list[int], deadline: float | None = None,
+            skip: frozenset[int] = frozenset()) -> list[list[Option] | None] | None:
     """Each option's extra bytes, own peak and seconds, replayed with its segment at the option
     and every other segment at its first; dominated options left out (`undominated`). Main
     options first, for every segment, then the additions: past `deadline` (a
     time.perf_counter() value) None while main options are missing, else without the
-    additions not yet replayed.
+    additions not yet replayed. The one-off segments in `skip` are not measured (None).
 
     An option's effect reaches beyond its own Values: keeping a Value can make a boundary
     Value before it needless, which the canonical schedule then drops. So its `extra` is read
@@ -139,7 +153,7 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
     n = len(graph.ops)
     nbytes = [v.bytes for v in graph.values]
     rep_of = _representatives(graph, chain)
-    reps = sorted(set(rep_of))
+    reps = sorted({rep_of[b] for b in range(S) if b not in skip})
     last_ops = {chain.segments[rep].stop - 1 for rep in reps}
 
     def replay(choice):
@@ -186,6 +200,9 @@ def measure(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, forced,
                                       seconds - base_time))
     options = []
     for b, seg in enumerate(chain.segments):
+        if b in skip:
+            options.append(None)
+            continue
         rep = rep_of[b]
         rep_ops = chain.segments[rep].ops
         own = [chain.mapping(rep, b).ops[j] for j in rep_ops] if rep != b else list(rep_ops)
@@ -239,51 +256,108 @@ def undominated(options: list[Option]) -> list[Option]:
                                              and first.time <= o.time)]
 
 
-def combine(options: list[list[Option]], budget: int) -> tuple[int, ...] | None:
-    """The fastest choice of one option per segment whose peak, by the chain's model (module
-    docstring), fits `budget`; None if none does. Exact: the front after each segment holds
-    every (bytes held, seconds) pair not beaten in both by another partial choice."""
-    front: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
-    for opts in options:
-        grown = [(held + o.extra, seconds + o.time, picked + (i,))
-                 for held, seconds, picked in front
-                 for i, o in enumerate(opts) if held + o.peak <= budget]
-        if not grown:
-            return None
-        grown.sort(key=lambda s: (s[0], s[1]))
+@dataclass(frozen=True)
+class Link:
+    """A run of the chain's segments [start, stop) planned as one, and its options."""
+
+    start: int
+    stop: int
+    options: list[Option]
+
+
+def chain_links(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, longest: int = 1,
+                deadline: float | None = None) -> list[Link] | None:
+    """Every run of 1..`longest` consecutive segments as a link with its measured options, the
+    single segments first, then longer runs (blocks.merged, every phase); None when the single
+    segments' main options are not measured by `deadline`, and without the longer runs not
+    measured by then. A run already measured (the short groups at a grouping's ends) is not
+    measured again unless it is a twin."""
+    S = len(chain.segments)
+    first_of = {seg.start: i for i, seg in enumerate(chain.segments)}
+    links: list[Link] = []
+    seen: set[tuple[int, int]] = set()
+    for length in range(1, longest + 1):
+        for phase in range(length if length > 1 else 1):
+            if length > 1 and deadline is not None and time.perf_counter() > deadline:
+                return links
+            grouping = chain if length == 1 else merged(chain, phase, length)
+            spans = [(first_of[seg.start], first_of.get(seg.stop, S)) for seg in grouping.segments]
+            forced = frozenset().union(*grouping.cuts)
+            inner = [frozenset().union(*chain.cuts[a:c - 1]) - forced for a, c in spans]
+            skip = frozenset(b for b, span in enumerate(spans)
+                             if span in seen and grouping.segments[b].cls is None)
+            keeps, main = segment_keeps(graph, facts, grouping, impl, forced, inner)
+            options = measure(graph, facts, grouping, impl, forced, keeps, main, deadline, skip)
+            if options is None:
+                return None if length == 1 else links
+            for (a, c), opts in zip(spans, options):
+                if opts is not None and (a, c) not in seen:
+                    seen.add((a, c))
+                    links.append(Link(a, c, opts))
+    return links
+
+
+def combine(links: list[Link], segments: int, budget: int) -> list[tuple[int, int]] | None:
+    """The fastest choice of links covering segments 0..`segments` - 1 end to end and of one
+    option per link whose peak, by the chain's model (module docstring), fits `budget`, as
+    (link, option) index pairs; None if none does. Exact: the front at each boundary holds every
+    (bytes held, seconds) pair not beaten in both by another partial choice ending there."""
+    fronts: list[list[tuple[int, float, tuple]]] = [[] for _ in range(segments + 1)]
+    fronts[0] = [(0, 0.0, ())]
+    by_start: dict[int, list[int]] = {}
+    for li, link in enumerate(links):
+        by_start.setdefault(link.start, []).append(li)
+    for a in range(segments + 1):
+        grown = sorted(fronts[a], key=lambda s: (s[0], s[1]))
         front = []
         for s in grown:
             if not front or s[1] < front[-1][1]:
                 front.append(s)
-    return min(front, key=lambda s: s[1])[2]
+        fronts[a] = front
+        if a == segments:
+            break
+        for li in by_start.get(a, ()):
+            link = links[li]
+            fronts[link.stop].extend(
+                (held + o.extra, seconds + o.time, picked + ((li, oi),))
+                for held, seconds, picked in front
+                for oi, o in enumerate(link.options) if held + o.peak <= budget)
+    if not fronts[segments]:
+        return None
+    return list(min(fronts[segments], key=lambda s: s[1])[2])
+
+
+def picked_keep(chain: BlockChain, links: list[Link], picked: list[tuple[int, int]]
+                ) -> set[int]:
+    """The Values a choice keeps: the boundaries between its links and its options' sets."""
+    keep: set[int] = set()
+    for li, oi in picked:
+        link = links[li]
+        if link.start > 0:
+            keep |= chain.cuts[link.start - 1]
+        keep |= link.options[oi].keep
+    return keep
 
 
 def chain_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None,
                    chain: BlockChain | None = None, deadline: float | None = None,
-                   pairs: int | None = None) -> Schedule | None:
+                   longest: int = 1) -> Schedule | None:
     """The fastest schedule of the chain's family (module docstring) that fits `budget`, checked
     by the simulator; None when the graph has no repeated blocks or nothing of the family fits.
-    `pairs` 0 or 1: plan on the chain's segments merged two by two from that segment on
-    (`blocks.merged`), so that the boundary inside each pair is a Value a plan may keep or
-    recompute like any other."""
+    `longest`: the most segments one link may span (1: every boundary kept)."""
     chain = chain if chain is not None else find_blocks(graph)
     if not chain.classes:
         return None
-    if pairs is not None:
-        chain = merged(chain, pairs)
     impl = tuple(impl) if impl is not None else (0,) * len(graph.ops)
-    forced = frozenset().union(*chain.cuts)
-    keeps, main = segment_keeps(graph, facts, chain, impl, forced)
-    options = measure(graph, facts, chain, impl, forced, keeps, main, deadline)
-    if options is None:
+    links = chain_links(graph, facts, chain, impl, longest, deadline)
+    if links is None:
         return None
     target = budget
     for _ in range(ROUNDS):
-        picked = combine(options, target)
+        picked = combine(links, len(chain.segments), target)
         if picked is None:
             return None
-        keep = set(forced).union(*(opts[i].keep for opts, i in zip(options, picked)))
-        s = _plan(graph, keep, impl, facts)
+        s = _plan(graph, picked_keep(chain, links, picked), impl, facts)
         peak = simulate(graph, s).peak_bytes
         if peak <= budget:
             return s

@@ -39,9 +39,12 @@ CHAIN_SHARE = 0.5
 """The chain combination may take this share of the rules' time left when it starts (its replays
 grow with the candidates of the segments it cannot carry from a twin), so that the ranked and
 greedy rules after it still run."""
-PAIRS_SHARE = 0.25
-"""The same for each of its runs on pairs of segments (blocks.merged), which come after the
-closure LP (with the costly rules): four of them leave the ranked rule a third of that time."""
+RUNS_SHARE = 0.4
+"""The same for its run on links of up to RUNS_LONGEST segments (blocks.merged), which comes
+after the closure LP (with the costly rules): two of them (Impl 0, lean) leave the ranked rule
+a third of that time."""
+RUNS_LONGEST = 2
+"""The most segments one link of that run may span."""
 
 
 def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
@@ -115,11 +118,10 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                                                        deadline=share(CHAIN_SHARE))))
     costly = len(rules)
     for tag, impl in variants:
-        for phase in (0, 1):
-            rules.append((f"{tag}chain/pairs{phase}",
-                          lambda impl=impl, phase=phase: chain_schedule(
-                              graph, budget, facts, impl=impl, chain=chain(),
-                              deadline=share(PAIRS_SHARE), pairs=phase)))
+        rules.append((f"{tag}chain/runs",
+                      lambda impl=impl: chain_schedule(
+                          graph, budget, facts, impl=impl, chain=chain(),
+                          deadline=share(RUNS_SHARE), longest=RUNS_LONGEST)))
     for tag, impl in variants:
         for retain in ("saved", "all"):
             rules.append((f"{tag}ranked/{retain}",

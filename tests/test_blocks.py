@@ -573,3 +573,16 @@ def test_merged_pairs_keep_the_chain_invariants(phase):
     assert lengths == ([first + 3, 6, 6, 3 + 2] if phase == 0 else [first, 6, 6, 6, 2])
     assert [[len(m.segments[i]) for i in c.members] for c in m.classes] == \
         [[6] * (2 if phase == 0 else 3)]
+
+
+def test_merged_runs_of_three_and_bad_phase():
+    """blocks.merged by three from the second segment: the prologue alone, two runs of three
+    blocks (twins), the epilogue alone; a phase outside 0..length-1 is refused."""
+    g, first, _ = stacked(6)
+    ch = find_blocks(g)
+    m = merged(ch, 1, 3)
+    check_chain(g, m)
+    assert [len(s) for s in m.segments] == [first, 9, 9, 2]
+    assert [list(c.members) for c in m.classes] == [[1, 2]]
+    with pytest.raises(ValueError, match="phase must be in 0..2"):
+        merged(ch, 3, 3)
