@@ -143,9 +143,10 @@ def main(argv=None) -> int:
     command = "python scripts/bench_chain.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(header(command.strip()))
     print(f"Commit {commit}. Overheads (_pct) over store-all's predicted step time.\n")
-    print(markdown_table(df))
-    if gen is not None:
+    if models:
+        print(markdown_table(df))
         print()
+    if gen is not None:
         print(markdown_table(gen))
     return 0
 
