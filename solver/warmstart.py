@@ -63,7 +63,9 @@ def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
 
 def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                         deadline: float | None = None, on_schedule=None,
-                        before_costly=None, enough=None) -> list[tuple[str, Schedule]]:
+                        before_costly=None, enough=None,
+                        impls: list[tuple[str, tuple[int, ...]]] | None = None
+                        ) -> list[tuple[str, Schedule]]:
     """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
     not fit the budget. With `deadline` (a time.perf_counter() value) the rules run cheapest
     first and those not started by then are left out (greedy's clean-up pass is cut short):
@@ -73,11 +75,14 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
     `before_costly()` is called once before the first of the rules that take seconds on large
     graphs (ranked, greedy, keep-nothing: a caller can prove a bound then), and `enough()`
     before each rule after the first: when it returns True the rest are left out (the caller
-    has a schedule proven good enough)."""
-    variants = [("", None)]
+    has a schedule proven good enough). `impls`: the (name prefix, Impl per op) variants to run
+    the rules on instead (the least-memory schedule's Impls, when no rule fits on these)."""
+    variants: list[tuple[str, tuple[int, ...] | None]] = [("", None)]
     lean = lean_impls(graph, facts) if facts.mode == "full" else None
     if lean is not None:
         variants.append(("lean/", lean))
+    if impls is not None:
+        variants = list(impls)
     n = len(graph.ops)
     found = []
 
