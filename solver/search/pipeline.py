@@ -429,10 +429,9 @@ def _least_rules(graph, budget, form, pool, least, deadline, stats
                  ) -> list[tuple[str, Schedule]]:
     """The rules on the Impls of `least` (a schedule that fits; None: nothing to do), for at most
     LEAST_RULES_SHARE of the time left; the fastest that fits is offered to the pool and
-    returned as a start. The least-memory schedule itself recomputes nearly everything
-    (MobileNetV2 at 5.01 GiB on P100 costs: +1053%), while the lean Impls can miss the one
-    choice that lets anything else fit (there, two ops: even keep-nothing peaks at 5.06 GiB):
-    the chain on its Impls gives +8.2% in 2 s."""
+    returned as a start. The least-memory schedule itself recomputes nearly everything, while
+    the lean Impls (each op's least held bytes) can miss the in-place choice that lets any other
+    plan fit (docs/formulation.md, section 7, has a measured case)."""
     impl = tuple(least.impl) if least is not None else ()
     if not any(impl) or impl == lean_impls(graph, form.facts):
         return []  # the rules ran on these Impls already
