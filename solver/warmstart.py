@@ -78,11 +78,10 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
     has a schedule proven good enough). `impls`: the (name prefix, Impl per op) variants to run
     the rules on instead (the least-memory schedule's Impls, when no rule fits on these)."""
     variants: list[tuple[str, tuple[int, ...] | None]] = [("", None)]
-    lean = lean_impls(graph, facts) if facts.mode == "full" else None
-    if lean is not None:
-        variants.append(("lean/", lean))
     if impls is not None:
         variants = list(impls)
+    elif facts.mode == "full" and (lean := lean_impls(graph, facts)) is not None:
+        variants.append(("lean/", lean))
     n = len(graph.ops)
     found = []
 
