@@ -207,7 +207,7 @@ def _least_rule_time(graph, budget):
     return least, None if best is None else best[2]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n=st.integers(5, 12), frac=st.floats(0.0, 1.0))
 def test_when_no_rule_fits_the_rules_run_on_the_least_memory_impls(seed, n, frac):
     """Budgets below every rule on Impl 0 and on the lean Impls (graphs whose ops may run in
