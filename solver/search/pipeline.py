@@ -430,8 +430,9 @@ def _least_rules(graph, budget, form, pool, least, deadline, stats
     """The rules on the Impls of `least` (a schedule that fits; None: nothing to do), for at most
     LEAST_RULES_SHARE of the time left; the fastest that fits is offered to the pool and
     returned as a start. The least-memory schedule itself recomputes nearly everything, while
-    the lean Impls (each op's least held bytes) can miss the in-place choice that lets any other
-    plan fit (docs/formulation.md, section 7, has a measured case)."""
+    the lean Impls (each op's least held bytes, not its least contribution to the peak) can
+    miss the choice that lets any other plan fit (docs/formulation.md, section 7, has a
+    measured case)."""
     impl = tuple(least.impl) if least is not None else ()
     if not any(impl) or impl == lean_impls(graph, form.facts):
         return []  # the rules ran on these Impls already
