@@ -4,8 +4,8 @@ Big models are made of repeated blocks (a transformer's 12-48 layers, a ResNet s
 bottlenecks). `find_blocks` cuts the forward op sequence (`graph.ops`, topological order) into a
 chain of contiguous segments and groups the segments that are *identical up to renaming* into
 classes, so that a plan for one block can be copied to its twins (`BlockChain.mapping`,
-`translate`). `merged` gives the same chain with its segments merged two by two (for the chain
-combination, chain.py, which plans on both). Pure functions on an OpGraph; no torch.
+`translate`). `merged` gives the same chain with its segments merged k by k (the chain
+combination, chain.py, plans on runs of segments too). Pure functions on an OpGraph; no torch.
 
 Identity. A segment [start, stop) is encoded relative to its own start (`_Prep.encoding`):
 - per op: its *local signature* (kind, number of fx nodes, has_backward, recompute_unsafe, per

@@ -277,7 +277,7 @@ def chain_links(graph: OpGraph, facts: GraphFacts, chain: BlockChain, impl, long
     links: list[Link] = []
     seen: set[tuple[int, int]] = set()
     for length in range(1, longest + 1):
-        for phase in range(length if length > 1 else 1):
+        for phase in range(length):
             if length > 1 and deadline is not None and time.perf_counter() > deadline:
                 return links
             grouping = chain if length == 1 else merged(chain, phase, length)
