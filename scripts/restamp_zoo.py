@@ -48,7 +48,10 @@ from solver.schedule import Schedule  # noqa: E402
 OUT = os.path.join(ROOT, "schedules")
 # Parts of the fingerprint structure added since the zoo's fingerprints were taken.
 NEW_PARTS: tuple[str, ...] = ()  # every entry has carried "params" since issue 23's re-stamp
-NEW_IMPLS = ("conv_split", "conv_split_mask", "linear_split", "linear_split_mask")
+# Since the last re-stamp (which took the split backwards in): recompute_internals on
+# hand-written matmuls (the transformer's attention); no zoo graph had it on another Op (no
+# nn.MultiheadAttention, RNN or fx-traced SDPA among them).
+NEW_IMPLS = ("recompute_internals",)
 
 
 def old_kind(structure: dict) -> dict | None:

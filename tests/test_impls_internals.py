@@ -74,6 +74,26 @@ class Sdpa(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p).sum(1)
 
 
+class HandAttn(nn.Module):
+    """Attention written by hand, as nanoGPT does: the matmuls reshape their permuted operands
+    into contiguous copies, which their backwards hold (internals, not Values)."""
+
+    def __init__(self, method=False):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.method = method
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        if self.method:
+            att = torch.matmul(q, k.transpose(-2, -1)).softmax(-1)
+            y = F.dropout(att, 0.1, self.training).matmul(v)
+        else:
+            att = (q @ k.transpose(-2, -1)).softmax(-1)
+            y = torch.einsum("bhts,bhsd->bhtd", F.dropout(att, 0.1, self.training), v)
+        return y.sum(1)
+
+
 class Rnn(nn.Module):
     def __init__(self, kind):
         super().__init__()
@@ -102,6 +122,8 @@ CASES = {
     "mha_no_weights_no_dropout": (lambda: Attn(dropout=0.0, need_weights=False), X_SEQ),
     "mha_seq_first": (lambda: Attn(batch_first=False), X_SEQ),
     "sdpa_dropout": (lambda: Sdpa(), X_SEQ),
+    "hand_attention": (lambda: HandAttn(), X_SEQ),
+    "hand_attention_methods": (lambda: HandAttn(method=True), X_SEQ),
     "lstm": (lambda: Rnn(nn.LSTM), X_SEQ),
     "gru": (lambda: Rnn(nn.GRU), X_SEQ),
     "transformer_encoder_layer": (lambda: Encoder(), X_SEQ),
@@ -201,6 +223,50 @@ def test_declared_bytes():
     assert held == 4 * b * l * e + rng
     plain = _bytes_held(lambda t: mod(t * 1, t * 1, t * 1)[0], h, fixed=params)
     assert plain >= 2 * 4 * b * heads * l * l + 4 * b * l * e
+
+
+def test_declared_bytes_hand_written_matmul():
+    # q @ k^T on permuted heads: the default's backward holds contiguous copies of q and k (two
+    # b x h x t x d fp32 tensors, internals); the Impl holds the fused projection (the Value the
+    # heads are views of) and nothing else. Both counted from autograd's saved tensors too.
+    torch.manual_seed(0)
+    model = HandAttn().train()
+    b, t = X_SEQ[:2]
+    g = monetlike.profile(model, torch.randn(*X_SEQ), cost="measured", repeat=1)
+    mm = next(o for o in g.ops if o.kind == "matmul")
+    default, alt = mm.impls
+    assert alt.name == NAME and alt.internal_bytes == 0
+    assert [g.values[v].bytes for v in alt.saved] == [4 * b * t * 48]
+    assert default.saved == () and default.internal_bytes == 2 * 4 * b * 2 * t * 8
+
+    from monetlike.impls.internals import _match
+    from monetlike.trace import trace
+
+    gm = trace(model)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.name == mm.name)
+    run = _match(gm, [node])[node.name]
+
+    def heads(fused):
+        q, k, _ = fused.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return q, k.transpose(-2, -1)
+
+    fused = torch.randn(b, t, 48, requires_grad=True)
+    held = _bytes_held(lambda f: run(gm, node, heads(f * 1), {}), fused)
+    assert held == 4 * b * t * 48
+    plain = _bytes_held(lambda f: torch.matmul(*heads(f * 1)), fused)
+    assert plain == default.internal_bytes
+    # Where the operands are contiguous nothing is held besides them: the Impl is not offered.
+    class Contiguous(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return (x.tanh() @ self.w).sum(-1)
+
+    g2 = monetlike.profile(Contiguous(), torch.randn(*X_SEQ), cost=A100)
+    (mm2,) = [o for o in g2.ops if o.kind == "matmul"]
+    assert [im.name for im in mm2.impls] == ["default"] and mm2.impls[0].internal_bytes == 0
 
 
 def test_matching_refuses_what_it_cannot_do():

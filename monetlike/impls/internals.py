@@ -16,6 +16,11 @@ workspace. It is a one-Op checkpoint, with the forward hooks not called again (t
 `forward` is called, not the module) and nothing else repeated: the modules it applies to have no
 buffers, so there are no running statistics to update twice.
 
+Matmuls written by hand belong here too: `q @ k.transpose(-2, -1)` on the permuted heads of a
+fused projection reshapes its non-contiguous operands into contiguous copies for one batched
+kernel, and its backward holds those copies (three of them per attention), not the Values. It
+is offered only where the default holds such internals (`ImplSpec.needs_internals`).
+
 Why the forward runs with grad enabled and not under no_grad: some modules choose another kernel
 without grad (nn.MultiheadAttention's and the Transformer layers' "fast path" in eval mode), and
 the forward result must be bitwise the default's. The internals that forward saves are hidden
@@ -29,6 +34,8 @@ as usual), not through a nested backward call.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -40,7 +47,9 @@ from .registry import ImplSpec, module_of, register
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).
 MODULES = (nn.MultiheadAttention, nn.LSTM, nn.GRU, nn.RNN,
            nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-FUNCTIONS = (F.scaled_dot_product_attention,)
+FUNCTIONS = (F.scaled_dot_product_attention, torch.matmul, operator.matmul, torch.einsum)
+METHODS = ("matmul",)  # x.matmul(y)
+RANDOM_FUNCTIONS = (F.scaled_dot_product_attention,)  # the others draw no random numbers
 
 
 def _pack(t):
@@ -173,7 +182,8 @@ def _match(gm, nodes):
         if type(mod) not in MODULES or any(True for _ in mod.buffers()) \
                 or rc.module_has_hooks(mod):
             return None
-    elif not (n.op == "call_function" and n.target in FUNCTIONS):
+    elif not (n.op == "call_function" and n.target in FUNCTIONS
+              or n.op == "call_method" and n.target in METHODS):
         return None
 
     def run(interp, node, args, kwargs):
@@ -181,11 +191,16 @@ def _match(gm, nodes):
             mod = module_of(interp, node.target)
             call = _Call(mod.forward, [p for p in mod.parameters()])
             random = _draws_random(mod)
+        elif node.op == "call_method":
+            call = _Call(getattr(torch.Tensor, node.target), [])
+            random = False
         else:
             call = _Call(node.target, [])
-            # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
-            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            random = not isinstance(p, (int, float)) or p > 0
+            random = False
+            if node.target in RANDOM_FUNCTIONS:
+                # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, ...)
+                p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+                random = not isinstance(p, (int, float)) or p > 0
         leaves, treedef = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         template = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -201,5 +216,6 @@ def _match(gm, nodes):
 
 
 register(ImplSpec("recompute_internals", _match,
-                  "An Op with large internal saved tensors (attention probabilities, RNN gates) "
-                  "holds only its inputs; its forward runs again at its backward stage"))
+                  "An Op with large internal saved tensors (attention probabilities, RNN gates, "
+                  "a matmul's contiguous copies of its operands) holds only its inputs; its "
+                  "forward runs again at its backward stage", needs_internals=True))

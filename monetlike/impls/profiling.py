@@ -47,7 +47,8 @@ def candidates(gm, run: ProfileRun, target: str) -> dict[int, list]:
             continue
         found = [(spec, subs) for spec, subs in matches(gm, [nodes[name] for name in g.nodes])
                  if spec.overwrites is None  # in-place ones: inplace_alternatives
-                 and (spec.devices is None or target in spec.devices)]
+                 and (spec.devices is None or target in spec.devices)
+                 and (not spec.needs_internals or g.internal_bytes > 0)]
         if found:
             out[g.gid] = found
     return out

@@ -39,6 +39,9 @@ class ImplSpec:
     on which the Impl is offered; None: all. An Impl that only helps where the default's
     kernel differs (dropout_mask: CUDA's dropout already holds a bool mask) would otherwise add
     a column the MILP cannot use, and change the fingerprint of every graph it matches."""
+    needs_internals: bool = False
+    """Offered only on Ops whose default holds internal bytes (`Impl.internal_bytes`): an Impl
+    that exists to drop them has nothing to gain elsewhere (a matmul of contiguous operands)."""
 
 
 _REGISTRY: dict[str, ImplSpec] = {}
