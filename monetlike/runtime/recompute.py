@@ -168,8 +168,8 @@ RNG_FREE_FUNCTIONS = frozenset({
     "split", "pad", "interpolate", "adaptive_avg_pool2d", "max_pool2d", "avg_pool2d", "mean",
     "sum", "exp", "sqrt", "rsqrt", "pow", "neg", "clamp", "hardtanh", "hardtanh_", "relu6",
     "expand", "repeat", "squeeze", "unsqueeze", "t", "masked_fill", "where", "float", "to",
-    "type_as", "scaled_dot_product_attention",
-})
+    "type_as",
+})  # not scaled_dot_product_attention: it draws a dropout mask when dropout_p > 0
 
 
 def rng_free(kinds: list[str]) -> bool:
