@@ -8,15 +8,17 @@ of torch.nn are leaves), so everything their backward holds is internal to one O
 keep/recompute decision can drop it: checkpoint mode cannot go below store-all. The
 `recompute_internals` Impl (monetlike/impls/internals.py) holds the Op's inputs instead and runs
 its forward again at its backward stage. Per model (analytical A100-40GB costs, meta-device
-profile): the store-all peak, the minimum feasible budget in checkpoint and full mode
-(`solver.min_budget`), and the predicted overhead over store-all at budgets of 1/2 and 1/3 of
-the store-all peak in each mode. CI does not run this (tests/test_impls_internals.py checks the
-Impl itself).
+profile): the store-all peak, the minimum feasible budget in checkpoint mode, in full mode
+without this Impl and in full mode (`solver.min_budget`), and the predicted overhead over
+store-all at budgets of 1/2 and 1/3 of the store-all peak in each. Hand-written attention
+(`gpt6_768`) is the same problem in small: its matmuls hold copies of their permuted operands.
+CI does not run this (tests/test_impls_internals.py checks the Impl itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -32,6 +34,7 @@ import solver  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 
 COST = "analytical:A100-40GB"
+NAME = "recompute_internals"
 
 
 class EncoderStack(nn.Module):
@@ -79,30 +82,50 @@ class LstmStack(nn.Module):
         return self.head(y[:, -1])
 
 
+def gpt(depth: int = 6) -> nn.Module:
+    """Attention written by hand (monetlike.models.transformer: `q @ k.transpose(-2, -1)` on the
+    permuted heads of a fused projection): its matmuls hold contiguous copies of q, k and v."""
+    from monetlike.models import transformer
+    return transformer(depth=depth, dim=768, heads=12, dropout=0.1)
+
+
 MODELS = {
     # name: (factory, input shape)
+    "gpt6_768": (lambda: gpt(), (8, 1024, 768)),
     "encoder6_768": (lambda: EncoderStack(), (32, 512, 768)),
     "mha6_512": (lambda: AttentionStack(), (32, 512, 512)),
     "lstm4_1024": (lambda: LstmStack(), (64, 256, 1024)),
 }
 
 
+def without_impl(graph):
+    """The same graph with every recompute_internals Impl removed (full mode without it; the
+    Impls after it on an Op move down one index, which no schedule here carries over)."""
+    ops = tuple(dataclasses.replace(o, impls=tuple(i for i in o.impls if i.name != NAME))
+                for o in graph.ops)
+    return dataclasses.replace(graph, ops=ops)
+
+
 def rows_for(name: str, time_limit: float) -> list[dict]:
     factory, shape = MODELS[name]
     graph = monetlike.profile(factory().train(), torch.randn(*shape, device="meta"), cost=COST)
     base = simulate(graph, store_all_schedule(graph))
+    without = without_impl(graph)
     mins = {m: solver.min_budget(graph, m) for m in ("checkpoint", "full")}
-    n_impl = sum(any(im.name == "recompute_internals" for im in op.impls) for op in graph.ops)
+    mins["full_without"] = solver.min_budget(without, "full")
+    n_impl = sum(any(im.name == NAME for im in op.impls) for op in graph.ops)
     rows = []
     for frac in (1 / 2, 1 / 3):
         budget = int(base.peak_bytes * frac)
         row = {"model": name, "input": "x".join(map(str, shape)), "ops_with_impl": n_impl,
                "store_all": format_bytes(base.peak_bytes),
                "min_checkpoint": format_bytes(mins["checkpoint"]),
+               "min_full_without": format_bytes(mins["full_without"]),
                "min_full": format_bytes(mins["full"]), "budget": format_bytes(budget)}
-        for mode in ("checkpoint", "full"):
+        for mode in ("checkpoint", "full_without", "full"):
             try:
-                r = solver.solve(graph, budget, mode=mode, time_limit_s=time_limit)
+                r = solver.solve(without if mode == "full_without" else graph, budget,
+                                 mode=mode.removesuffix("_without"), time_limit_s=time_limit)
             except solver.InfeasibleBudgetError:
                 row[f"{mode}_overhead"] = "infeasible"
                 continue
@@ -138,7 +161,9 @@ def main(argv=None) -> int:
             f"Costs: analytical A100-40GB roofline on the meta device (a plan for a GPU this "
             f"machine does not have), {args.time_limit:g} s per solve. Overheads: the "
             f"simulator's predicted step time over store-all. `recompute_internals` exists "
-            f"only in full mode; checkpoint mode cannot drop what a torch.nn leaf holds inside.",
+            f"only in full mode; checkpoint mode cannot drop what a torch.nn leaf or a "
+            f"matmul holds inside. full_without: full mode with every other Impl but this "
+            f"one.",
             "", table])
         replace_section("internals", body)
     return 0
