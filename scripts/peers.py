@@ -13,8 +13,9 @@ x, wrap)` runs exactly the computation of `model(x)` but calls every natural blo
 checks both against the plain model (equal outputs) before it measures anything.
 
 Families: torchvision ResNet (BasicBlock / Bottleneck), DenseNet (dense layers), MobileNetV2
-(InvertedResidual) and a stack of monetlike.models.TransformerBlock (attention and MLP
-sub-layers).
+(InvertedResidual), a stack of monetlike.models.TransformerBlock (attention and MLP
+sub-layers) and Hugging Face's GPT-2 (its GPT2Blocks; random init from a config; fx cannot
+trace it, so ours captures it with torch.export).
 """
 
 from __future__ import annotations
@@ -63,10 +64,34 @@ class ModelSpec:
     """Shape of the input batch, batch dimension first."""
     family: str
     """Key of the Adapter that knows the model's blocks."""
+    vocab: int | None = None
+    """Token ids below this as the input (a language model), instead of normal floats."""
 
     def example_input(self, seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
+        if self.vocab is not None:
+            return torch.randint(0, self.vocab, self.input_shape, generator=g)
         return torch.randn(self.input_shape, generator=g)
+
+
+class GPT2Logits(nn.Module):
+    """transformers' GPT2LMHeadModel called on token ids, returning its logits (the bench's
+    steps take a tensor and give one); no cache, as in training."""
+
+    def __init__(self, layers: int, dim: int, heads: int, positions: int, vocab: int):
+        super().__init__()
+        import transformers
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=dim, n_head=heads,
+                                      n_positions=positions, vocab_size=vocab,
+                                      bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+        self.lm = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
+def _gpt2(**kw) -> Callable[[], nn.Module]:
+    return lambda: GPT2Logits(**kw)
 
 
 def _tv(name: str, **kw) -> Callable[[], nn.Module]:
@@ -89,6 +114,10 @@ SPECS: dict[str, dict[str, ModelSpec]] = {
         "transformer": ModelSpec("transformer",
                                  lambda: TransformerStack(depth=4, dim=256, heads=4),
                                  (8, 256, 256), "transformer"),
+        # A vocabulary of 2,048 keeps the logits (and their gradient) from outweighing the
+        # activations any of these methods can save.
+        "gpt2": ModelSpec("gpt2", _gpt2(layers=4, dim=256, heads=4, positions=256, vocab=2048),
+                          (8, 256), "gpt2", vocab=2048),
     },
     "quick": {
         "resnet18": ModelSpec("resnet18", _tv("resnet18", num_classes=10), (4, 3, 64, 64),
@@ -102,6 +131,8 @@ SPECS: dict[str, dict[str, ModelSpec]] = {
         "transformer": ModelSpec("transformer",
                                  lambda: TransformerStack(depth=2, dim=32, heads=2),
                                  (4, 64, 32), "transformer"),
+        "gpt2": ModelSpec("gpt2", _gpt2(layers=2, dim=32, heads=2, positions=32, vocab=64),
+                          (2, 32), "gpt2", vocab=64),
     },
 }
 
@@ -273,11 +304,45 @@ class TransformerAdapter(Adapter):
         return 2 * len(m)
 
 
+class _GPT2Embed(nn.Module):
+    """GPT2Model's input embedding: tokens plus positions, then dropout."""
+
+    def __init__(self, t: nn.Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+
+class GPT2Adapter(Adapter):
+    """GPT2Logits: blocks are the GPT2Blocks (causal attention with no mask given: the model's
+    own mask is None for an unpadded batch under SDPA attention); the embedding, the final
+    LayerNorm and the head run unwrapped, as transformers' gradient_checkpointing_enable()
+    leaves them."""
+
+    def forward(self, m, x, wrap=_plain):
+        t = m.lm.transformer
+        h = _GPT2Embed(t)(x)
+        for blk in t.h:
+            h = wrap(blk, h)
+        return m.lm.lm_head(t.ln_f(h))
+
+    def chain(self, m):
+        t = m.lm.transformer
+        return [_GPT2Embed(t), *t.h, nn.Sequential(t.ln_f, m.lm.lm_head)]
+
+    def n_blocks(self, m):
+        return len(m.lm.transformer.h)
+
+
 ADAPTERS: dict[str, Adapter] = {
     "resnet": ResNetAdapter(),
     "densenet": DenseNetAdapter(),
     "mobilenet_v2": MobileNetV2Adapter(),
     "transformer": TransformerAdapter(),
+    "gpt2": GPT2Adapter(),
 }
 
 

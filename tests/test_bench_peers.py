@@ -96,3 +96,35 @@ def test_wrong_gradients_stop_the_report(bench, tmp_path, monkeypatch):
                      "--sweep", "0.5", "--time-limit", "2"])
     assert rc == 1
     assert not out.exists() or not _rows(out.read_text(), "transformer")
+
+
+def test_gpt2_adapter_runs_the_models_computation(bench):
+    # The peers of the GPT-2 row call transformers' blocks themselves: the adapter's forward and
+    # its chain must compute what the model computes (the bench checks this too before it
+    # measures; here without the measuring), and checkpointing per block keeps the gradients.
+    pytest.importorskip("transformers")
+    import peers
+    spec = peers.SPECS["quick"]["gpt2"]
+    torch.manual_seed(0)
+    model = spec.build().eval()
+    ids = spec.example_input(seed=1)
+    assert ids.dtype == torch.long and int(ids.max()) < spec.vocab
+    ad = peers.adapter_for(spec)
+    want = model(ids)
+    torch.testing.assert_close(ad.forward(model, ids), want)
+    torch.testing.assert_close(torch.nn.Sequential(*ad.chain(model))(ids), want)
+    assert ad.n_blocks(model) == 2
+    model.train()
+    grads = []
+    for peer in peers.PEERS:
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(3)
+        peer.build(model, ad)(ids).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    model(ids).float().pow(2).mean().backward()
+    for got in grads:
+        torch.testing.assert_close(got, [p.grad for p in model.parameters()])
