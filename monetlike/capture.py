@@ -50,7 +50,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
-from .trace import TraceError, trace
+from .trace import TraceError, functions_applied, trace
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
            "example_of", "export_graph", "split_example"]
@@ -210,6 +210,12 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
                       f"The construct: {what}. Way out: {fix}")
 
 
+# NOTE [Custom autograd Functions under export]
+# Non-strict torch.export runs a custom autograd Function's forward on its tracing tensors and
+# records the ops inside; the exported graph differentiates them, not the Function's backward
+# (tested on torch 2.14: a gradient reversal's gradient comes back with the wrong sign). Every
+# `Function.apply` during the export is recorded, and a graph that had one is refused; fx applies
+# the Function as one op (NOTE [Custom autograd Functions] in monetlike/trace.py).
 class _RecordContiguous(TorchFunctionMode):
     """NOTE [Contiguous is always recorded]: `x.contiguous()` as the ATen op, traced whatever
     the strides."""
@@ -224,8 +230,9 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     """`model` captured with torch.export (non-strict) on the call `flat` describes."""
     args, kwargs = flat.spec.rebuild(_distinct(flat))
     rng = torch.get_rng_state()
+    applied: list = []  # NOTE [Custom autograd Functions under export]
     try:
-        with _RecordContiguous():
+        with _RecordContiguous(), functions_applied(lambda cls, a, k: applied.append(cls)):
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
@@ -234,6 +241,22 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
         raise _export_error(model, e) from e
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
+    if applied:
+        names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in applied}))
+        checkpoint = any(c.__module__ == "torch.utils.checkpoint" for c in applied)
+        hint = (" torch.utils.checkpoint.CheckpointFunction is checkpoint(..., "
+                "use_reentrant=True), as Hugging Face's gradient_checkpointing_enable() sets up: "
+                "turn that checkpointing off (model.gradient_checkpointing_disable(); the schedule "
+                "decides what to recompute) or pass use_reentrant=False." if checkpoint else "")
+        raise TraceError(
+            f"torch.export.export(strict=False) could not capture {type(model).__name__} "
+            f"faithfully: its forward applies the torch.autograd.Function {names}. The "
+            f"construct: a custom autograd Function, whose forward export traces and "
+            f"differentiates itself, without the Function's own backward: the gradients would "
+            f"not be plain PyTorch's. Way out: capture the model with torch.fx "
+            f"(capture='fx'), which applies the Function as one op with its own backward; "
+            f"where fx cannot trace the rest of the model, make the modules it fails on leaves "
+            f"(leaf_modules=[...]).{hint}")
     _flatten_signature(gm, flat.spec)
     gm.meta["capture"] = "export"
     return gm

@@ -10,6 +10,16 @@ caller names, and any module with forward hooks or forward pre-hooks: tracing th
 would run its hooks once on fx proxies at trace time and then never again, so it is kept whole and
 its hooks run for real (and its Op is marked recompute-unsafe).
 
+Two things a forward can do that symbolic tracing runs but does not record are refused with a
+TraceError (so that `capture="auto"` captures with torch.export, which records both), never
+traced into a graph that computes something else (NOTE [What fx does not record]):
+- ops inside a `torch.no_grad()` / `torch.enable_grad()` / `torch.autocast(...)` block: the
+  mode is set while tracing, not in the graph, which would then give them gradients (or dtypes)
+  plain PyTorch does not;
+- in-place updates of the model's own buffers and parameters outside its leaf modules (a step
+  counter, `self.steps += 1`): fx does not proxy buffers, so the update runs once, on the real
+  tensor, at trace time, and never again; the buffers are restored to their values before it.
+
 When symbolic tracing fails we raise TraceError naming the module being traced, the user code line
 and the ways out. `monetlike.capture` falls back to torch.export (non-strict) in that case when
 `capture="auto"` (the profiler's default).
@@ -17,14 +27,17 @@ and the ways out. `monetlike.capture` falls back to torch.export (non-strict) in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
 
 from solver.errors import MonetlikeError
+
+from .torch_private import tree_leaves
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
@@ -40,6 +53,7 @@ class MonetTracer(fx.Tracer):
 
     def __init__(self, leaf_modules: Iterable = ()):
         super().__init__()
+        self.modes = _modes()
         leaf_modules = list(leaf_modules)
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
@@ -60,12 +74,140 @@ class MonetTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def trace(self, root, concrete_args=None):
+        self.modes = _modes()  # the grad and autocast modes the forward starts in
+        with functions_applied(self._function_as_op):
+            return super().trace(root, concrete_args)
+
+    def _function_as_op(self, cls, args, kwargs):
+        """NOTE [Custom autograd Functions]: a Function applied to proxies is one node."""
+        if not any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+            return None
+        return self.create_proxy("call_function", function_op(cls), args, kwargs)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        now = _modes()
+        if now != self.modes and kind not in ("placeholder", "output", "get_attr"):
+            raise _NotRecorded(
+                f"an op traced under {_describe_modes(now)} while the forward started under "
+                f"{_describe_modes(self.modes)} (a torch.no_grad(), torch.enable_grad(), "
+                f"torch.set_grad_enabled or torch.autocast block in forward): torch.fx records "
+                f"no grad or autocast mode, so the graph would run that op as if the block were "
+                f"not there")
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+# NOTE [What fx does not record]
+# Symbolic tracing runs the forward's Python once with proxies; everything that is not an op on
+# a proxy happens once, at trace time, and is not in the graph. Two such things change what the
+# model computes: the grad and autocast modes (a context manager sets them while tracing: ops in
+# a no_grad block would get gradients in the graph), and in-place updates of real tensors the
+# model holds (fx proxies parameters, not buffers: `self.steps += 1` adds to the real buffer
+# during the trace and never again). Both are detected (MonetTracer.create_node; tensor versions
+# around the trace) and refused with a TraceError; torch.export records both.
+
+# NOTE [Custom autograd Functions]
+# `MyFunction.apply(x)` runs MyFunction.forward under no_grad and attaches MyFunction.backward to
+# its outputs. Traced like any Python, its forward's ops would be recorded and differentiated by
+# autograd, not by the Function's own backward (a gradient reversal or a straight-through
+# estimator would get the wrong gradients). While fx traces, `torch.autograd.Function.apply` is
+# routed to the tracer (functions_applied), which records a call with proxy arguments as one
+# call_function node of `function_op(MyFunction)`, so the graph applies the Function itself: one
+# Op, whose saved tensors are what its forward saves, recomputed by applying it again.
+_FUNCTION_OPS: dict = {}
+
+
+def function_op(cls) -> Callable:
+    """The graph's target for `cls.apply`: a plain function of this module (fx's code generator
+    writes a function of torch by its dotted name, which a Function defined by torch, such as
+    torch.utils.checkpoint's, does not have)."""
+    op = _FUNCTION_OPS.get(cls)
+    if op is None:
+        def op(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+
+        op.__name__ = op.__qualname__ = f"{cls.__name__}_apply"
+        _FUNCTION_OPS[cls] = op
+    return op
+
+
+@contextlib.contextmanager
+def functions_applied(hook):
+    """Within this block `SomeFunction.apply(*args, **kwargs)` first calls `hook(SomeFunction,
+    args, kwargs)`, whose result replaces the call's unless it is None."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        out = hook(cls, args, kwargs)
+        if out is not None:
+            return out
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+class _NotRecorded(Exception):
+    """Raised inside the tracer: the forward does something fx would not record."""
+
+
+def _modes() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
+
+
+def _describe_modes(modes: tuple) -> str:
+    grad, cpu, cuda = modes
+    on = [d for d, flag in (("cpu", cpu), ("cuda", cuda)) if flag]
+    return (f"grad {'enabled' if grad else 'disabled'}"
+            + (f", autocast on {' and '.join(on)}" if on else ""))
+
+
+def _model_state(model: torch.nn.Module) -> list:
+    """(kind, name, tensor, version, copy) of each parameter and buffer; the copy (of buffers
+    only) restores a buffer the trace updated."""
+    out = []
+    for kind, named in (("parameter", model.named_parameters(remove_duplicate=True)),
+                        ("buffer", model.named_buffers(remove_duplicate=True))):
+        for name, t in named:
+            if t is not None:
+                out.append((kind, name, t, t._version,
+                            t.detach().clone() if kind == "buffer" else None))
+    return out
+
+
+def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> None:
+    """Refuse (restoring the buffers) a trace that updated the model's tensors in place; with
+    `refuse=False` (the trace failed anyway) only restore them."""
+    changed = [(kind, name) for kind, name, t, version, _ in before if t._version != version]
+    if not changed:
+        return
+    with torch.no_grad():
+        for kind, name, t, version, copy in before:
+            if copy is not None and t._version != version:
+                t.copy_(copy)
+    if not refuse:
+        return
+    what = ", ".join(f"{kind} '{name}'" for kind, name in changed)
+    raise TraceError(
+        f"torch.fx.symbolic_trace could not trace {type(model).__name__}: its forward updates "
+        f"{what} in place outside a leaf module (a step counter such as `self.steps += 1`, a "
+        f"running statistic written by hand). torch.fx does not record it: the update ran once, "
+        f"at trace time (undone for buffers), and would never run in training. Ways out: "
+        f"capture the model with torch.export (monetlike.profile(..., capture='export'), the "
+        f"fallback of capture='auto'), which records buffer updates, or move the update into a "
+        f"submodule made a leaf (leaf_modules=[<its name or class>] in monetlike.profile)")
+
 
 def _user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch itself: the line of the user's model."""
     best = None
     for fr in traceback.extract_tb(tb):
-        if not os.path.abspath(fr.filename).startswith(_TORCH_DIR):
+        path = os.path.abspath(fr.filename)
+        if not path.startswith(_TORCH_DIR) and path != os.path.abspath(__file__):
             best = fr
     if best is None:
         return None
@@ -78,9 +220,11 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     tracer = MonetTracer(leaf_modules)
+    before = _model_state(model)
     try:
         graph = tracer.trace(model)
     except Exception as e:
+        _check_state(model, before, refuse=False)
         stack = list(getattr(tracer, "module_stack", {}).items())
         where = ""
         if stack:
@@ -97,12 +241,21 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
         else:
             leaf = ("move that code into a submodule and make it a leaf (leaf_modules=[<its "
                     "name or class>] in monetlike.profile, so it becomes one op run as a whole)")
+        if isinstance(e, _NotRecorded):
+            raise TraceError(
+                f"torch.fx.symbolic_trace could not trace {name}{at}: {e}. Ways out: capture the "
+                f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
+                f"of capture='auto'), which records these modes, or move the block into a "
+                f"submodule made a leaf (leaf_modules=[<its name or class>] in "
+                f"monetlike.profile, so it runs as one op, modes included), or write it without "
+                f"the mode (x.detach() in place of torch.no_grad())") from None
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {name}{where}{at}: "
             f"{type(e).__name__}: {e}. Ways out: {leaf}, or remove the data-dependent Python "
             f"control flow on tensor values there (torch.where instead of `if`), or capture the "
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
+    _check_state(model, before)
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return gm

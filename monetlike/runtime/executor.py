@@ -75,6 +75,24 @@ for node, plus that reshape. Nothing checks versions on x's storage afterwards, 
 needs to: the in-place Impl is only offered where no backward reads that storage. Under
 no_grad (recomputation) there is no view tracking and nothing to do.
 
+NOTE [Recomputed layouts]
+A recomputed Value is read through the geometry (sizes, strides, offset into its storage) that
+the forward recorded: the views between Ops and the saved tensors are rebuilt with as_strided on
+the recomputed storage. So a recomputation must lay its result out as the forward did, and some
+kernels choose by whether their inputs require grad, which tensors made under no_grad do not:
+scaled_dot_product_attention on the CPU with a mask that requires grad (a Swin window's learned
+relative-position bias) runs the math path, whose output is laid out like the query (B, L, H, D
+in memory), and with one that does not, the fused kernel, whose output is a contiguous
+(B, H, L, D). Recomputed from a mask made under no_grad, read with the forward's strides, that
+storage gave the next Op a transposed tensor: wrong values and gradients, silently (Hugging Face
+Swin). So the arguments a recomputation rebuilds from Values and inputs are flagged
+requires_grad as the forward's were (`_flagged`; the profiler measures the recomputation with
+the forward's own arguments, so the kernel and its scratch are those it measured), and, for
+whatever else makes a kernel choose otherwise, the forward records each Value's geometry
+(`vgeom`) and a recomputed result laid out otherwise is copied into the forward's layout
+(`_as_forward_layout`: a transient of the Value's size that the profile does not have) before
+anything reads it.
+
 NOTE [No reference cycles]
 A step's state must die with its autograd graph, also with the garbage collector disabled
 (a 50-step test checks this). So StepState never holds an autograd node or a tensor with a
@@ -126,6 +144,9 @@ class StepState:
         self.resident: dict[int, torch.Tensor] = {}
         self.vkey: dict[int, int] = {}  # Value id -> storage key, while the storage is alive
         self.vref: dict[int, weakref.ref] = {}
+        # Value id -> (size, stride, storage offset, storage bytes) of the forward's result that
+        # made it (NOTE [Recomputed layouts]).
+        self.vgeom: dict[int, tuple] = {}
         self.node_meta: dict[str, tuple] = {}
         self.op_ctx: dict[int, rc.ForwardContext] = {}
         self.current_op: int | None = None
@@ -375,7 +396,7 @@ class StepState:
                 if kind == _CONST:
                     vals.append(leaf[1])
                 elif kind == _VALUE:
-                    _, vid, size, stride, offset = leaf
+                    _, vid, size, stride, offset, grad = leaf
                     base = new_values.get(vid)
                     if base is None:
                         base = self.resident.get(vid)
@@ -385,10 +406,11 @@ class StepState:
                             f"ScheduleWrapper: recomputation before stage {t} reads value {vid} "
                             f"({v.name}) through node {m.name}, which is not resident; the "
                             f"schedule is not valid for this run (second backward?)")
-                    vals.append(torch.as_strided(base, size, stride, offset))
+                    vals.append(_flagged(torch.as_strided(base, size, stride, offset), grad))
                 else:  # _INPUT
-                    _, i, size, stride, offset = leaf
-                    vals.append(torch.as_strided(self.inputs[i], size, stride, offset))
+                    _, i, size, stride, offset, grad = leaf
+                    vals.append(_flagged(torch.as_strided(self.inputs[i], size, stride, offset),
+                                         grad))
             out = tree_unflatten(vals, spec)
         local[m.name] = out
         return out
@@ -407,11 +429,15 @@ class StepState:
             if v is None:
                 continue
             if recompute:
+                geom = self.vgeom.get(v)
+                if geom is not None and _geometry(x) != geom:
+                    x = _as_forward_layout(x, geom, node, v)
                 store[v] = x
             else:
                 storage = x.untyped_storage()
                 key = storage._cdata
                 self.vkey[v] = key
+                self.vgeom[v] = _geometry(x)
                 # NOTE [Storage identity]: forget the key the moment the storage dies.
                 self.vref[v] = weakref.ref(storage, functools.partial(_forget, self.vkey, v, key))
                 if v in self.plan.keep_from_forward:
@@ -438,7 +464,8 @@ class StepState:
                 leaves.append((_CONST, x))
                 continue
             key = x.untyped_storage()._cdata
-            geom = (tuple(x.size()), tuple(x.stride()), x.storage_offset())
+            # requires_grad too: some kernels choose by it (NOTE [Recomputed layouts]).
+            geom = (tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.requires_grad)
             match = None
             for v in candidates:
                 if self.vkey.get(v) == key and values[v].dtype == _dtype_name(x):
@@ -647,6 +674,35 @@ class ScheduledForward:
 
 
 _MISSING = object()
+
+
+def _flagged(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A recomputation's argument (made under no_grad) flagged requires_grad as the forward's
+    was, so that a kernel that chooses by it chooses as in the forward; nothing is recorded
+    under no_grad either way (NOTE [Recomputed layouts])."""
+    return x.detach().requires_grad_() if requires_grad and not x.requires_grad else x
+
+
+def _geometry(x: torch.Tensor) -> tuple:
+    return (tuple(x.size()), tuple(x.stride()), x.storage_offset(),
+            x.untyped_storage().nbytes())
+
+
+def _as_forward_layout(x: torch.Tensor, geom: tuple, node: fx.Node, v: int) -> torch.Tensor:
+    """NOTE [Recomputed layouts]: `x` copied into the geometry the forward's result had."""
+    size, stride, offset, nbytes = geom
+    if tuple(x.size()) == size and offset == 0:
+        y = torch.empty_strided(size, stride, dtype=x.dtype, device=x.device)
+        if y.untyped_storage().nbytes() == nbytes:
+            y.copy_(x)
+            return y
+    raise RuntimeError(
+        f"ScheduleWrapper: recomputing node {node.name} gave value {v} another memory layout "
+        f"than its forward did (size {tuple(x.size())}, strides {tuple(x.stride())}, offset "
+        f"{x.storage_offset()} in {x.untyped_storage().nbytes()} bytes; the forward had size "
+        f"{size}, strides {stride}, offset {offset} in {nbytes} bytes), which cannot be copied "
+        f"back into the forward's layout; its readers would see other values. Run a schedule "
+        f"that keeps this value (solve with a larger budget), and report the model")
 
 
 def _attr_path(obj: Any, target: str) -> Any:
