@@ -49,9 +49,11 @@ OUT = os.path.join(ROOT, "schedules")
 # Parts of the fingerprint structure added since the zoo's fingerprints were taken.
 NEW_PARTS: tuple[str, ...] = ()  # every entry has carried "params" since issue 23's re-stamp
 # Since the last re-stamp (which took the split backwards in): recompute_internals on
-# hand-written matmuls (the transformer's attention); no zoo graph had it on another Op (no
-# nn.MultiheadAttention, RNN or fx-traced SDPA among them).
-NEW_IMPLS = ("recompute_internals",)
+# hand-written matmuls (the transformer's attention) and on exported attention
+# (aten.scaled_dot_product_attention: GPT-2, Llama), dropout_regen on exported dropouts
+# (aten.dropout). No zoo graph had either on another Op: no nn.MultiheadAttention, RNN or
+# fx-traced SDPA among them, and the fx graphs' nn.Dropout entries were stamped with it.
+NEW_IMPLS = ("recompute_internals", "dropout_regen")
 
 
 def old_kind(structure: dict) -> dict | None:

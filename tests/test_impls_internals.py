@@ -153,6 +153,47 @@ def test_exact_through_runtime(case, cost):
         _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
+class ExportedAttention(nn.Module):
+    """Attention and dropout as a Hugging Face model writes them, captured with torch.export:
+    the graph holds aten.scaled_dot_product_attention (dropout inside, so its CPU math path
+    holds the probabilities and the noise) and aten.dropout nodes, not the functionals."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+        return self.out(F.dropout(y.transpose(1, 2).flatten(2), 0.3, self.training))
+
+
+@pytest.mark.parametrize("name", [NAME, "dropout_regen", "dropout_mask"])
+def test_exported_attention_and_dropout_get_their_impls(name):
+    torch.manual_seed(0)
+    model = ExportedAttention().train()
+    x = torch.randn(*X_SEQ).requires_grad_()
+    graph = monetlike.profile(model, x, cost="measured", repeat=1, capture="export")
+    assert graph.meta["capture"] == "export"
+    kinds = {op.kind: [im.name for im in op.impls] for op in graph.ops}
+    assert NAME in kinds["scaled_dot_product_attention.default"]
+    assert {"dropout_regen", "dropout_mask"} <= set(kinds["dropout.default"])
+    sdpa = next(op for op in graph.ops if op.kind == "scaled_dot_product_attention.default")
+    alt = next(im for im in sdpa.impls if im.name == NAME)
+    assert alt.internal_bytes < sdpa.impls[0].internal_bytes
+    schedule, picked = _with_impl(graph, name)
+    assert picked
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
+    for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+    from runtime_support import PEAK_TOLERANCE, measured_peak
+    predicted = simulate(graph, schedule).peak_bytes
+    measured = measured_peak(graph, model, wrapped, x)
+    assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (measured, predicted)
+
+
 def test_exact_when_its_input_is_recomputed():
     # The Op's input h is not kept from the forward pass: the schedule recomputes its producer
     # just before the Op's stage, and the Impl's saved input is reached through a handle to the

@@ -78,6 +78,12 @@ class DropoutMask(torch.autograd.Function):
         return (grad * mask).mul_(scale), None
 
 
+# Argument names: F.dropout's, and aten.dropout's, which torch.export keeps (a Hugging Face
+# model's dropouts); both draw the same numbers (F.dropout calls it).
+_FUNCTIONS = {F.dropout: ("input", "p", "training", "inplace"),
+              torch.ops.aten.dropout.default: ("input", "p", "train")}
+
+
 def _dropout_p(gm, nodes) -> "float | None":
     """p of an Op that is one training-mode, out-of-place dropout with 0 < p < 1, else None."""
     if len(nodes) != 1:
@@ -89,10 +95,10 @@ def _dropout_p(gm, nodes) -> "float | None":
                 or len(n.args) != 1:
             return None
         p = float(mod.p)
-    elif n.op == "call_function" and n.target is F.dropout:
-        names = ("input", "p", "training", "inplace")
+    elif n.op == "call_function" and n.target in _FUNCTIONS:
+        names = _FUNCTIONS[n.target]
         a = dict(zip(names, n.args), **n.kwargs)
-        if a.get("inplace", False) is not False or a.get("training", True) is not True:
+        if a.get("inplace", False) is not False or a.get(names[2], True) is not True:
             return None
         p = a.get("p", 0.5)
         if not isinstance(p, (int, float)):

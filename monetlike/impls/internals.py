@@ -47,9 +47,16 @@ from .registry import ImplSpec, module_of, register
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).
 MODULES = (nn.MultiheadAttention, nn.LSTM, nn.GRU, nn.RNN,
            nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-FUNCTIONS = (F.scaled_dot_product_attention, torch.matmul, operator.matmul, torch.einsum)
+# torch.export keeps these aten overloads (same arguments as the functions): a Hugging Face
+# model's attention is one aten.scaled_dot_product_attention node, whose CPU math path with
+# dropout holds the attention probabilities and the dropout noise.
+_ATEN = torch.ops.aten
+FUNCTIONS = (F.scaled_dot_product_attention, torch.matmul, operator.matmul, torch.einsum,
+             _ATEN.scaled_dot_product_attention.default, _ATEN.matmul.default,
+             _ATEN.einsum.default)
 METHODS = ("matmul",)  # x.matmul(y)
-RANDOM_FUNCTIONS = (F.scaled_dot_product_attention,)  # the others draw no random numbers
+RANDOM_FUNCTIONS = (F.scaled_dot_product_attention,
+                    _ATEN.scaled_dot_product_attention.default)  # the others draw none
 
 
 def _pack(t):
