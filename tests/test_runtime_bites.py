@@ -127,24 +127,13 @@ def test_recomputation_does_not_shift_the_next_steps_random_numbers():
     assert torch.equal(torch.rand(3), after_plain)
 
 
-class SdpaDropout(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(16, 48)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
-        return self.out(y.transpose(1, 2).flatten(2).tanh())
-
-
 @pytest.mark.parametrize("recorded", [True, False])
 def test_recomputed_attention_dropout_draws_the_same_mask(recorded):
     # The profiler records which Ops drew random numbers; a graph saved before it did is judged
     # by the names of its Ops, where attention with dropout_p > 0 must count as random.
+    from test_impls_internals import ExportedAttention  # attention and dropout, traced by fx here
     torch.manual_seed(0)
-    model = SdpaDropout()
+    model = ExportedAttention()
     x = torch.randn(3, 7, 16)
     graph = profiled(model, (x,))
     if not recorded:
