@@ -321,8 +321,21 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                 raise
             fx_error = e
         else:
-            gm.meta["capture"] = "fx"
-            return gm, _fx_inputs(model, gm, args, kwargs)
+            inputs = fx_inputs(model, gm, args, kwargs)
+            nested = nested_tensor_inputs(gm, inputs)
+            if not nested:
+                gm.meta["capture"] = "fx"
+                return gm, inputs
+            # fx takes a dict or tuple of tensors as one placeholder, which the profiler and
+            # the runtime cannot follow (their placeholders are tensors); export flattens it.
+            fx_error = TraceError(
+                f"could not capture {type(model).__name__} with torch.fx: its input"
+                f"{'s' if len(nested) > 1 else ''} {', '.join(nested)} hold tensors inside a "
+                f"container, and an fx graph takes a container as one input, not its tensors; "
+                f"capture it with torch.export (capture='export' or 'auto', which flatten the "
+                f"container), or pass the tensors as separate arguments of forward")
+            if mode == "fx":
+                raise fx_error
     leaf_modules = list(leaf_modules)
     if leaf_modules:
         raise ValueError(f"leaf_modules={leaf_modules!r}: leaves are a torch.fx notion; "
@@ -338,7 +351,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     return gm, flat
 
 
-def _fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
+def nested_tensor_inputs(gm: fx.GraphModule, inputs: tuple) -> list[str]:
+    """The placeholders (as "'name' (a dict)") whose inputs are containers holding tensors."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return [f"'{name}' (a {type(x).__name__})" for name, x in zip(names, inputs)
+            if not isinstance(x, torch.Tensor)
+            and any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])]
+
+
+def fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
     """The fx graph's placeholders filled from a call (keywords bound by the signature)."""
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     if not kwargs and len(args) == len(names):

@@ -51,8 +51,14 @@ def _optimizer_multiplier(optimizer: str | None) -> int:
 
 def _as_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     xs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(xs, (tuple, list)) or not xs or not all(isinstance(x, torch.Tensor)
-                                                              for x in xs):
+    if isinstance(xs, (tuple, list)) and xs and not all(isinstance(x, torch.Tensor) for x in xs):
+        i, x = next((i, x) for i, x in enumerate(xs) if not isinstance(x, torch.Tensor))
+        raise ValueError(f"example_inputs[{i}]: expected a tensor, got {type(x).__name__}; a "
+                         f"forward taking a dict, tuple or other non-tensor argument is profiled "
+                         f"from a mapping of its arguments by name "
+                         f"(example_inputs={{'<argument>': value, ...}}, captured with "
+                         f"torch.export), or pass its tensors as separate arguments")
+    if not isinstance(xs, (tuple, list)) or not xs:
         raise ValueError(f"example_inputs: expected a tensor or a non-empty tuple of tensors, got "
                          f"{type(example_inputs).__name__}")
     if xs[0].dim() == 0:

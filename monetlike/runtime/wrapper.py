@@ -53,7 +53,8 @@ from solver.errors import ScheduleError, ScheduleMismatchError
 from solver.graph import OpGraph
 from solver.schedule import Schedule
 
-from ..capture import FlatInputs, call_spec, check_capture, example_of, export_graph
+from ..capture import (FlatInputs, call_spec, check_capture, example_of, export_graph,
+                       fx_inputs, nested_tensor_inputs)
 from .executor import ScheduledForward, StepState
 from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
@@ -126,6 +127,8 @@ class ScheduleWrapper(torch.nn.Module):
                                                   else None)
                                       or schedule.meta.get("capture") or "auto")
         self._given_graph = graph
+        # The train/eval flags the given graph was taken with (trusted only while they hold).
+        self._given_training = None if graph is None else _training_flags(model)
         # The solved graph's optimizer state, for schedules whose summary does not record it
         # (NOTE [Smaller shapes]).
         self._optimizer_bytes = None if graph is None else graph.optimizer_bytes
@@ -239,6 +242,15 @@ class ScheduleWrapper(torch.nn.Module):
                 "ScheduleWrapper: the wrapped model has forward hooks on itself, which the "
                 "scheduled forward would not call; register them on the wrapper instead "
                 "(hooks on its submodules are fine)")
+        return self._scheduled_step(args, kwargs)
+
+    # torch.compile does not trace into the scheduled step: compiled, its forward's random ops
+    # (dropout) draw inductor's random numbers while the recomputations in the backward run
+    # eagerly and draw others (other masks: wrong gradients, silently), and its per-node
+    # dispatch recompiles at every node. Under torch.compile(wrapper) the step runs eagerly,
+    # exactly; eval and no_grad calls (the plain model) still compile.
+    @torch.compiler.disable
+    def _scheduled_step(self, args: tuple, kwargs: dict):
         inputs = self._positional(args, kwargs)
         entry = self._entry_for(inputs)
         entry.runner.recompute_log = self._recompute_log
@@ -256,7 +268,7 @@ class ScheduleWrapper(torch.nn.Module):
         return out
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
-        if self._exported():
+        if self._exported(args, kwargs):
             return call_spec(self._model, args, kwargs)  # FlatInputs (monetlike.capture)
         names = self._placeholders
         if names is None:
@@ -309,7 +321,8 @@ class ScheduleWrapper(torch.nn.Module):
                               [*model.parameters(), *model.buffers(),
                                *(x for x in inputs if isinstance(x, torch.Tensor))])
         graph = self._given_graph
-        if graph is None or not _graph_fits(graph, inputs):
+        if graph is None or not _graph_fits(graph, inputs, model,
+                                            self.__dict__.get("_given_training")):
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
         matched = self._match(graph, schedule)
@@ -328,8 +341,9 @@ class ScheduleWrapper(torch.nn.Module):
                 f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
                 f"{schedule.fingerprint}, this model and input {graph.fingerprint}; besides the "
                 f"model, batch and shapes, the structure depends on which inputs and parameters "
-                f"require grad, train/eval mode, autocast and leaf_modules); solve a schedule "
-                f"for this model, batch and input shape (monetlike.optimize does it in one call)")
+                f"require grad, train/eval mode, autocast and leaf_modules)"
+                f"{_smaller_note(graph, schedule)}; solve a schedule for this model, batch and "
+                f"input shape (monetlike.optimize does it in one call)")
         plan = build_plan(graph, schedule, self._traced(inputs))
         return _Entry(plan, ScheduledForward(plan, self._model))
 
@@ -342,17 +356,24 @@ class ScheduleWrapper(torch.nn.Module):
             return _rebind(graph, schedule, getattr(self, "_optimizer_bytes", None))
         return None
 
-    def _exported(self) -> bool:
+    def _exported(self, args: tuple = (), kwargs: dict | None = None) -> bool:
         """Whether this model runs through torch.export (capture "export", or "auto" where fx
-        symbolic tracing fails)."""
+        symbolic tracing fails or the call hands forward a container of tensors, as
+        monetlike.capture decides for the profile)."""
         if self._capture == "auto":
             from ..trace import TraceError
 
             try:
-                self._traced()
-                self._capture = "fx"
+                gm = self._traced()
             except TraceError:
                 self._capture = "export"
+            else:
+                try:
+                    nested = nested_tensor_inputs(gm, fx_inputs(self._model, gm, args,
+                                                                 kwargs or {}))
+                except TypeError:  # not a call forward accepts: reported by the caller
+                    nested = []
+                self._capture = "export" if nested else "fx"
         return self._capture == "export"
 
     def _traced(self, inputs: tuple | None = None):
@@ -455,6 +476,20 @@ def _same_but_smaller(graph: OpGraph, schedule: Schedule) -> bool:
     return True
 
 
+def _smaller_note(graph: OpGraph, schedule: Schedule) -> str:
+    """For a call smaller than the schedule's shape whose graph is not the same structure: why
+    it is not run as smaller shapes are (NOTE [Smaller shapes]), and the loop's way out."""
+    solved, now = schedule.graph_summary.get("input_shapes"), graph.summary()["input_shapes"]
+    if not isinstance(solved, list) or len(solved) != len(now) or solved == now or any(
+            not isinstance(a, list) or len(a) != len(b) or any(y > x for x, y in zip(a, b))
+            for a, b in zip(solved, now)):
+        return ""
+    return ("; a smaller shape runs the schedule when the model's graph keeps its structure, and "
+            "at this shape it does not (an op saves other tensors or becomes a view: a batch or "
+            "sequence of one is the usual case); for the last partial batch of an epoch, "
+            "DataLoader(drop_last=True) avoids it")
+
+
 def _rebind(graph: OpGraph, schedule: Schedule,
             optimizer_bytes: int | None) -> tuple[OpGraph, Schedule]:
     """The schedule's decisions on the smaller graph, proven within budget by the simulator.
@@ -492,11 +527,29 @@ def _rebind(graph: OpGraph, schedule: Schedule,
     return graph, dataclasses.replace(rebound, predicted_peak_bytes=timeline.peak_bytes)
 
 
-def _graph_fits(graph: OpGraph, inputs: tuple) -> bool:
+def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
+                given_training: list | None) -> bool:
+    """Whether the graph given to the wrapper is this call's: the same input shapes, dtypes and
+    requires_grad, the same parameters requiring grad, and the train/eval flags the model had
+    when it was wrapped (a parameter frozen, an input requiring grad or a submodule put in eval
+    mode in between change the structure: profiled again, then matched or refused)."""
     summary = graph.summary()
-    shapes = [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)]
-    dtypes = [str(x.dtype).replace("torch.", "") for x in inputs if isinstance(x, torch.Tensor)]
-    return summary["input_shapes"] == shapes and summary["input_dtypes"] == dtypes
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if summary["input_shapes"] != [list(x.shape) for x in tensors] \
+            or summary["input_dtypes"] != [str(x.dtype).replace("torch.", "") for x in tensors] \
+            or summary.get("input_requires_grad", [x.requires_grad for x in tensors]) \
+            != [x.requires_grad for x in tensors]:
+        return False
+    requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    if any(n in requires_grad and requires_grad[n] != bool(rg) for n, _, _, rg in graph.params):
+        return False
+    return given_training is None or given_training == _training_flags(model)
+
+
+def _training_flags(model: torch.nn.Module) -> list:
+    training: list = []
+    _module_flags(model, training, [])
+    return training
 
 
 def _impl_target(cost_provenance: str) -> str:
