@@ -261,6 +261,16 @@ def _lora_transformer():
     return model
 
 
+def _exact_with_the_predicted_peak(model, x, graph):
+    """Each schedule of `_schedules` trains like plain PyTorch and peaks where predicted."""
+    for name, schedule in _schedules(graph).items():
+        _run_pair(model, x, schedule, graph, _train_steps)
+        tst = copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
+        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
+        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+
+
 @pytest.mark.parametrize("make, x", [
     (_frozen_first_layer, _x()),
     (_lora_transformer, _tokens()),
@@ -268,12 +278,7 @@ def _lora_transformer():
 def test_partial_training_profiled_as_trained(make, x):
     model = make()
     graph = monetlike.profile(model, x, repeat=1)
-    for name, schedule in _schedules(graph).items():
-        _run_pair(model, x, schedule, graph, _train_steps)
-        tst = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
-        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
-        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+    _exact_with_the_predicted_peak(model, x, graph)
 
 
 @pytest.mark.parametrize("change, difference", [
@@ -323,12 +328,7 @@ def test_a_given_graph_is_not_trusted_once_the_model_changed(change, difference)
 def test_memory_formats_and_dtypes(convert):
     model, x = convert(cnn()), convert(_x())
     graph = monetlike.profile(model, x, repeat=1)
-    for name, schedule in _schedules(graph).items():
-        _run_pair(model, x, schedule, graph, _train_steps)
-        tst = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
-        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
-        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+    _exact_with_the_predicted_peak(model, x, graph)
 
 
 # ----------------------------------------------------------------------------------------------
