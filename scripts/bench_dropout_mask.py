@@ -14,7 +14,6 @@ simulator's step time over store-all's), so both columns use the same measured o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -34,14 +33,6 @@ from bench_solver import markdown_table  # noqa: E402
 FRACTIONS = (0.97, 0.93, 0.90, 0.87)
 
 
-def without_mask(graph):
-    """The same graph with every `dropout_mask` Impl removed (it is always the last Impl of its
-    Op, so the other Impls keep their indices)."""
-    ops = tuple(dataclasses.replace(o, impls=tuple(i for i in o.impls if i.name != "dropout_mask"))
-                for o in graph.ops)
-    return dataclasses.replace(graph, ops=ops)
-
-
 def _solve(graph, budget, base_time, time_limit):
     try:
         r = solver.solve(graph, budget, mode="full", time_limit_s=time_limit)
@@ -59,7 +50,7 @@ def run(width: int, layers: int, batch: int, time_limit: float) -> pd.DataFrame:
     model = nn.Sequential(*mods, nn.Linear(width, 1)).train()
     x = torch.randn(batch, width)
     with_mask = monetlike.profile(model, x, cost="measured", repeat=3)
-    plain = without_mask(with_mask)
+    plain = with_mask.without_impl("dropout_mask")  # the last Impl of its Ops
     base = solver.simulate(with_mask, solver.store_all_schedule(with_mask))
     rows = []
     for f in FRACTIONS:

@@ -18,7 +18,6 @@ CI does not run this (tests/test_impls_internals.py checks the Impl itself).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -98,19 +97,11 @@ MODELS = {
 }
 
 
-def without_impl(graph):
-    """The same graph with every recompute_internals Impl removed (full mode without it; the
-    Impls after it on an Op move down one index, which no schedule here carries over)."""
-    ops = tuple(dataclasses.replace(o, impls=tuple(i for i in o.impls if i.name != NAME))
-                for o in graph.ops)
-    return dataclasses.replace(graph, ops=ops)
-
-
 def rows_for(name: str, time_limit: float) -> list[dict]:
     factory, shape = MODELS[name]
     graph = monetlike.profile(factory().train(), torch.randn(*shape, device="meta"), cost=COST)
     base = simulate(graph, store_all_schedule(graph))
-    without = without_impl(graph)
+    without = graph.without_impl(NAME)
     mins = {m: solver.min_budget(graph, m) for m in ("checkpoint", "full")}
     mins["full_without"] = solver.min_budget(without, "full")
     n_impl = sum(any(im.name == NAME for im in op.impls) for op in graph.ops)

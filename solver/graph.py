@@ -520,6 +520,14 @@ class OpGraph:
                        f"{' requires_grad' if rg else ''}" for n, shape, dtype, rg in self.params],
         }
 
+    def without_impl(self, name: str) -> "OpGraph":
+        """The same graph with every Impl called `name` left out (what a model would be without
+        that Impl: benchmarks compare the two). The Impls after it on an Op move down one index,
+        so a schedule of this graph does not carry over to the original unless it was the last."""
+        ops = tuple(dataclasses.replace(o, impls=tuple(i for i in o.impls if i.name != name))
+                    for o in self.ops)
+        return dataclasses.replace(self, ops=ops)
+
     # -- checks and (de)serialisation -------------------------------------------------------
     def __post_init__(self) -> None:
         self._validate()

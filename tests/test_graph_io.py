@@ -161,3 +161,19 @@ def test_recompute_times_round_trip_and_do_not_change_the_fingerprint(tmp_path):
     d["ops"][0]["impls"][0]["recompute_time"] = -1
     with pytest.raises(FormatError, match=r"recompute_time: expected a non-negative"):
         OpGraph.from_dict(d)
+
+
+def test_without_impl_leaves_out_that_impl_only():
+    from solver_cases import GraphBuilder
+    b = GraphBuilder("impls")
+    x = b.input("x", 8)
+    a = b.op("a", [x], 8, impls=[dict(name="default", saved=("in0",)),
+                                 dict(name="keep_me", saved=()),
+                                 dict(name="drop_me", saved=())])
+    b.op("b", [a], 1, impls=[dict(name="default", saved=("in0",)),
+                             dict(name="drop_me", saved=())])
+    g = b.build(outputs=[len(b.values) - 1])
+    h = g.without_impl("drop_me")
+    assert [[im.name for im in op.impls] for op in h.ops] == [["default", "keep_me"], ["default"]]
+    assert [[im.name for im in op.impls] for op in g.ops][1] == ["default", "drop_me"]  # unchanged
+    assert h.fingerprint != g.fingerprint and h.without_impl("absent") == h

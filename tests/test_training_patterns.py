@@ -79,7 +79,8 @@ def _snap(model):
             + [b.clone() for b in model.buffers()])
 
 
-def _same(a, b, exact):
+def assert_same_records(a, b, exact):
+    assert a, "nothing was recorded to compare"
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         if x is None or y is None:
@@ -90,11 +91,11 @@ def _same(a, b, exact):
             torch.testing.assert_close(y, x, msg=lambda m: f"record {i}: {m}")
 
 
-def _run_pair(model, x, schedule, graph, loop, exact=True):
+def assert_trains_like_pytorch(model, x, schedule, graph, loop, exact=True):
     """`loop(module, model, x)` on a plain copy and on a wrapped copy; the records equal."""
     ref, tst = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
-    _same(loop(ref, ref, x), loop(wrapped, tst, x), exact)
+    assert_same_records(loop(ref, ref, x), loop(wrapped, tst, x), exact)
     return wrapped
 
 
@@ -188,7 +189,7 @@ def test_loop_shapes_train_like_pytorch(loop):
         model = make()
         graph = monetlike.profile(model, x, repeat=1)
         for schedule in _schedules(graph).values():
-            _run_pair(model, x, schedule, graph, loop)
+            assert_trains_like_pytorch(model, x, schedule, graph, loop)
 
 
 def test_state_dict_into_a_fresh_wrapper_mid_training_and_an_optimizer_built_before():
@@ -212,8 +213,8 @@ def test_state_dict_into_a_fresh_wrapper_mid_training_and_an_optimizer_built_bef
                 torch.manual_seed(step)
                 _wloss(module(x)).backward()
                 opt.step()
-            _same([*ref.parameters(), *ref.buffers()], [*tst.parameters(), *tst.buffers()],
-                  exact=True)
+            assert_same_records([*ref.parameters(), *ref.buffers()],
+                                [*tst.parameters(), *tst.buffers()], exact=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,10 +262,10 @@ def _lora_transformer():
     return model
 
 
-def _exact_with_the_predicted_peak(model, x, graph):
+def assert_exact_with_the_predicted_peak(model, x, graph):
     """Each schedule of `_schedules` trains like plain PyTorch and peaks where predicted."""
     for name, schedule in _schedules(graph).items():
-        _run_pair(model, x, schedule, graph, _train_steps)
+        assert_trains_like_pytorch(model, x, schedule, graph, _train_steps)
         tst = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
         measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
@@ -278,7 +279,7 @@ def _exact_with_the_predicted_peak(model, x, graph):
 def test_partial_training_profiled_as_trained(make, x):
     model = make()
     graph = monetlike.profile(model, x, repeat=1)
-    _exact_with_the_predicted_peak(model, x, graph)
+    assert_exact_with_the_predicted_peak(model, x, graph)
 
 
 @pytest.mark.parametrize("change, difference", [
@@ -315,7 +316,7 @@ def test_a_given_graph_is_not_trusted_once_the_model_changed(change, difference)
     torch.manual_seed(0)
     expected = ref(x)
     _wloss(expected).backward()
-    _same([expected] + _snap(ref), [out.detach()] + _snap(model), exact=True)
+    assert_same_records([expected] + _snap(ref), [out.detach()] + _snap(model), exact=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def test_a_given_graph_is_not_trusted_once_the_model_changed(change, difference)
 def test_memory_formats_and_dtypes(convert):
     model, x = convert(cnn()), convert(_x())
     graph = monetlike.profile(model, x, repeat=1)
-    _exact_with_the_predicted_peak(model, x, graph)
+    assert_exact_with_the_predicted_peak(model, x, graph)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,14 +355,14 @@ def test_torch_compile_of_the_wrapper_runs_the_schedule_exactly():
             out = compiled(x)
             _wloss(out).backward()
         assert log, "the schedule's recomputations ran"
-        _same([expected] + _snap(ref), [out.detach()] + _snap(tst), exact=True)
+        assert_same_records([expected] + _snap(ref), [out.detach()] + _snap(tst), exact=True)
     copied = copy.deepcopy(wrapped)  # a copy of a trained wrapper trains on its own
     ref2 = copy.deepcopy(ref)
     for module, m in ((ref2, ref2), (copied, copied.model)):
         m.zero_grad(set_to_none=True)
         torch.manual_seed(7)
         _wloss(module(x)).backward()
-    _same(_snap(ref2), _snap(copied.model), exact=True)
+    assert_same_records(_snap(ref2), _snap(copied.model), exact=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ def test_inputs_inside_a_dict_or_a_tuple(cls, kwargs):
             torch.manual_seed(step)
             out = module(**kwargs) if step == 0 else module(value)  # by keyword, by position
             _wloss(out).backward()
-        _same(_snap(ref), _snap(tst), exact=True)
+        assert_same_records(_snap(ref), _snap(tst), exact=True)
     # Without the graph (a schedule loaded from a file): the wrapper captures as the profile did.
     bare = copy.deepcopy(ref)
     w = monetlike.ScheduleWrapper(bare, schedule)
@@ -422,7 +423,7 @@ def test_inputs_inside_a_dict_or_a_tuple(cls, kwargs):
         m.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         _wloss(module(value)).backward()
-    _same(_snap(ref), _snap(bare), exact=True)
+    assert_same_records(_snap(ref), _snap(bare), exact=True)
 
 
 def test_a_last_batch_of_one_that_changes_the_graph_is_refused_with_the_way_out():

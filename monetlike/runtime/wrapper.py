@@ -322,7 +322,7 @@ class ScheduleWrapper(torch.nn.Module):
                                *(x for x in inputs if isinstance(x, torch.Tensor))])
         graph = self._given_graph
         if graph is None or not _graph_fits(graph, inputs, model,
-                                            self.__dict__.get("_given_training")):
+                                            getattr(self, "_given_training", None)):
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
         matched = self._match(graph, schedule)
