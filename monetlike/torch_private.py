@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.fx
+from torch.nn.modules import module as _module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,9 +59,7 @@ PyTreeInfo = torch.fx.graph._PyTreeInfo
 
 def global_module_hooks() -> bool:
     """Whether a global nn.Module forward (pre-)hook is registered; torch has no public query."""
-    from torch.nn.modules import module as m
-
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 # -- ReLU6 / hardtanh: the C bindings torch.nn.functional calls -----------------------------------

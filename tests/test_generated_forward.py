@@ -142,3 +142,37 @@ def test_a_module_writing_its_buffer_is_refused_when_a_stale_graph_recomputes_it
     with pytest.raises(ScheduleError, match="writes its buffer 'calls'"):
         wrapped(x).sum().backward()
     assert model.counter.calls == before + 1  # the forward ran once; nothing was recomputed
+
+
+def test_a_recomputation_runs_as_generated_code(resnet, monkeypatch):
+    """NOTE [Generated recomputation]: a recomputed Op's nodes are its own generated code; only
+    its arguments from outside the Op, its norms (run without running statistics) and the
+    registering of its Values call back into the runtime, once each."""
+    from monetlike.runtime.executor import Recomputation
+
+    model, x, graph = resnet
+    schedule = _one_recompute(graph)
+    wrapped = ScheduleWrapper(model, schedule, graph=graph)
+    calls = {"arg": [], "run": [], "made": []}
+    for name in calls:
+        original = getattr(Recomputation, name)
+
+        def counting(self, i, *rest, _name=name, _original=original):
+            calls[_name].append(i)
+            return _original(self, i, *rest)
+
+        monkeypatch.setattr(Recomputation, name, counting)
+    wrapped(x).sum().backward()
+    plan = next(iter(wrapped._entries.values())).plan
+    recomputed = [j for st in schedule.stages for j in st.recompute]
+    nodes = list(plan.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    outside = sorted({index[a] for j in recomputed for n in plan.op_nodes[j]
+                      for a in n.all_input_nodes if plan.node_op.get(a.name) != j})
+    norms = sorted(index[n] for j in recomputed for n in plan.op_nodes[j]
+                   if n.op == "call_module" and "bn" in n.target)
+    assert norms, "the schedule recomputes a BatchNorm"
+    assert sorted(calls["arg"]) == outside
+    assert sorted(calls["run"]) == norms
+    assert sorted(calls["made"]) == sorted(index[plan.nodes[graph.ops[j].name]]
+                                           for j in recomputed)

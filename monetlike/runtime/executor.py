@@ -55,6 +55,15 @@ and the nodes whose geometry a recomputation rebuilds its arguments from. Every 
 what it costs in the model's own forward: a schedule recomputing 4 Ops of DenseNet-121's 600 runs
 a few dozen nodes through Python bookkeeping, not 1,300 through an interpreter.
 
+NOTE [Generated recomputation]
+A recomputation runs its Op's nodes as generated code too (codegen.generated_recompute, built at
+the Op's first recomputation and kept with the plan): fx's code for each node, in the forward's
+order, under no_grad and the Op's recorded RNG and autocast state. What it reads from outside the
+Op (the resident Values through the geometry the forward recorded, inputs, parameters) and the
+nodes a recomputation runs otherwise than the forward (a norm without its running statistics,
+an in-place Impl) call back into `Recomputation`; nothing else goes through Python bookkeeping
+per node. Every result of the Op lives until the Op is done, as the profile measured it.
+
 NOTE [In place on a view]
 An in-place Impl (monetlike/impls/inplace.py) runs `x.add_(y)` or `torch.relu_(x)` where the model
 wrote `x + y` or `torch.relu(x)`, and claims the out-of-place op's backward: the same saved
@@ -104,7 +113,6 @@ and hooks point to it), never the other way round.
 from __future__ import annotations
 
 import functools
-import linecache
 import weakref
 from typing import Any
 
@@ -113,9 +121,10 @@ import torch.fx as fx
 
 from solver.errors import ScheduleError
 
-from ..torch_private import (PyTreeCodeGen, current_graph_task_id, queue_engine_callback,
-                             tree_flatten, tree_leaves, tree_unflatten)
+from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_flatten,
+                             tree_leaves, tree_unflatten)
 from . import recompute as rc
+from .codegen import MISSING, attr_path, generated_forward, generated_recompute
 from .hooks import CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message
 from .offload import HostCopies
 from .plan import Plan, module_of
@@ -328,24 +337,14 @@ class StepState:
         if ctx is None:
             raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
                                f"forward context was not captured; this is a bug")
-        # An in-place Impl recomputes in place as well (on the copy of the overwritten Value
-        # recomputed in this stage, which nothing reads afterwards): the simulator counts no new
-        # storage for its output at this point.
-        inplace = plan.impl_calls if j in plan.overwrites else {}
+        # NOTE [Generated recomputation]
+        call = Recomputation(self, j, local, new_values, t)
         with torch.no_grad(), rc.replay(ctx):
-            for node in plan.op_nodes[j]:
-                args, kwargs = self._materialize_args(node, local, new_values, t)
-                try:
-                    sub = inplace.get(node.name)
-                    result = (sub(self.runner, node, args, kwargs) if sub is not None
-                              else self.runner.call_for_recompute(node, args, kwargs))
-                except Exception as e:
-                    raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
-                                       f"backward stage {t} failed at node "
-                                       f"{node.format_node()}: {e}") from e
-                local[node.name] = result
-                if node.name == op.name:
-                    self._register_outputs(node, result, new_values, recompute=True)
+            try:
+                self.runner.recompute_code(j)(self.runner.root, call)
+            except Exception as e:
+                raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
+                                   f"backward stage {t} failed: {type(e).__name__}: {e}") from e
         resident = self.resident
         for v in op.outputs:
             if v not in resident:
@@ -508,6 +507,45 @@ class StepState:
                 f"it was profiled (requires_grad or train/eval changed?): profile and solve again")
 
 
+class Recomputation:
+    """What the generated code of one recomputation calls back into (codegen.generated_recompute):
+    the arguments it reads from outside its Op, the nodes run otherwise than in the forward, the
+    Values it makes."""
+
+    __slots__ = ("state", "op", "locals", "new_values", "t")
+
+    def __init__(self, state: StepState, op: int, local: dict, new_values: dict, t: int):
+        self.state, self.op, self.locals, self.new_values, self.t = state, op, local, new_values, t
+
+    def arg(self, i: int) -> Any:
+        """Node i of the traced graph, outside the Op: rebuilt from resident Values."""
+        return self.state._materialize(self.state.runner._nodes[i], self.locals,
+                                       self.new_values, self.t)
+
+    def run(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Node i as a recomputation runs it: a norm without its running statistics; the node of
+        an in-place Impl in place as well, on the copy of the overwritten Value recomputed in
+        this stage, which nothing reads afterwards (the simulator counts no new storage for its
+        output here)."""
+        runner = self.state.runner
+        node = runner._nodes[i]
+        plan = runner.plan
+        if self.op in plan.overwrites:
+            sub = plan.impl_calls.get(node.name)
+            if sub is not None:
+                return sub(runner, node, args, kwargs)
+        return runner.call_for_recompute(node, args, kwargs)
+
+    def made(self, i: int, result: Any) -> None:
+        """The Op's node ran: its new storages are the Op's Values."""
+        self.state._register_outputs(self.state.runner._nodes[i], result, self.new_values,
+                                     recompute=True)
+
+    def local(self, name: str, result: Any) -> None:
+        """A result of the Op that a node outside it, rebuilt by `arg`, reads."""
+        self.locals[name] = result
+
+
 class ScheduledForward:
     """Runs the traced forward for one StepState (reused across steps): fx's generated code, with
     the nodes a schedule needs routed through `_run` (NOTE [Generated forward])."""
@@ -516,7 +554,6 @@ class ScheduledForward:
         self.plan = plan
         self.root = root
         self.state: StepState | None = None
-        self._op_started: set[int] = set()
         self._buffer_versions: dict[int, list] = {}
         self._attrs: dict[str, Any] = {}
         self._capturer: rc.ContextCapturer | None = None
@@ -524,19 +561,31 @@ class ScheduledForward:
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
         self.recompute_log = None  # (times, clock) inside ScheduleWrapper.timing_recomputations()
         self._nodes = list(plan.gm.graph.nodes)
+        self._info = [_node_info(plan, n) for n in self._nodes]
+        # Per recomputed Op, the targets of its module nodes (their side effects are checked).
+        self._op_modules = {j: [n for n in plan.op_nodes[j] if n.op == "call_module"]
+                            for j in plan.recomputed_ops}
         self._forward = generated_forward(plan, root)
+        self._recompute_code: dict[int, Any] = {}
+
+    def recompute_code(self, j: int):
+        """Op j's recomputation as generated code (NOTE [Generated recomputation])."""
+        code = self._recompute_code.get(j)
+        if code is None:
+            code = self._recompute_code[j] = generated_recompute(self.plan, j, self.root)
+        return code
 
     # Parameters and submodules are looked up on the live model, not on the traced copy, so
     # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step; a
     # constant fx made at trace time exists on the traced copy only.
     def fetch_attr(self, target: str) -> Any:
-        found = self._attrs.get(target, _MISSING)
-        if found is not _MISSING:
+        found = self._attrs.get(target, MISSING)
+        if found is not MISSING:
             return found
-        found = _attr_path(self.root, target)
-        if found is _MISSING:
-            found = _attr_path(self.plan.gm, target)
-        if found is _MISSING:
+        found = attr_path(self.root, target)
+        if found is MISSING:
+            found = attr_path(self.plan.gm, target)
+        if found is MISSING:
             raise RuntimeError(f"ScheduleWrapper: the model has no attribute {target!r}, which "
                                f"the traced graph reads")
         self._attrs[target] = found
@@ -544,7 +593,6 @@ class ScheduledForward:
 
     def run_step(self, state: StepState, args: tuple) -> Any:
         self.state = state
-        self._op_started = set()
         self._buffer_versions = {}
         self._attrs = {}  # looked up once per step (and its recomputations) on the live model
         if not self.plan.store_all:
@@ -560,13 +608,13 @@ class ScheduledForward:
 
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
-        n = self._nodes[i]
         try:
-            return self._run(n, args, kwargs)
+            return self._run(self._info[i], args, kwargs)
         except Exception as e:
             if not getattr(e, "_monetlike_node", False):
                 e._monetlike_node = True
-                e.add_note(f"While executing {n.format_node()} (ScheduleWrapper forward)")
+                e.add_note(f"While executing {self._nodes[i].format_node()} (ScheduleWrapper "
+                           f"forward)")
             raise
 
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -589,21 +637,17 @@ class ScheduledForward:
             return self.fetch_attr(n.target)
         raise RuntimeError(f"ScheduleWrapper: cannot run node {n.format_node()}")
 
-    def _run(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
-        plan = self.plan
-        if plan.store_all:
+    def _run(self, info: tuple, args: tuple, kwargs: dict) -> Any:
+        n, op, starts, rng, hooked, makes, meta, stage, ends, offloads = info
+        if self.plan.store_all:
             # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
             # stage hook or a recorded context: the step is plain autograd, node by node.
             result = self._call(n, args, kwargs)
             return result if n.users else None
         state = self.state
-        op = plan.node_op.get(n.name)
-        if op is not None and op not in self._op_started:
-            self._op_started.add(op)
-            if op in plan.recomputed_ops:
-                self._before_recomputed_op(op)
-                state.op_ctx[op] = self._capturer.capture(rng=op in plan.rng_ops)
-        hooked = op is not None and op in plan.hooked_ops
+        if starts:  # the first node of a recomputed Op
+            self._before_recomputed_op(op)
+            state.op_ctx[op] = self._capturer.capture(rng=rng)
         state.current_op = op
         if hooked:
             self._hooks.__enter__()
@@ -613,14 +657,13 @@ class ScheduledForward:
             if hooked:
                 self._hooks.__exit__(None, None, None)
             state.current_op = None
-        if op is not None and n.name == plan.graph.ops[op].name:
+        if makes:
             state._register_outputs(n, result, None, recompute=False)
         if state.pending:
             state.resolve_pending(op)
-        if n.name in plan.meta_nodes:
+        if meta:
             state.record_meta(n, op, result)
-        stage = plan.stage_of_op.get(op) if op is not None else None
-        if stage is not None and stage in plan.active_stages:
+        if stage is not None:
             # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
             leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
             # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's base a
@@ -629,25 +672,22 @@ class ScheduledForward:
             roots = grad_fns(list(leaves) + bases)
             if roots:
                 state.hook_stage(stage, roots)
-        if op is not None and op in self._buffer_versions and plan.op_last_node.get(n.name) == op:
-            self._after_recomputed_op(op)
-        if op is not None and op in plan.offload_after and plan.op_last_node.get(n.name) == op:
-            # After the Op's in-place nodes too: the host copy must hold the final contents.
-            state.offload_outputs(op)
+        if ends:
+            if op in self._buffer_versions:
+                self._after_recomputed_op(op)
+            if offloads:
+                # After the Op's in-place nodes too: the host copy must hold the final contents.
+                state.offload_outputs(op)
         if not n.users:
             return None  # nobody reads it: free it now, as eager PyTorch (and the profiler) would
         return result
 
     # -- side effects of Ops the schedule recomputes ------------------------------------------
-    def _modules_of(self, op: int):
-        for node in self.plan.op_nodes[op]:
-            if node.op == "call_module":
-                yield node, self.fetch_attr(node.target)
-
     def _before_recomputed_op(self, op: int) -> None:
         graph = self.plan.graph
         versions = []
-        for node, mod in self._modules_of(op):
+        for node in self._op_modules[op]:
+            mod = self.fetch_attr(node.target)
             if rc.module_has_hooks(mod):
                 raise ScheduleError(
                     f"ScheduleWrapper: the schedule recomputes op {op} ({graph.ops[op].name}), "
@@ -655,8 +695,11 @@ class ScheduledForward:
                     f"again. Profile the model with its hooks registered (the profiler marks such "
                     f"ops recompute_unsafe) and solve again")
             allowed = rc.allowed_buffer_writes(mod)
-            versions.append((node, mod, allowed, rc.buffer_versions(mod, allowed)))
-        self._buffer_versions[op] = versions
+            before = rc.buffer_versions(mod, allowed)
+            if before:
+                versions.append((node, mod, allowed, before))
+        if versions:
+            self._buffer_versions[op] = versions
 
     def _after_recomputed_op(self, op: int) -> None:
         graph = self.plan.graph
@@ -673,7 +716,23 @@ class ScheduledForward:
         return rc.call_for_recompute(node.op, node.target, args, kwargs, self.fetch_attr)
 
 
-_MISSING = object()
+
+
+def _node_info(plan: Plan, n: fx.Node) -> tuple:
+    """What `ScheduledForward._run` does around node n, decided once per plan: (node, its Op,
+    first node of a recomputed Op, whose RNG is captured, under the saved-tensor hooks, makes the
+    Op's Values, geometry recorded, active stage to hook or None, last node of the Op, last node
+    of an Op with offloaded outputs)."""
+    op = plan.node_op.get(n.name)
+    if op is None:
+        return (n, None, False, False, False, False, n.name in plan.meta_nodes, None, False,
+                False)
+    stage = plan.stage_of_op.get(op)
+    ends = plan.op_last_node.get(n.name) == op
+    return (n, op, op in plan.recomputed_ops and plan.op_nodes[op][0] is n, op in plan.rng_ops,
+            op in plan.hooked_ops, n.name == plan.graph.ops[op].name, n.name in plan.meta_nodes,
+            stage if stage in plan.active_stages else None, ends,
+            ends and op in plan.offload_after)
 
 
 def _flagged(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -703,63 +762,6 @@ def _as_forward_layout(x: torch.Tensor, geom: tuple, node: fx.Node, v: int) -> t
         f"{size}, strides {stride}, offset {offset} in {nbytes} bytes), which cannot be copied "
         f"back into the forward's layout; its readers would see other values. Run a schedule "
         f"that keeps this value (solve with a larger budget), and report the model")
-
-
-def _attr_path(obj: Any, target: str) -> Any:
-    for atom in target.split("."):
-        obj = getattr(obj, atom, _MISSING)
-        if obj is _MISSING:
-            break
-    return obj
-
-
-def generated_forward(plan: Plan, root: torch.nn.Module):
-    """NOTE [Generated forward]: the traced graph as Python code, `forward(runner, model, *args)`.
-
-    A node in `plan.runtime_nodes` (or a get_attr / call_module the live model lacks: a constant
-    fx made at trace time) becomes a call `runner.run_node(i, args, kwargs)`; every
-    other node is fx's own code for it, reading parameters and submodules from the live model
-    (`self`), so parameters or submodules replaced after tracing are the ones used."""
-    gm = plan.gm
-    through = set(plan.runtime_nodes)
-    for n in gm.graph.nodes:
-        if n.op in ("get_attr", "call_module") and _attr_path(root, n.target) is _MISSING:
-            through.add(n.name)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    # The runner is the generated function's first argument, named unlike any model input.
-    taken = {n.target.lstrip("*") for n in gm.graph.nodes if n.op == "placeholder"}
-    name = "_runner"
-    while name in taken:
-        name = "_" + name
-    runner = graph.placeholder(name)
-    for i, n in enumerate(gm.graph.nodes):
-        if n.op not in ("placeholder", "output") and n.name in through:
-            args = fx.node.map_arg(n.args, env.__getitem__)
-            kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
-            env[n] = graph.create_node("call_method", "run_node", (runner, i, args, kwargs),
-                                       name=n.name)
-        else:
-            env[n] = graph.node_copy(n, env.__getitem__)
-    # An exported graph (monetlike.capture) flattens its inputs and rebuilds its outputs (a
-    # ModelOutput) with specs kept on the GraphModule: the code is generated flat (the new
-    # graph's default CodeGen) and the original codegen does both around it.
-    code = graph.python_code(root_module="self")
-    filename = f"<monetlike scheduled forward {id(plan):x}>"
-    # Tracebacks through the generated code show its lines (fx's GraphModule does the same).
-    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(True), filename)
-    scope = dict(code.globals)
-    exec(compile(code.src, filename, "exec"), scope)
-    flat_forward = scope["forward"]
-    codegen = gm.graph._codegen
-    if not isinstance(codegen, PyTreeCodeGen):
-        def forward(runner, root, *args):
-            return flat_forward(root, runner, *args)
-    else:
-        def forward(runner, root, *args):
-            return codegen.process_outputs(
-                flat_forward(root, runner, *codegen.process_inputs(*args)))
-    return forward
 
 
 def _unviewed(args: tuple, kwargs: dict, where: tuple) -> tuple[tuple, dict]:

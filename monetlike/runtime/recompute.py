@@ -59,7 +59,7 @@ class ContextCapturer:
         self.as_tensor = as_tensor
         self._last_cpu: torch.Tensor | None = None
         self._last_cuda: tuple[torch.Tensor, ...] = ()
-        self._autocast = _autocast_state()
+        self._cuda = torch.cuda.is_available()
 
     def capture(self, rng: bool = True) -> ForwardContext:
         """The context now. rng=False for Ops known not to draw random numbers (RNG_FREE)."""
@@ -85,13 +85,14 @@ class ContextCapturer:
         # Autocast can only change between nodes if the traced code entered a context itself;
         # reading it is cheap, so read it per Op rather than assume.
         return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices if rng else (),
-                              cuda_rng=cuda, autocast=_autocast_state(),
+                              cuda_rng=cuda, autocast=_autocast_state(self._cuda),
                               autocast_cache=torch.is_autocast_cache_enabled())
 
 
-def _autocast_state() -> tuple[tuple[str, bool, Any], ...]:
+def _autocast_state(cuda: bool) -> tuple[tuple[str, bool, Any], ...]:
+    """(device type, enabled, dtype) for 'cpu', and for 'cuda' if `cuda` (CUDA is available)."""
     out = [("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))]
-    if torch.cuda.is_available():
+    if cuda:
         out.append(("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
     return tuple(out)
 
@@ -121,7 +122,7 @@ def replay(ctx: ForwardContext):
         for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
             torch.cuda.set_rng_state(s, d)
     try:
-        if ctx.autocast == _autocast_state() and (
+        if ctx.autocast == _autocast_state(len(ctx.autocast) > 1) and (
                 not any(enabled for _, enabled, _ in ctx.autocast)
                 or ctx.autocast_cache == torch.is_autocast_cache_enabled()):
             yield
@@ -181,7 +182,7 @@ def rng_free(kinds: list[str]) -> bool:
 # Modules and functions with running statistics
 # ----------------------------------------------------------------------------------------------
 @functools.cache
-def _norm_kind(cls: type) -> str | None:
+def norm_kind(cls: type) -> str | None:
     """'batchnorm' or 'instancenorm' for torch's own classes of those (decided once per class)."""
     # SyncBatchNorm is a collective and must never be recomputed (the profiler marks it unsafe);
     # any other subclass may override forward, so only the library classes are rewritten.
@@ -194,11 +195,11 @@ def _norm_kind(cls: type) -> str | None:
 
 
 def _is_plain_batchnorm(mod: torch.nn.Module) -> bool:
-    return _norm_kind(type(mod)) == "batchnorm"
+    return norm_kind(type(mod)) == "batchnorm"
 
 
 def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
-    return _norm_kind(type(mod)) == "instancenorm"
+    return norm_kind(type(mod)) == "instancenorm"
 
 
 def call_for_recompute(kind: str, target: Any, args: tuple, kwargs: dict, fetch_attr) -> Any:
@@ -256,6 +257,11 @@ def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -
             return F.instance_norm(x, None, None, mod.weight, mod.bias, True, 0.0, mod.eps)
         return mod(*args)
     return mod(*args, **kwargs)
+
+
+def recomputes_differently(fn) -> bool:
+    """True for the functions `call_function_for_recompute` does not simply call again."""
+    return fn is F.batch_norm or fn is F.instance_norm or fn in _ATEN_NORMS
 
 
 def call_function_for_recompute(fn, args: tuple, kwargs: dict) -> Any:
