@@ -15,6 +15,10 @@ measures the model itself and returns the graph with its costs fitted:
    (`ScheduleWrapper.timing_recomputations`): the median becomes the Op's `recompute_time`, for
    every Impl (a recomputation runs the Op's own nodes under no_grad whatever Impl the forward
    ran). An Op that schedule does not recompute gets its scaled forward time.
+3. Those steps timed whole: what they take beyond the graph's prediction for them is the
+   runtime's own work (saved-tensor handles, stage hooks, recorded contexts, registering the
+   Values), which no Op's timing holds; an equal share per recomputation is added to every
+   Impl's `recompute_time`.
 
 The graph's fingerprint does not change (costs are not part of it), so schedules solved on the
 calibrated graph run on the model as before. `graph.meta["calibration"]` records the scales and
@@ -28,16 +32,17 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from solver.graph import OpGraph
 from solver.rules import schedule_from_keep
+from solver.simulate import simulate
 
 from .capture import split_example
 from .profile.costs import Timer, check_clock
-from .profile.interpreter import training_loss
+from .profile.interpreter import loss_fn_in_use, training_loss
 from .torch_private import tree_leaves
 
 __all__ = ["calibrate", "CalibrationError"]
@@ -78,9 +83,16 @@ def _model_preserved(model: torch.nn.Module):
 
 
 def calibrate(model: torch.nn.Module, example_inputs: Any, graph: OpGraph, *, steps: int = 5,
-              clock: str | None = None) -> OpGraph:
+              clock: str | None = None,
+              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> OpGraph:
     """`graph` (a measured profile of `model` on `example_inputs`) with its costs fitted to the
-    step as it runs (module docstring). `clock`: "wall" or "thread", by default the profile's."""
+    step as it runs (module docstring). `clock`: "wall" or "thread", by default the profile's.
+    `loss_fn`: the training loss of the model's output, as given to `monetlike.profile`."""
+    with loss_fn_in_use(loss_fn):
+        return _calibrate(model, example_inputs, graph, steps, clock)
+
+
+def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | None) -> OpGraph:
     if not graph.cost_provenance.startswith("measured"):
         raise CalibrationError(
             f"calibrate: the graph's costs are {graph.cost_provenance!r}; calibration fits "
@@ -129,25 +141,43 @@ def calibrate(model: torch.nn.Module, example_inputs: Any, graph: OpGraph, *, st
                                         created_by="monetlike.calibrate")
         wrapped = ScheduleWrapper(model, everything, graph=graph)
         tick = time.thread_time if clock == "thread" else time.perf_counter
+        whole = []
         with wrapped.timing_recomputations(tick) as times:
             for i in range(steps + 1):
+                timer.sync()
+                a = timer.mark()
                 model.zero_grad(set_to_none=True)
                 if i == 1:
                     times.clear()  # the first step builds the plan and warms up
                 _loss(wrapped(*args, **kwargs)).backward()
+                b = timer.mark()
+                timer.sync()
+                if i:
+                    whole.append(timer.seconds(a, b))
         model.zero_grad(set_to_none=True)
 
     rerun = {j: statistics.median(ts) for j, ts in times.items()}
-    new_ops = []
-    for op in ops:
-        impls = tuple(dataclasses.replace(
-            im, fwd_time=im.fwd_time * alpha, bwd_time=im.bwd_time * beta,
-            recompute_time=rerun.get(op.id, im.rerun_time * alpha)) for im in op.impls)
-        new_ops.append(dataclasses.replace(op, impls=impls))
+
+    def fitted(runtime: float) -> OpGraph:
+        new_ops = []
+        for op in ops:
+            impls = tuple(dataclasses.replace(
+                im, fwd_time=im.fwd_time * alpha, bwd_time=im.bwd_time * beta,
+                recompute_time=rerun.get(op.id, im.rerun_time * alpha) + runtime)
+                for im in op.impls)
+            new_ops.append(dataclasses.replace(op, impls=impls))
+        return dataclasses.replace(graph, ops=tuple(new_ops))
+
+    # 3. What the recompute-everything steps take beyond their prediction is the runtime's own
+    #    work, which no Op's timing holds: an equal share of it is part of each recomputation.
+    n_rec = sum(len(st.recompute) for st in everything.stages)
+    step_s = statistics.median(whole)
+    runtime = max(0.0, step_s - simulate(fitted(0.0), everything).total_time) / max(n_rec, 1)
     meta = dict(graph.meta)
     meta["calibration"] = {
         "forward_scale": alpha, "backward_scale": beta, "steps": steps, "clock": clock,
         "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
         "recompute_timed_ops": len(rerun), "ops": len(ops),
+        "recompute_step_s": step_s, "runtime_per_recompute_s": runtime,
     }
-    return dataclasses.replace(graph, ops=tuple(new_ops), meta=meta)
+    return dataclasses.replace(fitted(runtime), meta=meta)

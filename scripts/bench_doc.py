@@ -6,6 +6,7 @@ touches the others, so they can run at different times and in any order.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import platform
@@ -17,6 +18,21 @@ sys.path.insert(0, ROOT)
 from solver.graph import atomic_write_text  # noqa: E402
 
 DEFAULT_PATH = os.path.join(ROOT, "docs", "BENCHMARKS.md")
+
+
+def steady_cpu_allocator() -> bool:
+    """Keep freed CPU memory in the process, as a caching allocator (CUDA's) does: glibc's
+    malloc otherwise maps large blocks fresh from the OS and trims the heap's free top, so
+    whether a step's tensors page-fault (system time, on the thread clock too) depends on what
+    ran before it (docs/BENCHMARKS.md, "Runtime"). The allocator's counts (the peaks) are not
+    affected. True if set (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def machine() -> str:

@@ -54,6 +54,8 @@ if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
 
 import monetlike  # noqa: E402
+from bench_doc import steady_cpu_allocator  # noqa: E402
+from monetlike.calibrate import calibrate  # noqa: E402
 from monetlike.measure import live_cpu_storages, measure_step  # noqa: E402
 from peers import COMPILE_BUDGETS, PEERS, SPECS, ModelSpec, adapter_for  # noqa: E402
 
@@ -238,11 +240,15 @@ class Ours:
         # With the bench's own loss: its kernels and the output gradient it hands the model are
         # part of the step's peak (a profile with the default sum missed 1 MiB on the
         # transformer, whose loss is the output's mean square).
-        self.graph = monetlike.profile(bench.fresh_copy(), bench.x, cost="measured",
-                                       repeat=bench.args.profile_repeat,
-                                       clock="thread" if bench.args.clock == "cpu" else "wall",
-                                       loss_fn=bench.loss)
+        model = bench.fresh_copy()
+        clock = "thread" if bench.args.clock == "cpu" else "wall"
+        profiled = monetlike.profile(model, bench.x, cost="measured",
+                                     repeat=bench.args.profile_repeat, clock=clock,
+                                     loss_fn=bench.loss)
         self.profile_s = time.perf_counter() - t0
+        # Costs in context (monetlike.calibrate): the steps' forward and backward, each
+        # recomputation as it runs, and the runtime's own work per recomputation.
+        self.graph = calibrate(model, bench.x, profiled, clock=clock, loss_fn=bench.loss)
         self.results: dict[int, object] = {}
         self.grads_checked = 0
 
@@ -547,7 +553,8 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
            "peer_ovh_wall_%": 100 * (statistics.median(peer.wall) / w_plain - 1),
            "ours_ovh_wall_%": None,
            "ours_peak_MiB": None, "ours_pred_MiB": None, "ours_ovh_%": None,
-           "ours_pred_ovh_%": None, "ovh_ratio": None, "ours_grads": o.grad_check or "not run",
+           "ours_pred_ovh_%": None, "ours_bound_ovh_%": None, "ovh_ratio": None,
+           "ours_grads": o.grad_check or "not run",
            "noise_%": 100 * spread, "solve": _solve_label(o.solve), "verdict": "", "why": "",
            "peer_note": peer.note}
     mirror_note = ("" if mirror is None else
@@ -563,6 +570,12 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
     o_ovh = o.seconds / t_plain - 1
     row["ours_ovh_wall_%"] = 100 * (statistics.median(o.wall) / w_plain - 1)
     pred = _pred_ovh(o, ours)
+    # The solver's proven lower bound on the step time at this budget, as an overhead: no
+    # schedule of ours, in the model it was solved on, costs less.
+    lower = o.solve.stats.get("lower_bound_s") if o.solve is not None else None
+    base = _store_all_time(ours)
+    bound = None if lower is None or not base else lower / base - 1
+    row["ours_bound_ovh_%"] = None if bound is None else 100 * bound
     row.update({"ours_peak_MiB": o.peak / MiB,
                 "ours_pred_MiB": None if o.predicted_peak is None else o.predicted_peak / MiB,
                 "ours_ovh_%": 100 * o_ovh, "ours_pred_ovh_%": None if pred is None else 100 * pred,
@@ -584,6 +597,10 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
                        f"[{rec_text}; Impl choices {1e3 * (pred_extra - rec_s):+.0f} ms] + "
                        f"unpredicted {1e3 * (extra - pred_extra):+.0f} ms (runtime work and "
                        f"timing noise)")
+        if bound is not None and bound > p_ovh / 2:
+            reasons.append(f"out of reach at this budget: the solver's proven bound for any "
+                           f"schedule of ours is {100 * bound:+.1f}%, above half the peer's "
+                           f"overhead ({50 * p_ovh:+.1f}%)")
         if mirror_note:
             reasons.append(mirror_note)
     row["verdict"] = ("met" if mem_ok and time_ok else
@@ -650,7 +667,7 @@ def table(results: list[dict]):
 
 def _fmt(df, clock: str) -> str:
     cols = ["model", "peer", "peer_peak_MiB", "ours_peak_MiB", "ours_pred_MiB", "peer_ovh_%",
-            "ours_ovh_%", "ours_pred_ovh_%", "ovh_ratio", "noise_%"]
+            "ours_ovh_%", "ours_pred_ovh_%", "ours_bound_ovh_%", "ovh_ratio", "noise_%"]
     tail = ["solve", "peer_grads", "ours_grads", "verdict"]
     if clock != "wall":
         cols += ["peer_ovh_wall_%", "ours_ovh_wall_%"]
@@ -695,7 +712,12 @@ def markdown(results: list[dict], df, args, command: str, img_paths: list[Path],
                 "would otherwise count; the `*_wall_%` columns give the same steps on the wall "
                 "clock; our profile times its Ops on the same thread clock). ")
              + "`noise_%` is the spread of plain PyTorch over those rounds. Target: ours at or below "
-             "the peer's peak with at most half its overhead. `ours_grads = equal`: "
+             "the peer's peak with at most half its overhead. Ours is solved on its measured "
+             "profile calibrated to the step as it runs (monetlike.calibrate: forward and "
+             "backward scaled to timed steps, recomputations timed in context, the runtime's own "
+             "work per recomputation). `ours_bound_ovh_%`: the solver's "
+             "proven lower bound on the step time of any schedule of ours at that budget, as an "
+             "overhead in the model it solved on (predicted, not measured). `ours_grads = equal`: "
              "torch.testing.assert_close of outputs and every parameter gradient against plain "
              "PyTorch passed before the row was measured. Peaks are the CPU allocator's own count "
              "(measure_step), compiled rows included (see NOTE [How the bench measures] in "
@@ -825,4 +847,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    steady_cpu_allocator()  # every block in the same allocator state (bench_doc); not in tests
     sys.exit(main())

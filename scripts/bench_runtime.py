@@ -214,6 +214,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    from bench_doc import steady_cpu_allocator
+
+    steady = steady_cpu_allocator()
     header = ("| model (input) | schedule | recomputed ops | plain ms | scheduled ms | "
               "per-op profile ms | calibrated ms | calibrated vs measured | "
               "measured overhead | predicted overhead | runtime work | measured peak | "
@@ -241,13 +244,18 @@ def main(argv=None) -> list[dict]:
                 f"Step = forward + backward of one batch, one thread, timed by the {args.clock} "
                 "clock (profile, calibration and steps alike), costs measured on this CPU "
                 "and calibrated (monetlike.calibrate: plain forward and backward timed, every "
-                "recomputation timed in context); schedules are solved on the calibrated graph. "
+                "recomputation timed in context, the runtime's own work per recomputation fitted "
+                "to whole steps); schedules are solved on the calibrated graph. "
                 "\"per-op profile ms\" is the simulator's step time on the costs as profiled op "
                 "by op, \"calibrated ms\" on the calibrated ones, against the measured scheduled "
                 "step (target: within 5%). Overheads are over plain PyTorch on the same model "
                 "(median over interleaved pairs of the ratio of adjacent runs); predicted ones are "
                 "the simulator's over its own store-all time. "
-                f"Store-all step time over plain PyTorch: worst {worst:.3f} (target <= 1.05). "
+                + ("The CPU allocator is kept steady (glibc's malloc told to keep freed memory: "
+                   "no fresh mappings for large blocks, no trimming; bench_doc."
+                   "steady_cpu_allocator), so that profile, calibration and timed steps page-fault "
+                   "alike. " if steady else "")
+                + f"Store-all step time over plain PyTorch: worst {worst:.3f} (target <= 1.05). "
                 f"Calibrated step time against measured: {within} of {len(rows)} rows within 5% "
                 f"(worst {100 * max(cal_err, key=abs):+.1f}%); the per-op profile's: "
                 f"{raw_within} (worst {100 * max(raw_err, key=abs):+.1f}%).\n\n"

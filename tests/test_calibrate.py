@@ -44,7 +44,18 @@ def test_calibrated_costs_sum_to_the_timed_step_and_keep_the_fingerprint(small):
             if a.id in timed:
                 assert ib.recompute_time == b.impls[0].recompute_time
             else:
-                assert ib.recompute_time == pytest.approx(ia.rerun_time * info["forward_scale"])
+                assert ib.recompute_time == pytest.approx(ia.rerun_time * info["forward_scale"]
+                                                          + info["runtime_per_recompute_s"])
+    # The runtime's own work is fitted so that the calibrated graph predicts the timed
+    # recompute-everything steps (unless the timings alone already predicted them as longer).
+    from solver.simulate import simulate
+
+    predicted = simulate(cal, everything).total_time
+    assert info["runtime_per_recompute_s"] >= 0
+    if info["runtime_per_recompute_s"] > 0:
+        assert predicted == pytest.approx(info["recompute_step_s"])
+    else:
+        assert predicted >= info["recompute_step_s"]
 
 
 def test_calibration_leaves_the_model_as_it_was(small):
