@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -57,7 +56,8 @@ import monetlike  # noqa: E402
 from bench_doc import steady_cpu_allocator  # noqa: E402
 from monetlike.calibrate import calibrate  # noqa: E402
 from monetlike.measure import live_cpu_storages, measure_step  # noqa: E402
-from peers import COMPILE_BUDGETS, PEERS, SPECS, ModelSpec, adapter_for  # noqa: E402
+from peers import (COMPILE_BUDGETS, PEERS, SPECS, ModelSpec, adapter_for,  # noqa: E402
+                   bench_loss, labels_for)
 
 MiB = 2 ** 20
 DEFAULT_MODELS = ("resnet18", "densenet121", "mobilenet_v2", "transformer", "gpt2")
@@ -114,14 +114,12 @@ class Bench:
         self.adapter = adapter_for(spec)
         with torch.no_grad():
             out = self.model(self.x)
-        self.labels = (torch.arange(out.shape[0]) % out.shape[1]) if out.dim() == 2 else None
+        self.labels = labels_for(out)
         self.shared_bytes = sum(int(t.untyped_storage().nbytes())
                                 for t in (self.x, self.labels) if t is not None)
 
     def loss(self, out: torch.Tensor) -> torch.Tensor:
-        if self.labels is not None:
-            return F.cross_entropy(out, self.labels)
-        return out.float().pow(2).mean()
+        return bench_loss(out, self.labels)
 
     def step_fn(self, cfg: Config) -> Callable[[], None]:
         fwd, params, x, loss = cfg.forward, cfg.params, self.x, self.loss
@@ -249,6 +247,8 @@ class Ours:
         # Costs in context (monetlike.calibrate): the steps' forward and backward, each
         # recomputation as it runs, and the runtime's own work per recomputation.
         self.graph = calibrate(model, bench.x, profiled, clock=clock, loss_fn=bench.loss)
+        from solver import simulate, store_all_schedule
+        self.store_all_s = simulate(self.graph, store_all_schedule(self.graph)).total_time
         self.results: dict[int, object] = {}
         self.grads_checked = 0
 
@@ -541,8 +541,7 @@ def _store_all_peak(graph) -> int:
 
 
 def _pred_ovh(o: Config, ours: Ours) -> float | None:
-    from solver import simulate, store_all_schedule
-    base = simulate(ours.graph, store_all_schedule(ours.graph)).total_time
+    base = ours.store_all_s
     return None if o.predicted_time is None or not base else o.predicted_time / base - 1
 
 
@@ -577,7 +576,7 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
     # The solver's proven lower bound on the step time at this budget, as an overhead: no
     # schedule of ours, in the model it was solved on, costs less.
     lower = o.solve.stats.get("lower_bound_s") if o.solve is not None else None
-    base = _store_all_time(ours)
+    base = ours.store_all_s
     bound = None if lower is None or not base else lower / base - 1
     row["ours_bound_ovh_%"] = None if bound is None else 100 * bound
     row.update({"ours_peak_MiB": o.peak / MiB,
@@ -594,7 +593,7 @@ def _row(spec, peer: Config, o: Config, plain_t: tuple, spread: float, ours: Our
                        if o.predicted_peak is not None else "over the budget")
     if not time_ok:
         extra = (o.seconds - t_plain)
-        pred_extra = (o.predicted_time or 0) - (_store_all_time(ours) or 0)
+        pred_extra = (o.predicted_time or 0) - (ours.store_all_s or 0)
         rec_s, rec_text = ours.recompute_breakdown(o.solve)
         reasons.append(f"overhead {1e3 * extra:.0f} ms/step (target at most "
                        f"{1e3 * t_plain * p_ovh / 2:.0f} ms) = predicted {1e3 * pred_extra:.0f} ms "
@@ -620,11 +619,6 @@ def _solve_label(res) -> str:
              "error": "none in time", "heuristic": "heuristic"}.get(res.status, res.status)
     gap = getattr(res, "mip_gap", None)
     return short + (f" gap {100 * gap:.0f}%" if gap is not None and res.status != "optimal" else "")
-
-
-def _store_all_time(ours: Ours) -> float:
-    from solver import simulate, store_all_schedule
-    return simulate(ours.graph, store_all_schedule(ours.graph)).total_time
 
 
 # ----------------------------------------------------------------------------------------------

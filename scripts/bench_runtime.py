@@ -104,10 +104,10 @@ def time_pairs(plain_step, sched_step, repeat: int,
 RUNTIME_DIR = os.path.join(ROOT, "monetlike", "runtime") + os.sep
 
 
-def runtime_share(step, steps: int = 3) -> tuple[float, float]:
+def runtime_share(step, steps: int = 3) -> float:
     """Share of a step's time spent in monetlike's runtime code (monetlike/runtime/*.py:
-    bookkeeping, hooks, recomputation driving), by cProfile's own time per function: (as
-    cProfile counts it, corrected). cProfile adds a fixed cost to every Python and C call it
+    bookkeeping, hooks, recomputation driving), by cProfile's own time per function, corrected
+    for cProfile's own cost. cProfile adds a fixed cost to every Python and C call it
     sees, which inflates Python-heavy code most; the correction times the same steps without
     the profiler, spreads the difference evenly over every call cProfile counted, takes that
     off the runtime's own time, and divides by the unprofiled time."""
@@ -125,12 +125,10 @@ def runtime_share(step, steps: int = 3) -> tuple[float, float]:
     prof.disable()
     profiled = clock() - t0
     stats = pstats.Stats(prof).stats
-    total = sum(v[2] for v in stats.values())
     per_call = max(0.0, profiled - unprofiled) / sum(v[1] for v in stats.values())
     ours = [(v[1], v[2]) for k, v in stats.items() if RUNTIME_DIR in os.path.abspath(k[0])]
     own = sum(t for _, t in ours)
-    corrected = max(0.0, own - per_call * sum(n for n, _ in ours)) / unprofiled
-    return own / total, corrected
+    return max(0.0, own - per_call * sum(n for n, _ in ours)) / unprofiled
 
 
 def measured_peak(graph, model, module, x) -> int:
@@ -182,7 +180,7 @@ def bench_model(name: str, repeat: int, fractions, clock: str = "wall") -> list[
             "predicted overhead": tl.total_time / base.total_time - 1,
             "profiled ms": 1e3 * simulate(profiled, schedule).total_time,
             "predicted ms": 1e3 * tl.total_time,
-            "runtime work": runtime_share(sched_step)[1],
+            "runtime work": runtime_share(sched_step),
             "measured peak": measured_peak(graph, model, wrapped, x),
             "predicted peak": tl.peak_bytes,
         })

@@ -27,7 +27,7 @@ import torch._functorch.config as fconfig  # noqa: E402
 from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 
-from peers import SPECS  # noqa: E402
+from peers import SPECS, bench_loss, labels_for  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -74,12 +74,7 @@ def capture(spec, budget: float) -> tuple[torch.fx.GraphModule, torch.fx.GraphMo
     x = spec.example_input(seed=1)
     with fconfig.patch(activation_memory_budget=budget, activation_memory_budget_solver="ilp"):
         out = torch.compile(model, backend=backend)(x)
-        if out.dim() == 2:  # bench_peers' loss: cross-entropy on logits, else the mean square
-            labels = torch.arange(out.shape[0]) % out.shape[1]
-            loss = torch.nn.functional.cross_entropy(out, labels)
-        else:
-            loss = out.float().pow(2).mean()
-        loss.backward()
+        bench_loss(out, labels_for(out)).backward()
     torch._dynamo.reset()
     return graphs["fw"], graphs["bw"]
 

@@ -103,7 +103,8 @@ def _runs_differently(n: fx.Node, root: torch.nn.Module, impl_calls: dict) -> bo
     return n.op == "call_function" and rc.recomputes_differently(n.target)
 
 
-def generated_recompute(plan: Plan, j: int, root: torch.nn.Module) -> Callable:
+def generated_recompute(plan: Plan, j: int, root: torch.nn.Module,
+                        index: dict[fx.Node, int]) -> Callable:
     """The recomputation of Op j as Python code, `recompute(model, call)`.
 
     Op j's nodes are fx's code for them, in the forward's order; `call` (executor.Recomputation)
@@ -112,9 +113,8 @@ def generated_recompute(plan: Plan, j: int, root: torch.nn.Module) -> Callable:
     that `_runs_differently`, `call.made(i, result)` registers the Values the Op's node makes
     (before later nodes of the Op, which may read them through a view), `call.local(name, x)`
     gives a result to the rebuilding of nodes outside the Op that read it. Every result is
-    returned, so each lives until the Op is done, as the profile measured it."""
-    gm = plan.gm
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    returned, so each lives until the Op is done, as the profile measured it. `index`: each
+    node's position in the traced graph."""
     mine = plan.op_nodes[j]
     own = set(mine)
     op_name = plan.graph.ops[j].name

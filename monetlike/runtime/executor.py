@@ -567,12 +567,16 @@ class ScheduledForward:
                             for j in plan.recomputed_ops}
         self._forward = generated_forward(plan, root)
         self._recompute_code: dict[int, Any] = {}
+        self._index: dict[fx.Node, int] | None = None  # built at the first recomputation
 
     def recompute_code(self, j: int):
         """Op j's recomputation as generated code (NOTE [Generated recomputation])."""
         code = self._recompute_code.get(j)
         if code is None:
-            code = self._recompute_code[j] = generated_recompute(self.plan, j, self.root)
+            if self._index is None:
+                self._index = {n: i for i, n in enumerate(self._nodes)}
+            code = self._recompute_code[j] = generated_recompute(self.plan, j, self.root,
+                                                                 self._index)
         return code
 
     # Parameters and submodules are looked up on the live model, not on the traced copy, so
