@@ -15,6 +15,8 @@ measures the model itself and returns the graph with its costs fitted:
    (`ScheduleWrapper.timing_recomputations`): the median becomes the Op's `recompute_time`, for
    every Impl (a recomputation runs the Op's own nodes under no_grad whatever Impl the forward
    ran). An Op that schedule does not recompute gets its scaled forward time.
+   A dropout that can run with dropout_mask is also timed recomputed from its mask (steps
+   with that Impl), which is that Impl's `recompute_time`.
 3. Those steps timed whole: what they take beyond the graph's prediction for them is the
    runtime's own work (saved-tensor handles, stage hooks, recorded contexts, registering the
    Values), which no Op's timing holds; an equal share per recomputation is added to every
@@ -156,15 +158,36 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
                     whole.append(timer.seconds(a, b))
         model.zero_grad(set_to_none=True)
 
+        # 2b. A dropout run with dropout_mask is recomputed from its mask, not drawn again
+        #     (NOTE [Recomputed from the mask]): the same steps with that Impl, timed apart.
+        mask_impl = {op.id: k for op in ops for k, im in enumerate(op.impls)
+                     if im.name == "dropout_mask"}
+        mask_times: dict[int, list] = {}
+        if mask_impl:
+            impl = tuple(mask_impl.get(op.id, 0) for op in ops)
+            masked = ScheduleWrapper(model, schedule_from_keep(
+                graph, (), retain="all", impl=impl, mode="full",
+                created_by="monetlike.calibrate"), graph=graph)
+            with masked.timing_recomputations(tick) as mask_times:
+                for i in range(steps + 1):
+                    model.zero_grad(set_to_none=True)
+                    if i == 1:
+                        mask_times.clear()
+                    _loss(masked(*args, **kwargs)).backward()
+            model.zero_grad(set_to_none=True)
+
     rerun = {j: statistics.median(ts) for j, ts in times.items()}
+    rerun_masked = {j: statistics.median(ts) for j, ts in mask_times.items() if j in mask_impl}
 
     def fitted(runtime: float) -> OpGraph:
         new_ops = []
         for op in ops:
             impls = tuple(dataclasses.replace(
                 im, fwd_time=im.fwd_time * alpha, bwd_time=im.bwd_time * beta,
-                recompute_time=rerun.get(op.id, im.rerun_time * alpha) + runtime)
-                for im in op.impls)
+                recompute_time=(rerun_masked[op.id] if k == mask_impl.get(op.id)
+                                and op.id in rerun_masked
+                                else rerun.get(op.id, im.rerun_time * alpha)) + runtime)
+                for k, im in enumerate(op.impls))
             new_ops.append(dataclasses.replace(op, impls=impls))
         return dataclasses.replace(graph, ops=tuple(new_ops))
 
@@ -179,5 +202,6 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
         "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
         "recompute_timed_ops": len(rerun), "ops": len(ops),
         "recompute_step_s": step_s, "runtime_per_recompute_s": runtime,
+        "mask_recompute_timed_ops": len(rerun_masked),
     }
     return dataclasses.replace(fitted(runtime), meta=meta)

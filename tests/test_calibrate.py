@@ -104,3 +104,23 @@ def test_bad_calls_are_refused_with_the_reason(small):
             calibrate(model, x, graph)
     finally:
         model.train()
+
+
+def test_a_dropout_mask_recomputation_is_timed_from_its_mask():
+    """NOTE [Recomputed from the mask]: that Impl's recompute_time is its own timing, not the
+    default's draw."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 4))
+    x = torch.randn(16, 32)
+    graph = monetlike.profile(model, x, cost="measured", repeat=1)
+    cal = calibrate(model, x, graph, steps=2)
+    assert cal.meta["calibration"]["mask_recompute_timed_ops"] == 1
+    (drop,) = [op for op in cal.ops if any(im.name == "dropout_mask" for im in op.impls)]
+    mask = next(im for im in drop.impls if im.name == "dropout_mask")
+    # Timed apart: another number than the default's (a draw of the same numbers), and both
+    # hold the runtime's share.
+    share = cal.meta["calibration"]["runtime_per_recompute_s"]
+    assert mask.recompute_time != drop.impls[0].recompute_time
+    assert mask.recompute_time >= share and drop.impls[0].recompute_time >= share

@@ -62,20 +62,60 @@ class DropoutMask(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, p):
+    def forward(ctx, x, p, stash=None):
         y, mask = torch.native_dropout(x, p, True)
         ctx.p = p
         ctx.save_for_backward(mask)
+        # NOTE [Recomputed from the mask]: the runtime may recompute the output from the mask
+        # while it is held; handed over here, let go in this backward, as autograd lets go.
+        ctx.stash = stash
+        if stash is not None:
+            stash[0][stash[1]] = mask
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
         p = ctx.p
+        if ctx.stash is not None:
+            ctx.stash[0].pop(ctx.stash[1], None)
         if grad.is_cuda:  # pragma: no cover - no GPU here; the default's own backward there
-            return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p)), None
+            return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p)), None, None
         scale = torch.ones((), dtype=grad.dtype, device=grad.device).div_(1.0 - p)
-        return (grad * mask).mul_(scale), None
+        return (grad * mask).mul_(scale), None, None
+
+
+# NOTE [Recomputed from the mask]
+# A dropout run with dropout_mask holds its 1-byte mask until its own backward, after every
+# consumer's (when its input requires grad; otherwise nothing holds it). A recomputation of its
+# output for a consumer's stage can then apply the mask instead of drawing the numbers again:
+# `x.mul(mask).mul_(1 / (1 - p))` is native_dropout's own CPU arithmetic, so its bits are the
+# forward's (tests/test_dropout_recompute.py; CPU tensors in float32 and float64 only: in
+# bfloat16 native_dropout rounds otherwise, and CUDA's kernel is another; there the runtime
+# draws again). Nothing is drawn, so the generator state is not set either. Besides its output
+# it allocates the mask cast to x's dtype (CPU kernels cast mixed operands in a temporary):
+# `mask_recompute_scratch` measures that by the allocator's count, as the profile records it.
+MASK_RECOMPUTE_DTYPES = (torch.float32, torch.float64)
+MASK_RECOMPUTE_DTYPE_NAMES = ("float32", "float64")
+
+
+def dropout_from_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The output of `native_dropout(x, p, True)` that drew `mask`, without drawing."""
+    return x.mul(mask).mul_(1.0 / (1.0 - p))
+
+
+def mask_recompute_scratch(shape: tuple, dtype_name: str) -> int:
+    """Bytes `dropout_from_mask` allocates on the CPU beyond its output, for an input of this
+    shape and dtype, by the CPU allocator's own count (monetlike.allocator)."""
+    from ..allocator import AllocatorLog  # the profiler's machinery: only when profiling
+
+    x = torch.zeros(shape, dtype=getattr(torch, dtype_name))
+    mask = torch.ones(shape, dtype=torch.bool)
+    log = AllocatorLog(collect=False)
+    with log:
+        out = dropout_from_mask(x, mask, 0.5)
+        del out
+    return max(0, log.peak() - x.nbytes)
 
 
 # Argument names: F.dropout's, and aten.dropout's, which torch.export keeps (a Hugging Face
@@ -84,7 +124,7 @@ _FUNCTIONS = {F.dropout: ("input", "p", "training", "inplace"),
               torch.ops.aten.dropout.default: ("input", "p", "train")}
 
 
-def _dropout_p(gm, nodes) -> "float | None":
+def dropout_p(gm, nodes) -> "float | None":
     """p of an Op that is one training-mode, out-of-place dropout with 0 < p < 1, else None."""
     if len(nodes) != 1:
         return None
@@ -115,12 +155,19 @@ def _matcher(function):
     """The `match` of an Impl that runs `function.apply(x, p)` in place of the dropout node."""
 
     def match(gm, nodes):
-        p = _dropout_p(gm, nodes)
+        p = dropout_p(gm, nodes)
         if p is None:
             return None
 
         def run(interp, node, args, kwargs):
             x = args[0] if args else kwargs["input"]
+            if function is DropoutMask:  # NOTE [Recomputed from the mask]
+                # Only a dropout with a backward holds its mask: no backward would let go of it.
+                stash = getattr(interp, "mask_stash", None)
+                if stash is None or x.device.type != "cpu" or not (
+                        x.requires_grad and torch.is_grad_enabled()):
+                    return function.apply(x, p)
+                return function.apply(x, p, stash(node))
             return function.apply(x, p)
 
         return {nodes[0].name: run}

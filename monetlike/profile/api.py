@@ -26,6 +26,7 @@ import torch
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..capture import capture as capture_graph
+from ..impls.dropout import MASK_RECOMPUTE_DTYPE_NAMES, mask_recompute_scratch
 from ..capture import check_capture, split_example
 from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
@@ -399,16 +400,24 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                                                if t in g.saved)))
         # Registered operator implementations measured in their own steps (monetlike.impls).
         # The runtime recomputes an allocating Impl with the Op's own forward under no_grad
-        # (the default's transient) and an in-place one with its in-place kernel, which makes
-        # nothing but its workspace.
+        # (the default's transient), an in-place one with its in-place kernel, which makes
+        # nothing but its workspace, and, on the CPU, a float dropout_mask from its held mask
+        # (NOTE [Recomputed from the mask] in impls/dropout.py), whose scratch is measured here.
+        def rerun_workspace(alt) -> int:
+            if alt.get("overwrites") is not None:
+                return int(alt["fwd_workspace"])
+            outs = [run.values[t] for t in g.outputs]
+            if alt["name"] == "dropout_mask" and meta.get("device") == "cpu" and all(
+                    v.dtype in MASK_RECOMPUTE_DTYPE_NAMES and v.requires_grad for v in outs):
+                return mask_recompute_scratch(tuple(outs[0].shape), outs[0].dtype)
+            return impl.recompute_workspace
+
         extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
                               "early_release": tuple(sorted(
                                   new_tid[t] for t in alt.get("early_release", ()))),
                               **({"overwrites": new_tid[alt["overwrites"]]}
                                  if alt.get("overwrites") is not None else {}),
-                              "recompute_workspace": (impl.recompute_workspace
-                                                      if alt.get("overwrites") is None
-                                                      else int(alt["fwd_workspace"]))})
+                              "recompute_workspace": rerun_workspace(alt)})
                       for alt in (alternatives or {}).get(gid, ())
                       if _inplace_in_order(run, new_gid, gid, alt))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),

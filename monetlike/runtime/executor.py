@@ -121,6 +121,7 @@ import torch.fx as fx
 
 from solver.errors import ScheduleError
 
+from ..impls.dropout import MASK_RECOMPUTE_DTYPES, dropout_from_mask
 from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_flatten,
                              tree_leaves, tree_unflatten)
 from . import recompute as rc
@@ -158,6 +159,9 @@ class StepState:
         self.vgeom: dict[int, tuple] = {}
         self.node_meta: dict[str, tuple] = {}
         self.op_ctx: dict[int, rc.ForwardContext] = {}
+        # Dropout masks a recomputation applies (NOTE [Recomputed from the mask]), by Op: put
+        # here by the Impl's forward, taken out by its backward.
+        self.masks: dict[int, torch.Tensor] = {}
         self.current_op: int | None = None
         self.pending: list[Saved] = []
         # (op, Value id) -> the op's live handles on that Value, for the hand-over in its stage.
@@ -306,6 +310,7 @@ class StepState:
             self.handles.clear()
             self.node_meta.clear()
             self.op_ctx.clear()
+            self.masks.clear()
             self.inputs = ()
             self.release_host()
 
@@ -337,6 +342,10 @@ class StepState:
         if ctx is None:
             raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
                                f"forward context was not captured; this is a bug")
+        if j in self.runner.mask_ops and j in self.masks:
+            # NOTE [Recomputed from the mask]: nothing is drawn, so no generator state is set
+            # (its 5 KB state tensor would be a transient the profile did not count).
+            ctx = rc.without_rng(ctx)
         # NOTE [Generated recomputation]
         call = Recomputation(self, j, local, new_values, t)
         with torch.no_grad(), rc.replay(ctx):
@@ -534,6 +543,12 @@ class Recomputation:
             sub = plan.impl_calls.get(node.name)
             if sub is not None:
                 return sub(runner, node, args, kwargs)
+        p = plan.mask_recompute.get(node.name)
+        if p is not None:  # NOTE [Recomputed from the mask] in impls/dropout.py
+            mask = self.state.masks.get(self.op)
+            x = args[0] if args else kwargs["input"]
+            if mask is not None and x.dtype in MASK_RECOMPUTE_DTYPES:
+                return dropout_from_mask(x, mask, p)
         return runner.call_for_recompute(node, args, kwargs)
 
     def made(self, i: int, result: Any) -> None:
@@ -568,6 +583,14 @@ class ScheduledForward:
         self._forward = generated_forward(plan, root)
         self._recompute_code: dict[int, Any] = {}
         self._index: dict[fx.Node, int] | None = None  # built at the first recomputation
+        self.mask_ops = frozenset(plan.node_op[n] for n in plan.mask_recompute)
+
+    def mask_stash(self, node: fx.Node):
+        """Where a dropout_mask Impl puts its mask (NOTE [Recomputed from the mask]): (dict,
+        key) for a dropout the schedule recomputes from it, else None."""
+        if self.state is None or node.name not in self.plan.mask_recompute:
+            return None
+        return self.state.masks, self.plan.node_op[node.name]
 
     def recompute_code(self, j: int):
         """Op j's recomputation as generated code (NOTE [Generated recomputation])."""

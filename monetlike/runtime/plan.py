@@ -129,6 +129,9 @@ class Plan:
     runtime_nodes: frozenset[str] = frozenset()
     """fx nodes the forward runs through the runtime (NOTE [Generated forward] in executor.py);
     every other node runs as fx's generated code."""
+    mask_recompute: dict = field(default_factory=dict)
+    """fx node name -> p, for the dropouts run with dropout_mask that a stage recomputes: the
+    recomputation applies the held mask (NOTE [Recomputed from the mask] in impls/dropout.py)."""
 
     @property
     def store_all(self) -> bool:
@@ -271,6 +274,17 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                    | {graph.backward_order[t] for t in active_stages})
     runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
+    from ..impls.dropout import MASK_RECOMPUTE_DTYPE_NAMES, dropout_p
+
+    mask_recompute = {}
+    for j in recomputed_ops:
+        outputs = [graph.values[v] for v in graph.ops[j].outputs]
+        if graph.ops[j].impls[schedule.impl[j]].name == "dropout_mask" and all(
+                v.requires_grad and v.dtype in MASK_RECOMPUTE_DTYPE_NAMES for v in outputs):
+            p = dropout_p(gm, op_nodes[j])
+            if p is not None:
+                mask_recompute[op_nodes[j][0].name] = p
+
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
@@ -281,7 +295,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 overwritten_args=overwritten_args,
                 storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()},
-                active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes))
+                active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes),
+                mask_recompute=mask_recompute)
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

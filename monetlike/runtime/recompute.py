@@ -17,6 +17,7 @@ recompute; `check_side_effects` refuses them at the first step instead of replay
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,11 @@ class ContextCapturer:
         return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices if rng else (),
                               cuda_rng=cuda, autocast=_autocast_state(self._cuda),
                               autocast_cache=torch.is_autocast_cache_enabled())
+
+
+def without_rng(ctx: ForwardContext) -> ForwardContext:
+    """The context of a recomputation that draws no random numbers: autocast only."""
+    return dataclasses.replace(ctx, cpu_rng=None, cuda_devices=(), cuda_rng=())
 
 
 def _autocast_state(cuda: bool) -> tuple[tuple[str, bool, Any], ...]:
