@@ -192,26 +192,36 @@ def test_split_mask_lowers_the_least_budget_of_a_conv_relu_stack():
     assert peak <= full * (1 + PEAK_TOLERANCE)
 
 
-@settings(max_examples=60, deadline=None)
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
+
+
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 3000), p=st.floats(0.0, 1.0), nans=st.integers(0, 5),
-       seed=st.integers(0, 2 ** 16), min_slice=st.sampled_from([8, 64, bitmask.MIN_SLICE]))
-def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice):
+       seed=st.integers(0, 2 ** 16), min_slice=st.sampled_from([8, 64, bitmask.MIN_SLICE]),
+       dtype=st.sampled_from(list(_BITS)))
+def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype):
+    bits = _BITS[dtype]
     with mock.patch.object(bitmask, "MIN_SLICE", min_slice):  # small: many slices
         gen = torch.Generator().manual_seed(seed)
         m = torch.rand(n, generator=gen) < p
-        g = torch.randn(n, generator=gen)
+        g = torch.randn(n, generator=gen).to(dtype)
         g[torch.randint(0, n, (nans,), generator=gen)] = float("nan")
+        g[torch.randint(0, n, (nans,), generator=gen)] = -0.0
         packed = bitmask.pack(m)
         assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
-        want = torch.where(m, 0, g).view(torch.int32)
+        # bit i of byte k is element 8k + i
+        assert all(bool(packed[i // 8] >> (i % 8) & 1) == bool(m[i]) for i in range(min(n, 64)))
+        want = torch.where(m, 0, g).view(bits)
         before = g.clone()
-        assert torch.equal(bitmask.masked_zero(g, packed, False).view(torch.int32), want)
-        assert torch.equal(g.view(torch.int32), before.view(torch.int32))  # untouched
+        assert torch.equal(bitmask.masked_zero(g, packed, False).view(bits), want)
+        assert torch.equal(g.view(bits), before.view(bits))  # untouched
         y = torch.randn(n, generator=gen)
         assert torch.equal(bitmask.pack_of(y, lambda t: t <= 0), bitmask.pack(y <= 0))
+        assert torch.equal(bitmask.pack(m[1:]), bitmask.pack(m[1:].clone()))  # unaligned view
         h = g.clone()
-        assert torch.equal(bitmask.masked_zero(h, packed, True).view(torch.int32), want)
-        assert torch.equal(h.view(torch.int32), want)  # written in place
+        assert torch.equal(bitmask.masked_zero(h, packed, True).view(bits), want)
+        assert torch.equal(h.view(bits), want)  # written in place
 
 
 @mock.patch.object(bitmask, "MIN_SLICE", 8)

@@ -20,8 +20,19 @@ MIN_SLICE = 1 << 20
 the transient of a tensor this small does not matter (tests lower it to exercise the slicing)."""
 
 
-def _weights(device) -> torch.Tensor:
-    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+def _pack_into(out: torch.Tensor, part: torch.Tensor) -> None:
+    """Pack `part` (bytes 0 or 1, a multiple of 8 of them, starting on an 8-byte boundary) into
+    `out`, one byte per 8. Each group of 8 bytes is read as one little-endian int64 whose bit 8i
+    is element i; three shift-and-or passes gather bits 0, 8, ..., 56 into bits 0..7 (x >> 7
+    brings 8i to 8i - 7, x >> 14 and x >> 28 the pairs and quadruples; nothing else lands in
+    the low byte). Elementwise kernels on an eighth of the elements: a multiply-and-sum over
+    groups of 8, the obvious way, costs a reduction per byte (18 ms against 9 ms for the mask
+    itself on a 12.6 M element tensor, one CPU thread)."""
+    x = part.view(torch.int64)
+    x = x.bitwise_or(x >> 7)
+    x.bitwise_or_(x >> 14)
+    x.bitwise_or_(x >> 28)
+    out.copy_(x.bitwise_and_(0xFF))  # the low byte; copy_ narrows to uint8
 
 
 def _bounds(n: int):
@@ -40,12 +51,11 @@ def pack(m: torch.Tensor) -> torch.Tensor:
     flat = _flat(m).view(torch.uint8)
     n = flat.numel()
     out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=m.device)
-    w = _weights(m.device)
     for a, b in _bounds(n):
         part = flat[a:b]
-        if (b - a) % 8:
-            part = torch.cat([part, part.new_zeros(8 - (b - a) % 8)])
-        torch.sum(part.view(-1, 8) * w, dim=-1, dtype=torch.uint8, out=out[a // 8:(b + 7) // 8])
+        if (b - a) % 8 or part.storage_offset() % 8:
+            part = torch.cat([part, part.new_zeros(-(b - a) % 8)])
+        _pack_into(out[a // 8:(b + 7) // 8], part)
     return out
 
 
@@ -62,10 +72,30 @@ def pack_of(y: torch.Tensor, mask_of) -> torch.Tensor:
     return out
 
 
-def _unpack(packed: torch.Tensor, a: int, b: int, w: torch.Tensor) -> torch.Tensor:
-    """Elements a..b of the packed mask, as bool (`w`: the bit weights)."""
-    bits = packed[a // 8:(b + 7) // 8].unsqueeze(-1).bitwise_and(w)
-    return bits.ne_(0).view(torch.bool).view(-1)[a % 8:a % 8 + b - a]
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_KEEP: dict[tuple, torch.Tensor] = {}
+
+
+def _keep_table(itemsize: int, device) -> torch.Tensor:
+    """256 x 8 integers of `itemsize` bytes: row k, column i is 0 where bit i of k is set and
+    all ones where it is clear. ANDed into a gradient's bits, it gives +0 (all bits clear) where
+    the mask is set and the gradient's own bits elsewhere: `torch.where(mask, 0, grad)` bit for
+    bit, NaNs included, in one vectorised integer kernel (masked_fill_ and where with a
+    broadcast zero ran 10 times slower than the default's backward on the CPU)."""
+    key = (itemsize, str(device))
+    if key not in _KEEP:
+        bits = torch.arange(256).unsqueeze(-1).bitwise_right_shift(torch.arange(8)) & 1
+        _KEEP[key] = (bits - 1).to(_INT_OF_SIZE[itemsize]).to(device)  # set: 0, clear: -1
+    return _KEEP[key]
+
+
+def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:
+    """Elements a..b of the mask (row-major) applied to `out` (of b - a elements, any layout:
+    matched by logical position), in place."""
+    table = _keep_table(out.element_size(), out.device)
+    keep = torch.index_select(table, 0, packed[a // 8:(b + 7) // 8].int())  # 3x advanced indexing
+    keep = keep.view(-1)[a % 8:a % 8 + b - a].view(out.shape)
+    out.view(_INT_OF_SIZE[out.element_size()]).bitwise_and_(keep)
 
 
 def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,
@@ -79,12 +109,11 @@ def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,
     else:
         out = torch.empty_strided(grad.shape, stride, dtype=grad.dtype, device=grad.device)
         out.copy_(grad)
-    w = _weights(packed.device)
     n = out.numel()
     if out.is_contiguous():
         flat = out.view(-1)
         for a, b in _bounds(n):
-            flat[a:b].masked_fill_(_unpack(packed, a, b, w), 0)
+            _zero_where_set(flat[a:b], packed, a, b)
         return out
     # Not row-major: slices of whole rows of the first dimension, each filled through its view.
     rows = out.shape[0]
@@ -92,6 +121,5 @@ def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,
     step = max(1, _bounds(n)[0][1] // row) if row else 1  # rows per slice
     for i in range(0, rows, step):
         j = min(rows, i + step)
-        part = out[i:j]
-        part.masked_fill_(_unpack(packed, i * row, j * row, w).view(part.shape), 0)
+        _zero_where_set(out[i:j], packed, i * row, j * row)
     return out
