@@ -4,13 +4,15 @@
 order (`pack_of(y, mask_of)` makes the mask of y slice by slice); `masked_zero(grad, packed,
 in_place)` puts +0 where the mask is set and `grad` elsewhere, as `torch.where(mask, 0, grad)`
 does, bit for bit. Both walk the elements in `SLICES` slices (of at least `MIN_SLICE` elements),
-so the unpacked bytes exist for one slice at a time: a 32nd of the bool mask's bytes, a 128th of
-a float32 gradient's. When the
-caller owns the gradient outright (`torch_private.sole_owner`) it is written in place and nothing
-of its size is allocated.
+so the bool mask (packing) and the unpacked keep words (one gradient element each) exist for one
+slice at a time: a 32nd of the bool mask's, of the gradient's bytes. When the caller owns the
+gradient outright (`torch_private.sole_owner`) it is written in place and nothing of its size is
+allocated. Both read bytes as wider integers, little-endian (checked).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -26,8 +28,10 @@ def _pack_into(out: torch.Tensor, part: torch.Tensor) -> None:
     is element i; three shift-and-or passes gather bits 0, 8, ..., 56 into bits 0..7 (x >> 7
     brings 8i to 8i - 7, x >> 14 and x >> 28 the pairs and quadruples; nothing else lands in
     the low byte). Elementwise kernels on an eighth of the elements: a multiply-and-sum over
-    groups of 8, the obvious way, costs a reduction per byte (18 ms against 9 ms for the mask
-    itself on a 12.6 M element tensor, one CPU thread)."""
+    groups of 8, the obvious way, costs a reduction per byte, slower than making the mask."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("monetlike's packed masks read bytes as little-endian integers; "
+                                  "this host is big-endian: use the default Impls")
     x = part.view(torch.int64)
     x = x.bitwise_or(x >> 7)
     x.bitwise_or_(x >> 14)
@@ -81,7 +85,7 @@ def _keep_table(itemsize: int, device) -> torch.Tensor:
     all ones where it is clear. ANDed into a gradient's bits, it gives +0 (all bits clear) where
     the mask is set and the gradient's own bits elsewhere: `torch.where(mask, 0, grad)` bit for
     bit, NaNs included, in one vectorised integer kernel (masked_fill_ and where with a
-    broadcast zero ran 10 times slower than the default's backward on the CPU)."""
+    broadcast zero are not vectorised on the CPU: several times the default backward's time)."""
     key = (itemsize, str(device))
     if key not in _KEEP:
         bits = torch.arange(256).unsqueeze(-1).bitwise_right_shift(torch.arange(8)) & 1

@@ -15,6 +15,8 @@ computes. The current RNG state is put back afterwards.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -104,6 +106,7 @@ def dropout_from_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Te
     return x.mul(mask).mul_(1.0 / (1.0 - p))
 
 
+@functools.lru_cache(maxsize=None)  # a model's dropouts share a few shapes
 def mask_recompute_scratch(shape: tuple, dtype_name: str) -> int:
     """Bytes `dropout_from_mask` allocates on the CPU beyond its output, for an input of this
     shape and dtype, by the CPU allocator's own count (monetlike.allocator)."""
