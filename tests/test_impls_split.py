@@ -199,10 +199,13 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16:
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 3000), p=st.floats(0.0, 1.0), nans=st.integers(0, 5),
        seed=st.integers(0, 2 ** 16), min_slice=st.sampled_from([8, 64, bitmask.MIN_SLICE]),
-       dtype=st.sampled_from(list(_BITS)))
-def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype):
+       dtype=st.sampled_from(list(_BITS)), integer_kernels=st.booleans())
+def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype, integer_kernels):
+    """Both ways (bitmask's docstring): the CPU's integer kernels, and the plain kernels that
+    CUDA and the meta device run, forced here on the CPU."""
     bits = _BITS[dtype]
-    with mock.patch.object(bitmask, "MIN_SLICE", min_slice):  # small: many slices
+    with mock.patch.object(bitmask, "MIN_SLICE", min_slice), \
+            mock.patch.object(bitmask, "_integer_kernels", lambda device: integer_kernels):
         gen = torch.Generator().manual_seed(seed)
         m = torch.rand(n, generator=gen) < p
         g = torch.randn(n, generator=gen).to(dtype)

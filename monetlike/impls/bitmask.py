@@ -7,7 +7,12 @@ does, bit for bit. Both walk the elements in `SLICES` slices (of at least `MIN_S
 so the bool mask (packing) and the unpacked keep words (one gradient element each) exist for one
 slice at a time: a 32nd of the bool mask's, of the gradient's bytes. When the caller owns the
 gradient outright (`torch_private.sole_owner`) it is written in place and nothing of its size is
-allocated. Both read bytes as wider integers, little-endian (checked).
+allocated.
+
+Two ways to each, the same bits: on the CPU, integer kernels over bytes read as wider integers
+(little-endian, checked), because the CPU does not vectorise the plain ones (a reduction over
+groups of 8, `masked_fill_`); elsewhere (CUDA, and the meta device an analytical profile runs
+on, which plans for a GPU) the plain kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ MIN_SLICE = 1 << 20
 the transient of a tensor this small does not matter (tests lower it to exercise the slicing)."""
 
 
+def _weights(device) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def _integer_kernels(device) -> bool:
+    """The CPU's way (module docstring); tests force the other one on the CPU."""
+    return device.type == "cpu"
+
+
 def _pack_into(out: torch.Tensor, part: torch.Tensor) -> None:
     """Pack `part` (bytes 0 or 1, a multiple of 8 of them, starting on an 8-byte boundary) into
     `out`, one byte per 8. Each group of 8 bytes is read as one little-endian int64 whose bit 8i
@@ -29,6 +43,9 @@ def _pack_into(out: torch.Tensor, part: torch.Tensor) -> None:
     brings 8i to 8i - 7, x >> 14 and x >> 28 the pairs and quadruples; nothing else lands in
     the low byte). Elementwise kernels on an eighth of the elements: a multiply-and-sum over
     groups of 8, the obvious way, costs a reduction per byte, slower than making the mask."""
+    if not _integer_kernels(part.device):
+        torch.sum(part.view(-1, 8) * _weights(part.device), dim=-1, dtype=torch.uint8, out=out)
+        return
     if sys.byteorder != "little":
         raise NotImplementedError("monetlike's packed masks read bytes as little-endian integers; "
                                   "this host is big-endian: use the default Impls")
@@ -96,6 +113,11 @@ def _keep_table(itemsize: int, device) -> torch.Tensor:
 def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:
     """Elements a..b of the mask (row-major) applied to `out` (of b - a elements, any layout:
     matched by logical position), in place."""
+    if not _integer_kernels(out.device):
+        bits = packed[a // 8:(b + 7) // 8].unsqueeze(-1).bitwise_and(_weights(packed.device))
+        out.masked_fill_(bits.ne_(0).view(torch.bool).view(-1)[a % 8:a % 8 + b - a]
+                         .view(out.shape), 0)
+        return
     table = _keep_table(out.element_size(), out.device)
     keep = torch.index_select(table, 0, packed[a // 8:(b + 7) // 8].int())  # 3x advanced indexing
     keep = keep.view(-1)[a % 8:a % 8 + b - a].view(out.shape)
