@@ -90,3 +90,35 @@ def test_the_mask_recomputation_scratch_is_in_the_peak():
     measured = measured_peak(graph, model, ScheduleWrapper(model, schedule, graph=graph),
                              (tokens,))
     assert measured <= predicted * (1 + PEAK_TOLERANCE), (measured, predicted)
+
+
+def test_a_bfloat16_dropout_mask_is_drawn_again_when_recomputed():
+    """Under CPU autocast the dropout's input is bfloat16, where applying the mask would round
+    otherwise than native_dropout: the runtime holds no mask and the recomputation draws the
+    same numbers again under the forward's generator state; outputs and gradients stay
+    plain autocast's, bit for bit."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        graph = monetlike.profile(model, x, cost="measured", repeat=1)
+    drop = next(op for op in graph.ops if op.name == "drop")
+    assert graph.values[drop.outputs[0]].dtype == "bfloat16"
+    k = next(i for i, im in enumerate(drop.impls) if im.name == "dropout_mask")
+    impl = tuple(k if op.id == drop.id else 0 for op in graph.ops)
+    schedule = schedule_from_keep(graph, (), retain="saved", impl=impl, mode="full")
+    assert any(drop.id in st.recompute for st in schedule.stages)
+    wrapped = ScheduleWrapper(copy.deepcopy(model), schedule, graph=graph)
+    for seed in range(2):
+        grads = []
+        for m in (model, wrapped):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = m(x)
+            out.float().pow(2).mean().backward()
+            grads.append([out.detach()] + [p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)

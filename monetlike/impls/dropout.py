@@ -166,9 +166,11 @@ def _matcher(function):
             x = args[0] if args else kwargs["input"]
             if function is DropoutMask:  # NOTE [Recomputed from the mask]
                 # Only a dropout with a backward holds its mask: no backward would let go of it.
+                # The dtype as well: a recomputation finding the mask applies it, and sets no
+                # generator state to draw again (autocast can make x bfloat16 here).
                 stash = getattr(interp, "mask_stash", None)
-                if stash is None or x.device.type != "cpu" or not (
-                        x.requires_grad and torch.is_grad_enabled()):
+                if stash is None or x.device.type != "cpu" or x.dtype not in \
+                        MASK_RECOMPUTE_DTYPES or not (x.requires_grad and torch.is_grad_enabled()):
                     return function.apply(x, p)
                 return function.apply(x, p, stash(node))
             return function.apply(x, p)

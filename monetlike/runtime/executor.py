@@ -121,7 +121,7 @@ import torch.fx as fx
 
 from solver.errors import ScheduleError
 
-from ..impls.dropout import MASK_RECOMPUTE_DTYPES, dropout_from_mask
+from ..impls.dropout import dropout_from_mask
 from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_flatten,
                              tree_leaves, tree_unflatten)
 from . import recompute as rc
@@ -545,10 +545,12 @@ class Recomputation:
                 return sub(runner, node, args, kwargs)
         p = plan.mask_recompute.get(node.name)
         if p is not None:  # NOTE [Recomputed from the mask] in impls/dropout.py
+            # Held only when the forward's input was a float32/64 CPU tensor; recomputed under
+            # the forward's autocast state, this input is too. Without it, recompute_op kept the
+            # generator state and the dropout draws again.
             mask = self.state.masks.get(self.op)
-            x = args[0] if args else kwargs["input"]
-            if mask is not None and x.dtype in MASK_RECOMPUTE_DTYPES:
-                return dropout_from_mask(x, mask, p)
+            if mask is not None:
+                return dropout_from_mask(args[0] if args else kwargs["input"], mask, p)
         return runner.call_for_recompute(node, args, kwargs)
 
     def made(self, i: int, result: Any) -> None:
