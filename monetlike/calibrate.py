@@ -141,22 +141,28 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
 
         everything = schedule_from_keep(graph, (), retain="all",
                                         created_by="monetlike.calibrate")
-        wrapped = ScheduleWrapper(model, everything, graph=graph)
         tick = time.thread_time if clock == "thread" else time.perf_counter
-        whole = []
-        with wrapped.timing_recomputations(tick) as times:
-            for i in range(steps + 1):
-                timer.sync()
-                a = timer.mark()
-                model.zero_grad(set_to_none=True)
-                if i == 1:
-                    times.clear()  # the first step builds the plan and warms up
-                _loss(wrapped(*args, **kwargs)).backward()
-                b = timer.mark()
-                timer.sync()
-                if i:
-                    whole.append(timer.seconds(a, b))
-        model.zero_grad(set_to_none=True)
+
+        def recompute_steps(schedule):
+            """Each recomputation's times and the whole steps' times, over `steps` steps."""
+            wrapped = ScheduleWrapper(model, schedule, graph=graph)
+            whole = []
+            with wrapped.timing_recomputations(tick) as times:
+                for i in range(steps + 1):
+                    timer.sync()
+                    a = timer.mark()
+                    model.zero_grad(set_to_none=True)
+                    if i == 1:
+                        times.clear()  # the first step builds the plan and warms up
+                    _loss(wrapped(*args, **kwargs)).backward()
+                    b = timer.mark()
+                    timer.sync()
+                    if i:
+                        whole.append(timer.seconds(a, b))
+            model.zero_grad(set_to_none=True)
+            return times, whole
+
+        times, whole = recompute_steps(everything)
 
         # 2b. A dropout run with dropout_mask is recomputed from its mask, not drawn again
         #     (NOTE [Recomputed from the mask]): the same steps with that Impl, timed apart.
@@ -165,16 +171,9 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
         mask_times: dict[int, list] = {}
         if mask_impl:
             impl = tuple(mask_impl.get(op.id, 0) for op in ops)
-            masked = ScheduleWrapper(model, schedule_from_keep(
+            mask_times, _ = recompute_steps(schedule_from_keep(
                 graph, (), retain="all", impl=impl, mode="full",
-                created_by="monetlike.calibrate"), graph=graph)
-            with masked.timing_recomputations(tick) as mask_times:
-                for i in range(steps + 1):
-                    model.zero_grad(set_to_none=True)
-                    if i == 1:
-                        mask_times.clear()
-                    _loss(masked(*args, **kwargs)).backward()
-            model.zero_grad(set_to_none=True)
+                created_by="monetlike.calibrate"))
 
     rerun = {j: statistics.median(ts) for j, ts in times.items()}
     rerun_masked = {j: statistics.median(ts) for j, ts in mask_times.items() if j in mask_impl}

@@ -27,8 +27,17 @@ MIN_SLICE = 1 << 20
 the transient of a tensor this small does not matter (tests lower it to exercise the slicing)."""
 
 
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
 def _weights(device) -> torch.Tensor:
-    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+    """The bit weights 1, 2, ..., 128 on `device` (made once: a copy to a GPU per slice is not
+    free)."""
+    key = str(device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8,
+                                     device=device)
+    return _WEIGHTS[key]
 
 
 def _integer_kernels(device) -> bool:

@@ -97,8 +97,13 @@ class DropoutMask(torch.autograd.Function):
 # draws again). Nothing is drawn, so the generator state is not set either. Besides its output
 # it allocates the mask cast to x's dtype (CPU kernels cast mixed operands in a temporary):
 # `mask_recompute_scratch` measures that by the allocator's count, as the profile records it.
-MASK_RECOMPUTE_DTYPES = (torch.float32, torch.float64)
 MASK_RECOMPUTE_DTYPE_NAMES = ("float32", "float64")
+
+
+def mask_recomputable(dtype_name: str, requires_grad: bool) -> bool:
+    """Whether a dropout_mask output of this dtype is recomputed from its mask (on the CPU):
+    only a dropout with a backward holds its mask (no backward would let go of it otherwise)."""
+    return requires_grad and dtype_name in MASK_RECOMPUTE_DTYPE_NAMES
 
 
 def dropout_from_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
@@ -165,12 +170,12 @@ def _matcher(function):
         def run(interp, node, args, kwargs):
             x = args[0] if args else kwargs["input"]
             if function is DropoutMask:  # NOTE [Recomputed from the mask]
-                # Only a dropout with a backward holds its mask: no backward would let go of it.
-                # The dtype as well: a recomputation finding the mask applies it, and sets no
-                # generator state to draw again (autocast can make x bfloat16 here).
+                # Checked on the tensor too: a recomputation finding the mask applies it and
+                # sets no generator state to draw again (autocast can make x bfloat16 here).
                 stash = getattr(interp, "mask_stash", None)
-                if stash is None or x.device.type != "cpu" or x.dtype not in \
-                        MASK_RECOMPUTE_DTYPES or not (x.requires_grad and torch.is_grad_enabled()):
+                if stash is None or x.device.type != "cpu" or not mask_recomputable(
+                        str(x.dtype).removeprefix("torch."),
+                        x.requires_grad and torch.is_grad_enabled()):
                     return function.apply(x, p)
                 return function.apply(x, p, stash(node))
             return function.apply(x, p)

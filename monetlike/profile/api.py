@@ -26,7 +26,7 @@ import torch
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..capture import capture as capture_graph
-from ..impls.dropout import MASK_RECOMPUTE_DTYPE_NAMES, mask_recompute_scratch
+from ..impls.dropout import mask_recomputable, mask_recompute_scratch
 from ..capture import check_capture, split_example
 from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
@@ -408,7 +408,7 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                 return int(alt["fwd_workspace"])
             outs = [run.values[t] for t in g.outputs]
             if alt["name"] == "dropout_mask" and meta.get("device") == "cpu" and all(
-                    v.dtype in MASK_RECOMPUTE_DTYPE_NAMES and v.requires_grad for v in outs):
+                    mask_recomputable(v.dtype, v.requires_grad) for v in outs):
                 return mask_recompute_scratch(tuple(outs[0].shape), outs[0].dtype)
             return impl.recompute_workspace
 

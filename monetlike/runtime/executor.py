@@ -342,7 +342,7 @@ class StepState:
         if ctx is None:
             raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
                                f"forward context was not captured; this is a bug")
-        if j in self.runner.mask_ops and j in self.masks:
+        if j in self.masks:
             # NOTE [Recomputed from the mask]: nothing is drawn, so no generator state is set
             # (its 5 KB state tensor would be a transient the profile did not count).
             ctx = rc.without_rng(ctx)
@@ -585,7 +585,6 @@ class ScheduledForward:
         self._forward = generated_forward(plan, root)
         self._recompute_code: dict[int, Any] = {}
         self._index: dict[fx.Node, int] | None = None  # built at the first recomputation
-        self.mask_ops = frozenset(plan.node_op[n] for n in plan.mask_recompute)
 
     def mask_stash(self, node: fx.Node):
         """Where a dropout_mask Impl puts its mask (NOTE [Recomputed from the mask]): (dict,

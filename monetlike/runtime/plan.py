@@ -274,13 +274,13 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                    | {graph.backward_order[t] for t in active_stages})
     runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
-    from ..impls.dropout import MASK_RECOMPUTE_DTYPE_NAMES, dropout_p
+    from ..impls.dropout import dropout_p, mask_recomputable
 
     mask_recompute = {}
     for j in recomputed_ops:
         outputs = [graph.values[v] for v in graph.ops[j].outputs]
         if graph.ops[j].impls[schedule.impl[j]].name == "dropout_mask" and all(
-                v.requires_grad and v.dtype in MASK_RECOMPUTE_DTYPE_NAMES for v in outputs):
+                mask_recomputable(v.dtype, v.requires_grad) for v in outputs):
             p = dropout_p(gm, op_nodes[j])
             if p is not None:
                 mask_recompute[op_nodes[j][0].name] = p
