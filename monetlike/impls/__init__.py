@@ -8,6 +8,8 @@
     dropout_regen    Dropout regenerating its mask from the saved RNG state in the backward
     recompute_internals  MultiheadAttention, scaled_dot_product_attention, RNNs and Transformer
                      layers holding only their inputs, their forward run again in the backward
+    sdpa_mask        scaled_dot_product_attention with dropout on the CPU holding its inputs and a
+                     1-byte dropout mask; the backward recomputes the probabilities, draws nothing
     conv_split, linear_split   a convolution / linear layer whose backward makes the weight
                      gradient, lets the input go, then makes the input gradient
     conv_split_mask, linear_split_mask   the same with the Op's in-place ReLU / hardtanh masked

@@ -84,7 +84,7 @@ def _load() -> None:
     # The families register themselves on import; imported lazily so that importing the
     # registry (from the runtime's plan) stays cheap and free of cycles. The import order is the
     # registration order, i.e. the order of an Op's extra Impls (part of its fingerprint).
-    from . import dropout, pool, relu, hardtanh, internals, inplace, split  # noqa: F401
+    from . import dropout, pool, relu, hardtanh, internals, inplace, split, attention  # noqa: F401
 
 
 class SubstitutingMixin:

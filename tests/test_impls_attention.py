@@ -1,0 +1,213 @@
+"""sdpa_mask (monetlike/impls/attention.py): attention with dropout holding a 1-byte mask.
+
+The Impl writes out the CPU math path of scaled_dot_product_attention with dropout and rebuilds
+the noise from a bool mask in its backward. It changes only what is held, so everything must be
+bitwise plain PyTorch's: the output, the gradients of query, key, value and a float mask, and
+the generator's state afterwards; on shapes, masks, scales, dtypes and layouts drawn by
+hypothesis, the same tensor passed as query, key and value included. What it holds must be the
+inputs and the mask; where the call is not the composite it writes out, it runs the default.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import monetlike
+from monetlike.impls.attention import SdpaMask, _match
+from monetlike.trace import trace
+from test_impls import _assert_same, _bytes_held
+from test_impls_internals import _with_impl
+from runtime_support import PEAK_TOLERANCE, measured_peak, weighted_step
+from solver.simulate import simulate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "sdpa_mask"
+
+
+def _step(fn, q, k, v, mask, seed):
+    """Output, gradients (query, key, value, float mask: one leaf per distinct tensor) and the
+    generator's next draw after a forward and backward of `fn` from generator seed `seed`."""
+    leaves, inputs = {}, {}
+
+    def leaf(t):
+        if t is None or not t.is_floating_point():
+            return t
+        if id(t) not in leaves:
+            leaves[id(t)] = t.detach().clone().requires_grad_()
+            inputs[id(t)] = leaves[id(t)] * 1  # a non-leaf, as the Op's inputs are in a model
+        return inputs[id(t)]
+
+    args = [leaf(t) for t in (q, k, v, mask)]
+    torch.manual_seed(seed)
+    out = fn(*args)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                             dtype=out.dtype))
+    return [out, *[t.grad for t in leaves.values()], torch.rand(4)]
+
+
+def _assert_bits(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(-1).view(torch.uint8) if x.dtype != torch.float64 else
+                           x.view(-1).view(torch.int64),
+                           y.view(-1).view(torch.uint8) if y.dtype != torch.float64 else
+                           y.view(-1).view(torch.int64))
+
+
+@st.composite
+def attention_calls(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    batch = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    L, S, D, Dv = (draw(st.integers(1, 12)) for _ in range(4))
+    layout = draw(st.sampled_from(["contiguous", "heads_permuted", "one_tensor"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    if layout == "one_tensor":  # self-attention on the same tensor as query, key and value
+        q = k = v = torch.randn(*batch, L, D, generator=g, dtype=dtype)
+        S, Dv = L, D
+    elif layout == "heads_permuted":  # views of a fused projection, as a model makes them
+        fused = torch.randn(*batch, max(L, S), 3, D, generator=g, dtype=dtype)
+        q, k = fused[..., :L, 0, :], fused[..., :S, 1, :]
+        v = fused[..., :S, 2, :]
+        Dv = D
+    else:
+        q = torch.randn(*batch, L, D, generator=g, dtype=dtype)
+        k = torch.randn(*batch, S, D, generator=g, dtype=dtype)
+        v = torch.randn(*batch, S, Dv, generator=g, dtype=dtype)
+    kind = draw(st.sampled_from(["none", "causal", "bool", "float"]))
+    mask, causal = None, kind == "causal"
+    if kind == "bool":  # some rows wholly masked: the safe softmax gives zeros there
+        mask = torch.rand(L, S, generator=g) > draw(st.sampled_from([0.3, 0.9]))
+    elif kind == "float":
+        mask = torch.randn(*batch, L, S, generator=g, dtype=dtype)
+    scale = draw(st.sampled_from([None, 0.0, 0.37, 2.0]))
+    p = draw(st.sampled_from([0.1, 0.5, 0.93]))
+    return q, k, v, mask, p, causal, scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(attention_calls())
+def test_bitwise_the_default(call):
+    q, k, v, mask, p, causal, scale = call
+
+    def default(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p,
+                                              is_causal=causal, scale=scale)
+
+    def impl(q, k, v, m):
+        return SdpaMask.apply(p, causal, scale, q, k, v, m)
+
+    for seed in (0, 1):
+        _assert_bits(_step(default, q, k, v, mask, seed), _step(impl, q, k, v, mask, seed))
+
+
+def test_broadcast_batch_shapes():
+    # key and value shared across the batch: the product's gradient is taken through matmul
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 5, 4, generator=g)
+    k, v = torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 3, generator=g)
+
+    def default(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+
+    def impl(q, k, v, m):
+        return SdpaMask.apply(0.2, False, None, q, k, v, m)
+
+    _assert_bits(_step(default, q, k, v, None, 0), _step(impl, q, k, v, None, 0))
+
+
+class Heads(nn.Module):
+    def __init__(self, p=0.1, **kw):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.p, self.kw = p, kw
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, **self.kw).sum(1)
+
+
+def test_holds_inputs_and_mask():
+    # The Op's inputs are views of one fused projection (b x t x 48 fp32) and the mask is
+    # b x heads x t x t bytes; the default holds no Value but the probabilities, the noise and
+    # the dropped probabilities (b x heads x t x t fp32 each), the scaled query and key and a
+    # contiguous copy of the value.
+    b, t = 3, 7
+    torch.manual_seed(0)
+    model = Heads().train()
+    g = monetlike.profile(model, torch.randn(b, t, 16), cost="measured", repeat=1)
+    (op,) = [o for o in g.ops if o.kind == "scaled_dot_product_attention"]
+    default = op.impls[0]
+    alt = next(im for im in op.impls if im.name == NAME)
+    assert [g.values[v].bytes for v in set(alt.saved)] == [4 * b * t * 48]
+    assert alt.internal_bytes == b * 2 * t * t
+    assert default.internal_bytes == 3 * 4 * b * 2 * t * t + 3 * 4 * b * 2 * t * 8
+
+    gm = trace(model)
+    node = next(n for n in gm.graph.nodes if n.name == op.name)
+    run = _match(gm, [node])[node.name]
+
+    def heads(f):
+        return f.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+
+    fused = torch.randn(b, t, 48, requires_grad=True)
+    held = _bytes_held(lambda f: run(gm, node, tuple(heads(f * 1)), {"dropout_p": 0.1}), fused)
+    assert held == 4 * b * t * 48 + b * 2 * t * t
+    plain = _bytes_held(lambda f: F.scaled_dot_product_attention(*heads(f * 1), dropout_p=0.1),
+                        fused)
+    assert plain == default.internal_bytes and default.saved == ()
+
+
+def test_offered_only_where_it_helps():
+    x = torch.randn(2, 5, 16)
+    kinds = lambda g: {im.name for o in g.ops for im in o.impls}  # noqa: E731
+    # No dropout: the CPU's fused kernel, which holds no probabilities.
+    assert NAME not in kinds(monetlike.profile(Heads(p=0.0).train(), x, cost="measured",
+                                               repeat=1))
+    # A GPU target: its fused kernels regenerate the dropout themselves.
+    assert NAME not in kinds(monetlike.profile(Heads().train(), x,
+                                               cost="analytical:A100-40GB"))
+    assert NAME in kinds(monetlike.profile(Heads().train(), x, cost="measured", repeat=1))
+
+
+def test_runs_the_default_where_it_does_not_fit():
+    # bfloat16 (the math path computes in float32 there) and autocast: the default's call.
+    gm = trace(Heads())
+    node = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
+    run = _match(gm, [node])[node.name]
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    for ctx, args in ((torch.autocast("cpu", torch.bfloat16), (q, k, v)),
+                      (torch.no_grad(), (q, k, v)),
+                      (torch.enable_grad(), tuple(t.bfloat16() for t in (q, k, v)))):
+        with ctx:
+            torch.manual_seed(0)
+            got = run(gm, node, args, {"dropout_p": 0.3})
+            torch.manual_seed(0)
+            want = F.scaled_dot_product_attention(*args, dropout_p=0.3)
+        assert torch.equal(got, want)
+        assert type(got.grad_fn).__name__ != "SdpaMaskBackward"
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(scale=0.5)])
+def test_exact_through_runtime_with_measured_peak(kw):
+    torch.manual_seed(0)
+    model = Heads(p=0.2, **kw).train()
+    x = torch.randn(4, 9, 16).requires_grad_()
+    graph = monetlike.profile(model, x, cost="measured", repeat=1)
+    schedule, picked = _with_impl(graph, NAME)
+    assert picked
+    ref_model = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(model, schedule)
+    for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
+        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+    predicted = simulate(graph, schedule).peak_bytes
+    measured = measured_peak(graph, model, wrapped, x)
+    assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (measured, predicted)
