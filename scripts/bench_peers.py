@@ -194,6 +194,13 @@ def time_block(bench: Bench, cfgs: list[Config], rounds: int) -> float:
     for _ in range(rounds):
         for cfg in cfgs:
             bench.measure(cfg)
+    for cfg in cfgs:
+        pred = cfg.predicted_peak
+        if pred is not None and max(cfg.peaks) > pred:
+            over = sum(p > pred for p in cfg.peaks)
+            peaks = ", ".join(f"{p / MiB:.2f}" for p in cfg.peaks)
+            bench.log(f"[{bench.spec.name}] {cfg.name}: measured over its prediction "
+                      f"({pred / MiB:.2f} MiB) in {over} of {len(cfg.peaks)} steps: {peaks} MiB")
     ts = plain.times[start:]
     return max(ts) / min(ts) - 1 if len(ts) > 1 else float("nan")
 
@@ -257,6 +264,10 @@ class Ours:
             t0 = time.perf_counter()
             res = solve(self.graph, budget, self.bench.args.time_limit)
             self.results[budget] = res
+            keep_dir = getattr(self.bench.args, "schedules_dir", None)
+            if keep_dir and res.ok:
+                Path(keep_dir).mkdir(parents=True, exist_ok=True)
+                res.schedule.save(Path(keep_dir) / f"{self.bench.spec.name}_{budget}.json")
             self.bench.log(f"[{self.bench.spec.name}] solve at {budget / MiB:.2f} MiB: {res.status}"
                            f" in {time.perf_counter() - t0:.1f} s"
                            + (f", predicted peak {res.predicted_peak_bytes / MiB:.2f} MiB"
@@ -791,6 +802,9 @@ def parse_args(argv=None):
                     help="step time: measure_step's median wall time, or the median thread CPU "
                          "time of the same timed steps (needs --threads 1; robust when other "
                          "processes share the cores)")
+    ap.add_argument("--schedules-dir", default=None,
+                    help="save each of our solved schedules there as JSON "
+                         "(<model>_<budget bytes>.json), to look into a row afterwards")
     ap.add_argument("--sweep", default="0.1,0.25,0.4,0.6,0.8",
                     help="Pareto budgets as fractions between fixed memory and plain's peak")
     args = ap.parse_args(argv)

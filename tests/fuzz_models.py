@@ -31,14 +31,15 @@ B, T, D, VOCAB = 4, 8, 16, 32
 
 CONSTRUCTS = (
     "linear", "linear_on_transpose", "conv1d_on_transpose", "attention_matmul", "attention_bmm",
-    "attention_einsum", "split_cat", "chunk_cat", "slice_cat", "reshape_permute", "contiguous",
+    "attention_einsum", "attention_sdpa", "split_cat", "chunk_cat", "slice_cat", "reshape_permute", "contiguous",
     "stack_mean", "softmax", "dropout", "layer_norm", "batch_norm", "group_norm", "relu_inplace",
     "gelu", "tanh", "sigmoid_inplace", "add", "mul", "add_param", "mul_param", "shared_linear",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
 ARITY = {k: 1 for k in CONSTRUCTS}
-ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3, "chunk_cat": 2,
+ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
+              "attention_sdpa": 3, "chunk_cat": 2,
               "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
               "sigmoid_inplace": 2, "add": 2, "mul": 2})
 
@@ -130,6 +131,11 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
     if k == "attention_einsum":
         s = torch.einsum("btd,bsd->bts", a, b).tanh()
         return torch.einsum("bts,bsd->btd", s, c)
+    if k == "attention_sdpa":  # two heads; dropout inside while training
+        q, k_, v = (t.unflatten(-1, (2, D // 2)).transpose(1, 2) for t in (a, b, c))
+        y = F.scaled_dot_product_attention(q, k_, v, dropout_p=step.p if net.training else 0.0,
+                                           is_causal=step.p < 0.2)
+        return y.transpose(1, 2).flatten(2)
     if k == "split_cat":
         lo, hi = a.split(D // 2, dim=-1)
         return torch.cat([hi * 2.0, lo.relu()], dim=-1)
