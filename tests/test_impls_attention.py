@@ -1,16 +1,20 @@
-"""sdpa_mask (monetlike/impls/attention.py): attention with dropout holding a 1-byte mask.
+"""sdpa_mask, sdpa_probs_mask (monetlike/impls/attention.py): attention with dropout holding a
+1-byte mask.
 
-The Impl writes out the CPU math path of scaled_dot_product_attention with dropout and rebuilds
-the noise from a bool mask in its backward. It changes only what is held, so everything must be
+The Impls write out the CPU math path of scaled_dot_product_attention with dropout and rebuild
+the noise from a bool mask in their backward (sdpa_mask recomputing the probabilities,
+sdpa_probs_mask holding them). They change only what is held, so everything must be
 bitwise plain PyTorch's: the output, the gradients of query, key, value and a float mask, and
 the generator's state afterwards; on shapes, masks, scales, dtypes and layouts drawn by
-hypothesis, the same tensor passed as query, key and value included. What it holds must be the
-inputs and the mask; where the call is not the composite it writes out, it runs the default.
+hypothesis, the same tensor passed as query, key and value included. What they hold must be the
+inputs and the mask (and the probabilities); where the call is not the composite they write
+out, they run the default.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monetlike
-from monetlike.impls.attention import SdpaMask, _match
+from monetlike.impls.attention import SdpaMask, SdpaProbsMask, _match, _match_probs
 from monetlike.trace import trace
 from test_impls import _assert_same, _bytes_held
 from test_impls_internals import _with_impl
@@ -30,6 +34,8 @@ from solver.simulate import simulate
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAME = "sdpa_mask"
+NAMES = ("sdpa_mask", "sdpa_probs_mask")
+FUNCTIONS = {"sdpa_mask": SdpaMask, "sdpa_probs_mask": SdpaProbsMask}
 
 
 def _step(fn, q, k, v, mask, seed):
@@ -102,15 +108,20 @@ def test_bitwise_the_default(call):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p,
                                               is_causal=causal, scale=scale)
 
-    def impl(q, k, v, m):
-        return SdpaMask.apply(p, causal, scale, q, k, v, m)
+    for fn in (SdpaMask, SdpaProbsMask):
+        if fn is SdpaProbsMask and not (q.dim() >= 3 and q.shape[:-2] == k.shape[:-2]):
+            continue  # not offered there (the matcher runs the default)
 
-    for seed in (0, 1):
-        _assert_bits(_step(default, q, k, v, mask, seed), _step(impl, q, k, v, mask, seed))
+        def impl(q, k, v, m):
+            return fn.apply(p, causal, scale, q, k, v, m)
+
+        for seed in (0, 1):
+            _assert_bits(_step(default, q, k, v, mask, seed), _step(impl, q, k, v, mask, seed))
 
 
 def test_broadcast_batch_shapes():
-    # key and value shared across the batch: the product's gradient is taken through matmul
+    # key and value shared across the batch: sdpa_mask takes the product's gradient through
+    # matmul; sdpa_probs_mask is not run (its formulas are bmm's, for one batch shape)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 2, 5, 4, generator=g)
     k, v = torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 3, generator=g)
@@ -122,6 +133,11 @@ def test_broadcast_batch_shapes():
         return SdpaMask.apply(0.2, False, None, q, k, v, m)
 
     _assert_bits(_step(default, q, k, v, None, 0), _step(impl, q, k, v, None, 0))
+    gm = trace(Heads())
+    node = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
+    args = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    out = _match_probs(gm, [node])[node.name](gm, node, args, {"dropout_p": 0.2})
+    assert type(out.grad_fn).__name__ != "SdpaProbsMaskBackward"  # the default's call
 
 
 class Heads(nn.Module):
@@ -135,9 +151,10 @@ class Heads(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, **self.kw).sum(1)
 
 
-def test_holds_inputs_and_mask():
+@pytest.mark.parametrize("name", NAMES)
+def test_holds_inputs_and_mask(name):
     # The Op's inputs are views of one fused projection (b x t x 48 fp32) and the mask is
-    # b x heads x t x t bytes; the default holds no Value but the probabilities, the noise and
+    # b x heads x t x t bytes (sdpa_probs_mask: and the probabilities, 4 bytes each); the default holds no Value but the probabilities, the noise and
     # the dropped probabilities (b x heads x t x t fp32 each), the scaled query and key and a
     # contiguous copy of the value.
     b, t = 3, 7
@@ -146,21 +163,22 @@ def test_holds_inputs_and_mask():
     g = monetlike.profile(model, torch.randn(b, t, 16), cost="measured", repeat=1)
     (op,) = [o for o in g.ops if o.kind == "scaled_dot_product_attention"]
     default = op.impls[0]
-    alt = next(im for im in op.impls if im.name == NAME)
+    alt = next(im for im in op.impls if im.name == name)
+    own = b * 2 * t * t * (1 if name == "sdpa_mask" else 5)
     assert [g.values[v].bytes for v in set(alt.saved)] == [4 * b * t * 48]
-    assert alt.internal_bytes == b * 2 * t * t
+    assert alt.internal_bytes == own
     assert default.internal_bytes == 3 * 4 * b * 2 * t * t + 3 * 4 * b * 2 * t * 8
 
     gm = trace(model)
     node = next(n for n in gm.graph.nodes if n.name == op.name)
-    run = _match(gm, [node])[node.name]
+    run = (_match if name == "sdpa_mask" else _match_probs)(gm, [node])[node.name]
 
     def heads(f):
         return f.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
 
     fused = torch.randn(b, t, 48, requires_grad=True)
     held = _bytes_held(lambda f: run(gm, node, tuple(heads(f * 1)), {"dropout_p": 0.1}), fused)
-    assert held == 4 * b * t * 48 + b * 2 * t * t
+    assert held == 4 * b * t * 48 + own
     plain = _bytes_held(lambda f: F.scaled_dot_product_attention(*heads(f * 1), dropout_p=0.1),
                         fused)
     assert plain == default.internal_bytes and default.saved == ()
@@ -169,40 +187,43 @@ def test_holds_inputs_and_mask():
 def test_offered_only_where_it_helps():
     x = torch.randn(2, 5, 16)
     kinds = lambda g: {im.name for o in g.ops for im in o.impls}  # noqa: E731
+    names = set(NAMES)
     # No dropout: the CPU's fused kernel, which holds no probabilities.
-    assert NAME not in kinds(monetlike.profile(Heads(p=0.0).train(), x, cost="measured",
+    assert not names & kinds(monetlike.profile(Heads(p=0.0).train(), x, cost="measured",
                                                repeat=1))
     # A GPU target: its fused kernels regenerate the dropout themselves.
-    assert NAME not in kinds(monetlike.profile(Heads().train(), x,
+    assert not names & kinds(monetlike.profile(Heads().train(), x,
                                                cost="analytical:A100-40GB"))
-    assert NAME in kinds(monetlike.profile(Heads().train(), x, cost="measured", repeat=1))
+    assert names <= kinds(monetlike.profile(Heads().train(), x, cost="measured", repeat=1))
 
 
 def test_runs_the_default_where_it_does_not_fit():
     # bfloat16 (the math path computes in float32 there) and autocast: the default's call.
     gm = trace(Heads())
     node = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
-    run = _match(gm, [node])[node.name]
     q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
-    for ctx, args in ((torch.autocast("cpu", torch.bfloat16), (q, k, v)),
-                      (torch.no_grad(), (q, k, v)),
-                      (torch.enable_grad(), tuple(t.bfloat16() for t in (q, k, v)))):
-        with ctx:
+    cases = ((lambda: torch.autocast("cpu", torch.bfloat16), (q, k, v)),
+             (torch.no_grad, (q, k, v)),
+             (torch.enable_grad, tuple(t.bfloat16() for t in (q, k, v))))
+    for (ctx, args), match in itertools.product(cases, (_match, _match_probs)):
+        run = match(gm, [node])[node.name]
+        with ctx():
             torch.manual_seed(0)
             got = run(gm, node, args, {"dropout_p": 0.3})
             torch.manual_seed(0)
             want = F.scaled_dot_product_attention(*args, dropout_p=0.3)
         assert torch.equal(got, want)
-        assert type(got.grad_fn).__name__ != "SdpaMaskBackward"
+        assert type(got.grad_fn).__name__ not in ("SdpaMaskBackward", "SdpaProbsMaskBackward")
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(scale=0.5)])
-def test_exact_through_runtime_with_measured_peak(kw):
+def test_exact_through_runtime_with_measured_peak(kw, name):
     torch.manual_seed(0)
     model = Heads(p=0.2, **kw).train()
     x = torch.randn(4, 9, 16).requires_grad_()
     graph = monetlike.profile(model, x, cost="measured", repeat=1)
-    schedule, picked = _with_impl(graph, NAME)
+    schedule, picked = _with_impl(graph, name)
     assert picked
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)

@@ -168,7 +168,8 @@ class ExportedAttention(nn.Module):
         return self.out(F.dropout(y.transpose(1, 2).flatten(2), 0.3, self.training))
 
 
-@pytest.mark.parametrize("name", [NAME, "sdpa_mask", "dropout_regen", "dropout_mask"])
+@pytest.mark.parametrize("name", [NAME, "sdpa_mask", "sdpa_probs_mask", "dropout_regen",
+                                  "dropout_mask"])
 def test_exported_attention_and_dropout_get_their_impls(name):
     torch.manual_seed(0)
     model = ExportedAttention().train()
@@ -176,7 +177,8 @@ def test_exported_attention_and_dropout_get_their_impls(name):
     graph = monetlike.profile(model, x, cost="measured", repeat=1, capture="export")
     assert graph.meta["capture"] == "export"
     kinds = {op.kind: [im.name for im in op.impls] for op in graph.ops}
-    assert {NAME, "sdpa_mask"} <= set(kinds["scaled_dot_product_attention.default"])
+    assert {NAME, "sdpa_mask", "sdpa_probs_mask"} <= set(
+        kinds["scaled_dot_product_attention.default"])
     assert {"dropout_regen", "dropout_mask"} <= set(kinds["dropout.default"])
     sdpa = next(op for op in graph.ops if op.kind == "scaled_dot_product_attention.default")
     alt = next(im for im in sdpa.impls if im.name == NAME)

@@ -1,4 +1,8 @@
-"""sdpa_mask: attention with dropout on the CPU holding its inputs and a 1-byte dropout mask.
+"""Attention with dropout on the CPU holding a 1-byte dropout mask instead of the noise.
+
+- sdpa_mask: holds the inputs and the mask; the backward recomputes the probabilities.
+- sdpa_probs_mask: holds the inputs, the probabilities and the mask; the backward recomputes
+  nothing but the noise (from the mask), and takes each gradient by autograd's own formulas.
 
 `scaled_dot_product_attention` with dropout takes the math path on the CPU (the CPU's fused
 kernel has no dropout), a composite of aten ops whose autograd nodes hold the probabilities, the
@@ -12,6 +16,11 @@ the generator advances as the default's does), keeps the inputs and the noise as
 and at its backward stage rebuilds the probabilities from the inputs and the noise from the mask
 (bernoulli gives 0 and 1 exactly, so `mask.to(dtype).div_(1 - p)` is the noise bit for bit), then
 backpropagates through the same ops: the default's gradients, bit for bit, with no random draw.
+sdpa_probs_mask also keeps the probabilities (one of the default's three batch x heads x L x S
+tensors) and so skips their recomputation: its backward applies the formulas autograd applies
+to the default's nodes (bmm's, mul's, _safe_softmax's, in derivatives.yaml) to the same tensors,
+and leaves to autograd only the scaling and reshaping of the inputs, rebuilt cheaply, so the
+gradients reach the inputs in the default's order and bits.
 
 It applies only where that composite is what the default runs: CPU tensors of one float32 or
 float64 dtype, dropout_p a constant in (0, 1), no grouped-query expansion, a non-negative or
@@ -66,12 +75,34 @@ def _fits(a: dict) -> bool:
             and (scale is None or scale >= 0) and q.dim() >= 2 and torch.is_grad_enabled())
 
 
+def _same_batch(a: dict) -> bool:
+    """Query, key and value of one batch shape, 3-d or more: matmul is then expand, reshape to
+    3-d and bmm, whose gradients sdpa_probs_mask takes by bmm's formulas."""
+    q, k, v = a["query"], a["key"], a["value"]
+    return q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+
+
+def _factor(q, scale) -> float:
+    """The math path scales query and key each by the square root of the softmax scale."""
+    return math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+
+
+def _as_3d(t):
+    """matmul's batched operand: expanded to the batch shape (here its own), then 3-d."""
+    return t.expand(t.shape).reshape(-1, *t.shape[-2:])
+
+
+def _noise(keep, p, dtype):
+    """The dropout noise rebuilt from its mask: bernoulli_ gives exactly 0 and 1, then /(1-p)."""
+    return keep.to(dtype).div_(1 - p)
+
+
 def _attention(q, k, v, mask, p, is_causal, scale, keep=None):
     """The CPU math path of scaled_dot_product_attention with dropout, op for op (aten's
     _scaled_dot_product_attention_math): with `keep` None the noise is drawn as it draws it;
-    otherwise it is rebuilt from `keep`. Returns (output, keep); with `v` None, the dropped
-    probabilities instead of the output."""
-    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    otherwise it is rebuilt from `keep`. Returns (output, keep, probabilities); with `v` None,
+    the dropped probabilities instead of the output."""
+    factor = _factor(q, scale)
     if is_causal:
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
     if mask is not None and mask.dtype == torch.bool:
@@ -80,15 +111,15 @@ def _attention(q, k, v, mask, p, is_causal, scale, keep=None):
     attn = torch.matmul(q * factor, k.transpose(-2, -1) * factor)
     if mask is not None:
         attn = attn.add(mask)
-    attn = _ATEN._safe_softmax(attn, -1)
+    probs = _ATEN._safe_softmax(attn, -1)
     if keep is None:
-        noise = torch.empty_like(attn).bernoulli_(1 - p)
+        noise = torch.empty_like(probs).bernoulli_(1 - p)
         keep = noise.bool()
+        noise.div_(1 - p)
     else:
-        noise = keep.to(attn.dtype)
-    noise.div_(1 - p)
-    dropped = attn * noise
-    return (dropped if v is None else torch.matmul(dropped, v)), keep
+        noise = _noise(keep, p, probs.dtype)
+    dropped = probs * noise
+    return (dropped if v is None else torch.matmul(dropped, v)), keep, probs
 
 
 def _value_matmul_roots(dropped, v, grad):
@@ -101,25 +132,49 @@ def _value_matmul_roots(dropped, v, grad):
     if dropped.dim() < 3 or dropped.shape[:-2] != v.shape[:-2]:
         out = torch.matmul(dropped, v)
         return [out], [grad]
-    d3 = dropped.expand(dropped.shape).reshape(-1, *dropped.shape[-2:])
-    v3 = v.expand(v.shape).reshape(-1, *v.shape[-2:])
+    d3, v3 = _as_3d(dropped), _as_3d(v)
     g3 = grad.reshape(-1, *grad.shape[-2:])
     pairs = [(d3, lambda: g3.bmm(v3.transpose(1, 2))), (v3, lambda: d3.transpose(1, 2).bmm(g3))]
     roots = [t for t, _ in pairs if t.requires_grad]
     return roots, [g() for t, g in pairs if t.requires_grad]
 
 
+def _first_positions(tensors) -> list[int]:
+    """For each position, the first position holding the same tensor (None: itself). As in
+    recompute_internals, each distinct input is saved once, so that the backward sees the same
+    tensor where the forward did and autograd sums its gradients in the default's order."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(t), i) if t is not None else i for i, t in enumerate(tensors)]
+
+
+def _unpack(saved, same, none=None):
+    """The inputs back from the distinct saved tensors, by `_first_positions`."""
+    it = iter(saved)
+    inputs = [None] * len(same)
+    for i in range(len(same)):
+        if not (none and none[i]):
+            inputs[i] = next(it) if same[i] == i else inputs[same[i]]
+    return inputs
+
+
+def _gradients(roots, grads, det, need, same):
+    """Backpropagate `grads` from `roots` to the positions of `det` that need a gradient (each
+    distinct tensor at its first position)."""
+    pos = [i for i in range(len(det)) if need[i] and same[i] == i]
+    got = torch.autograd.grad(roots, [det[i] for i in pos], grads, allow_unused=True) \
+        if pos and roots else [None] * len(pos)
+    result = [None] * len(det)
+    for i, g in zip(pos, got):
+        result[i] = g
+    return result
+
+
 class SdpaMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, is_causal, scale, query, key, value, attn_mask):
         tensors = (query, key, value, attn_mask)
-        out, keep = _attention(*tensors, p, is_causal, scale)
-        # As in recompute_internals: one saved tensor per distinct input, so that the backward
-        # sees the same tensor where the forward did and autograd sums its gradients in the
-        # default's order.
-        first: dict[int, int] = {}
-        ctx.same = [first.setdefault(id(t), i) if t is not None else i
-                    for i, t in enumerate(tensors)]
+        out, keep, _ = _attention(*tensors, p, is_causal, scale)
+        ctx.same = _first_positions(tensors)
         ctx.none = [t is None for t in tensors]
         ctx.args = (p, is_causal, scale)
         ctx.save_for_backward(*[t for i, t in enumerate(tensors)
@@ -132,47 +187,92 @@ class SdpaMask(torch.autograd.Function):
         if grad is None:
             return (None,) * 7
         *distinct, keep = ctx.saved_tensors
-        it = iter(distinct)
-        inputs = [None] * 4
-        for i in range(4):
-            if not ctx.none[i]:
-                inputs[i] = next(it) if ctx.same[i] == i else inputs[ctx.same[i]]
+        inputs = _unpack(distinct, ctx.same, ctx.none)
         need = ctx.needs_input_grad[3:]
         with torch.enable_grad(), _hidden_hooks():
             det = _detach([t if t is not None else torch.empty(0) for t in inputs], need,
                           ctx.same)
             det = [None if ctx.none[i] else t for i, t in enumerate(det)]
             q, k, v, mask = det
-            dropped, _ = _attention(q, k, None, mask, *ctx.args, keep=keep)
+            dropped, _, _ = _attention(q, k, None, mask, *ctx.args, keep=keep)
             roots, grads = _value_matmul_roots(dropped, v, grad)
-        pos = [i for i in range(4) if need[i] and ctx.same[i] == i]
-        got = torch.autograd.grad(roots, [det[i] for i in pos], grads, allow_unused=True) \
-            if pos and roots else [None] * len(pos)
-        result = [None] * 4
-        for i, g in zip(pos, got):
-            result[i] = g
-        return (None, None, None, *result)
+        return (None, None, None, *_gradients(roots, grads, det, need, ctx.same))
 
 
-def _match(gm, nodes):
-    if len(nodes) != 1:
-        return None
-    n = nodes[0]
-    if not (n.op == "call_function" and n.target in FUNCTIONS and _constant_dropout(n)):
-        return None
+class SdpaProbsMask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, is_causal, scale, query, key, value, attn_mask):
+        out, keep, probs = _attention(query, key, value, attn_mask, p, is_causal, scale)
+        tensors = (query, key, value)
+        ctx.same = _first_positions(tensors)
+        ctx.args = (p, scale)
+        # The mask itself is not needed again, only the shape its gradient is summed to.
+        ctx.mask_shape = None if attn_mask is None else attn_mask.shape
+        ctx.save_for_backward(*[t for i, t in enumerate(tensors) if ctx.same[i] == i],
+                              probs, keep)
+        ctx.set_materialize_grads(False)
+        return out
 
-    def run(interp, node, args, kwargs):
-        a = _bind(args, kwargs)
-        if not _fits(a):
-            return node.target(*args, **kwargs)
-        return SdpaMask.apply(a["dropout_p"], bool(a["is_causal"]), a["scale"], a["query"],
-                              a["key"], a["value"], a["attn_mask"])
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 7
+        *distinct, probs, keep = ctx.saved_tensors
+        p, scale = ctx.args
+        need = ctx.needs_input_grad[3:]
+        with torch.enable_grad(), _hidden_hooks():
+            det = _detach(_unpack(distinct, ctx.same), need[:3], ctx.same)
+            q, k, v = det
+            factor = _factor(q, scale)
+            q3, kt3, v3 = _as_3d(q * factor), _as_3d(k.transpose(-2, -1) * factor), _as_3d(v)
+        with torch.no_grad():
+            # The default's backward nodes, last first: out = bmm(dropped, v) (as 3-d),
+            # dropped = probs * noise, probs = _safe_softmax(scores), scores = bmm(q, kt) + mask.
+            g3 = grad.reshape(-1, *grad.shape[-2:])
+            noise = _noise(keep, p, probs.dtype)
+            g_v3 = _as_3d(probs * noise).transpose(1, 2).bmm(g3)
+            g_probs = g3.bmm(v3.transpose(1, 2)).reshape(probs.shape) * noise
+            del noise
+            g_scores = _ATEN._softmax_backward_data(g_probs, probs, -1, probs.dtype)
+            del g_probs
+            g_mask = g_scores.sum_to_size(ctx.mask_shape) if need[3] else None
+            gs3 = g_scores.reshape(-1, *g_scores.shape[-2:])
+            g_q3 = gs3.bmm(kt3.transpose(1, 2))
+            g_kt3 = q3.transpose(1, 2).bmm(gs3)
+        pairs = [(r, g) for r, g in ((q3, g_q3), (kt3, g_kt3), (v3, g_v3)) if r.requires_grad]
+        result = _gradients([r for r, _ in pairs], [g for _, g in pairs], det, need[:3],
+                            ctx.same)
+        return (None, None, None, *result, g_mask)
 
-    return {n.name: run}
 
+def _matcher(function, fits):
+    def match(gm, nodes):
+        if len(nodes) != 1:
+            return None
+        n = nodes[0]
+        if not (n.op == "call_function" and n.target in FUNCTIONS and _constant_dropout(n)):
+            return None
+
+        def run(interp, node, args, kwargs):
+            a = _bind(args, kwargs)
+            if not fits(a):
+                return node.target(*args, **kwargs)
+            return function.apply(a["dropout_p"], bool(a["is_causal"]), a["scale"], a["query"],
+                                  a["key"], a["value"], a["attn_mask"])
+
+        return {n.name: run}
+    return match
+
+
+_match = _matcher(SdpaMask, _fits)
+_match_probs = _matcher(SdpaProbsMask, lambda a: _fits(a) and _same_batch(a))
 
 register(ImplSpec("sdpa_mask", _match,
                   "scaled_dot_product_attention with dropout on the CPU holds its inputs and a "
                   "1-byte dropout mask; its backward recomputes the probabilities and rebuilds "
                   "the noise from the mask, drawing nothing", devices=frozenset({"cpu"}),
                   needs_internals=True))
+register(ImplSpec("sdpa_probs_mask", _match_probs,
+                  "scaled_dot_product_attention with dropout on the CPU holds its inputs, the "
+                  "probabilities and a 1-byte dropout mask; its backward rebuilds only the noise",
+                  devices=frozenset({"cpu"}), needs_internals=True))
