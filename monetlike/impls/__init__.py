@@ -10,6 +10,7 @@
                      layers holding only their inputs, their forward run again in the backward
     sdpa_mask        scaled_dot_product_attention with dropout on the CPU holding its inputs and a
                      1-byte dropout mask; the backward recomputes the probabilities, draws nothing
+    sdpa_probs_mask  the same holding the probabilities too; the backward rebuilds only the noise
     conv_split, linear_split   a convolution / linear layer whose backward makes the weight
                      gradient, lets the input go, then makes the input gradient
     conv_split_mask, linear_split_mask   the same with the Op's in-place ReLU / hardtanh masked
