@@ -31,7 +31,8 @@ B, T, D, VOCAB = 4, 8, 16, 32
 
 CONSTRUCTS = (
     "linear", "linear_on_transpose", "conv1d_on_transpose", "attention_matmul", "attention_bmm",
-    "attention_einsum", "attention_sdpa", "split_cat", "chunk_cat", "slice_cat", "reshape_permute", "contiguous",
+    "attention_einsum", "attention_sdpa", "split_cat", "chunk_cat", "slice_cat",
+    "reshape_permute", "contiguous",
     "stack_mean", "softmax", "dropout", "layer_norm", "batch_norm", "group_norm", "relu_inplace",
     "gelu", "tanh", "sigmoid_inplace", "add", "mul", "add_param", "mul_param", "shared_linear",
 )

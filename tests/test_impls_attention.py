@@ -154,9 +154,9 @@ class Heads(nn.Module):
 @pytest.mark.parametrize("name", NAMES)
 def test_holds_inputs_and_mask(name):
     # The Op's inputs are views of one fused projection (b x t x 48 fp32) and the mask is
-    # b x heads x t x t bytes (sdpa_probs_mask: and the probabilities, 4 bytes each); the default holds no Value but the probabilities, the noise and
-    # the dropped probabilities (b x heads x t x t fp32 each), the scaled query and key and a
-    # contiguous copy of the value.
+    # b x heads x t x t bytes (sdpa_probs_mask: and the probabilities, 4 bytes each); the
+    # default holds no Value but the probabilities, the noise and the dropped probabilities
+    # (b x heads x t x t fp32 each), the scaled query and key and a contiguous copy of the value.
     b, t = 3, 7
     torch.manual_seed(0)
     model = Heads().train()

@@ -147,6 +147,14 @@ def _first_positions(tensors) -> list[int]:
     return [first.setdefault(id(t), i) if t is not None else i for i, t in enumerate(tensors)]
 
 
+def _save(ctx, inputs, *extra) -> None:
+    """Save each distinct input once (`ctx.same`), then `extra`; no zero-filled gradients."""
+    ctx.same = _first_positions(inputs)
+    ctx.save_for_backward(*[t for i, t in enumerate(inputs) if t is not None and ctx.same[i] == i],
+                          *extra)
+    ctx.set_materialize_grads(False)
+
+
 def _unpack(saved, same, none=None):
     """The inputs back from the distinct saved tensors, by `_first_positions`."""
     it = iter(saved)
@@ -174,12 +182,9 @@ class SdpaMask(torch.autograd.Function):
     def forward(ctx, p, is_causal, scale, query, key, value, attn_mask):
         tensors = (query, key, value, attn_mask)
         out, keep, _ = _attention(*tensors, p, is_causal, scale)
-        ctx.same = _first_positions(tensors)
         ctx.none = [t is None for t in tensors]
         ctx.args = (p, is_causal, scale)
-        ctx.save_for_backward(*[t for i, t in enumerate(tensors)
-                                if t is not None and ctx.same[i] == i], keep)
-        ctx.set_materialize_grads(False)
+        _save(ctx, tensors, keep)
         return out
 
     @staticmethod
@@ -203,14 +208,10 @@ class SdpaProbsMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, is_causal, scale, query, key, value, attn_mask):
         out, keep, probs = _attention(query, key, value, attn_mask, p, is_causal, scale)
-        tensors = (query, key, value)
-        ctx.same = _first_positions(tensors)
         ctx.args = (p, scale)
         # The mask itself is not needed again, only the shape its gradient is summed to.
         ctx.mask_shape = None if attn_mask is None else attn_mask.shape
-        ctx.save_for_backward(*[t for i, t in enumerate(tensors) if ctx.same[i] == i],
-                              probs, keep)
-        ctx.set_materialize_grads(False)
+        _save(ctx, (query, key, value), probs, keep)
         return out
 
     @staticmethod
