@@ -73,6 +73,14 @@ HARDTANH = torch._C._nn.hardtanh
 """The out-of-place hardtanh binding F.hardtanh calls, as a graph may record it; not public."""
 
 
+# -- the CPU math path of scaled_dot_product_attention -------------------------------------------
+SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
+"""The softmax the math path applies (0 on wholly masked rows); there is no public binding."""
+
+SOFTMAX_BACKWARD_DATA = torch.ops.aten._softmax_backward_data.default
+"""The backward autograd applies to _safe_softmax (derivatives.yaml); not public."""
+
+
 # -- autograd engine -----------------------------------------------------------------------------
 def current_graph_task_id() -> int:
     """The id of the running backward (graph task), -1 outside one; no public API gives it."""

@@ -11,9 +11,9 @@ tensors. recompute_internals drops all three and runs the whole call again in th
 drawing the noise again from the replayed generator state, which on the CPU costs more than the
 matmuls (bernoulli_ is not vectorised).
 
-This Impl runs the math path's own ops in their order (so its output is the default's bits and
-the generator advances as the default's does), keeps the inputs and the noise as a bool mask,
-and at its backward stage rebuilds the probabilities from the inputs and the noise from the mask
+Both run the math path's own ops in their order (so the output is the default's bits and the
+generator advances as the default's does) and keep the noise as a bool mask. sdpa_mask keeps
+the inputs besides, and at its backward stage rebuilds the probabilities from the inputs and the noise from the mask
 (bernoulli gives 0 and 1 exactly, so `mask.to(dtype).div_(1 - p)` is the noise bit for bit), then
 backpropagates through the same ops: the default's gradients, bit for bit, with no random draw.
 sdpa_probs_mask also keeps the probabilities (one of the default's three batch x heads x L x S
@@ -36,11 +36,11 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from ..torch_private import SAFE_SOFTMAX, SOFTMAX_BACKWARD_DATA
 from .internals import _detach, _hidden_hooks
 from .registry import ImplSpec, register
 
-_ATEN = torch.ops.aten
-FUNCTIONS = (F.scaled_dot_product_attention, _ATEN.scaled_dot_product_attention.default)
+FUNCTIONS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
 _DTYPES = (torch.float32, torch.float64)
@@ -111,7 +111,7 @@ def _attention(q, k, v, mask, p, is_causal, scale, keep=None):
     attn = torch.matmul(q * factor, k.transpose(-2, -1) * factor)
     if mask is not None:
         attn = attn.add(mask)
-    probs = _ATEN._safe_softmax(attn, -1)
+    probs = SAFE_SOFTMAX(attn, -1)
     if keep is None:
         noise = torch.empty_like(probs).bernoulli_(1 - p)
         keep = noise.bool()
@@ -234,7 +234,7 @@ class SdpaProbsMask(torch.autograd.Function):
             g_v3 = _as_3d(probs * noise).transpose(1, 2).bmm(g3)
             g_probs = g3.bmm(v3.transpose(1, 2)).reshape(probs.shape) * noise
             del noise
-            g_scores = _ATEN._softmax_backward_data(g_probs, probs, -1, probs.dtype)
+            g_scores = SOFTMAX_BACKWARD_DATA(g_probs, probs, -1, probs.dtype)
             del g_probs
             g_mask = g_scores.sum_to_size(ctx.mask_shape) if need[3] else None
             gs3 = g_scores.reshape(-1, *g_scores.shape[-2:])
