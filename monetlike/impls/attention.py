@@ -12,17 +12,17 @@ drawing the noise again from the replayed generator state, which on the CPU cost
 matmuls (bernoulli_ is not vectorised).
 
 Both run the math path's own ops in their order (so the output is the default's bits and the
-generator advances as the default's does) and keep the noise as a bool mask. sdpa_mask keeps
-the inputs besides, and at its backward stage rebuilds the probabilities from the inputs and the noise from the mask
-(bernoulli gives 0 and 1 exactly, so `mask.to(dtype).div_(1 - p)` is the noise bit for bit), then
-backpropagates through the same ops: the default's gradients, bit for bit, with no random draw.
-sdpa_probs_mask also keeps the probabilities (one of the default's three batch x heads x L x S
+generator advances as the default's does) and keep the inputs and the noise as a bool mask.
+At its backward stage sdpa_mask rebuilds the probabilities from the inputs and the noise from
+the mask (bernoulli gives 0 and 1 exactly, so `mask.to(dtype).div_(1 - p)` is the noise bit for
+bit), then backpropagates through the same ops: the default's gradients, bit for bit, with no
+random draw. sdpa_probs_mask also keeps the probabilities (one of the default's three batch x heads x L x S
 tensors) and so skips their recomputation: its backward applies the formulas autograd applies
 to the default's nodes (bmm's, mul's, _safe_softmax's, in derivatives.yaml) to the same tensors,
 and leaves to autograd only the scaling and reshaping of the inputs, rebuilt cheaply, so the
 gradients reach the inputs in the default's order and bits.
 
-It applies only where that composite is what the default runs: CPU tensors of one float32 or
+They apply only where that composite is what the default runs: CPU tensors of one float32 or
 float64 dtype, dropout_p a constant in (0, 1), no grouped-query expansion, a non-negative or
 default scale, and no autocast (which would cast the inputs before the composite). A call that
 does not fit at run time runs the default.
