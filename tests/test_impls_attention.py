@@ -232,3 +232,35 @@ def test_exact_through_runtime_with_measured_peak(kw, name):
     predicted = simulate(graph, schedule).peak_bytes
     measured = measured_peak(graph, model, wrapped, x)
     assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (measured, predicted)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_transformers_models_bitwise(family):
+    # Hugging Face models captured by torch.export (aten.scaled_dot_product_attention with
+    # dropout: GPT-2's causal attention, Llama's grouped heads, BERT's padding mask), every
+    # attention Op on each Impl, two steps: logits and every gradient bit for bit.
+    pytest.importorskip("transformers")
+    from test_hf_models import _batch, _loss, _model
+
+    torch.manual_seed(0)
+    model = _model(family).train()
+    batch = _batch(family, torch.Generator().manual_seed(1))
+    graph = monetlike.profile(model, batch, cost="measured", repeat=1)
+    for name in NAMES:
+        schedule, picked = _with_impl(graph, name)
+        assert len(picked) == 2  # both layers' attention
+        ref, copied = copy.deepcopy(model), copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(copied, schedule, graph=graph)
+        for seed in (1, 2):
+            for m in (ref, copied):
+                m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            want = ref(**batch)
+            _loss(want).backward()
+            torch.manual_seed(seed)
+            got = wrapped(**batch)
+            _loss(got).backward()
+            assert torch.equal(got.logits, want.logits)
+            for (n, p), (_, q) in zip(copied.named_parameters(), ref.named_parameters()):
+                assert (p.grad is None) == (q.grad is None), n
+                assert p.grad is None or torch.equal(p.grad, q.grad), n
