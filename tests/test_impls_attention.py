@@ -33,9 +33,7 @@ from solver.simulate import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NAME = "sdpa_mask"
 NAMES = ("sdpa_mask", "sdpa_probs_mask")
-FUNCTIONS = {"sdpa_mask": SdpaMask, "sdpa_probs_mask": SdpaProbsMask}
 
 
 def _step(fn, q, k, v, mask, seed):

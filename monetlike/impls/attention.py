@@ -16,11 +16,12 @@ generator advances as the default's does) and keep the inputs and the noise as a
 At its backward stage sdpa_mask rebuilds the probabilities from the inputs and the noise from
 the mask (bernoulli gives 0 and 1 exactly, so `mask.to(dtype).div_(1 - p)` is the noise bit for
 bit), then backpropagates through the same ops: the default's gradients, bit for bit, with no
-random draw. sdpa_probs_mask also keeps the probabilities (one of the default's three batch x heads x L x S
-tensors) and so skips their recomputation: its backward applies the formulas autograd applies
-to the default's nodes (bmm's, mul's, _safe_softmax's, in derivatives.yaml) to the same tensors,
-and leaves to autograd only the scaling and reshaping of the inputs, rebuilt cheaply, so the
-gradients reach the inputs in the default's order and bits.
+random draw. sdpa_probs_mask also keeps the probabilities (one of the default's three
+batch x heads x L x S tensors) and so skips their recomputation: its backward applies the
+formulas autograd applies to the default's nodes (bmm's, mul's, _safe_softmax's, in
+derivatives.yaml) to the same tensors, and leaves to autograd only the scaling and reshaping
+of the inputs, rebuilt cheaply, so the gradients reach the inputs in the default's order and
+bits.
 
 They apply only where that composite is what the default runs: CPU tensors of one float32 or
 float64 dtype, dropout_p a constant in (0, 1), no grouped-query expansion, a non-negative or
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..torch_private import SAFE_SOFTMAX, SOFTMAX_BACKWARD_DATA
-from .internals import _detach, _hidden_hooks
+from .internals import _detach, _hidden_hooks, distinct_inputs, first_positions, inputs_from
 from .registry import ImplSpec, register
 
 FUNCTIONS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
@@ -139,30 +140,11 @@ def _value_matmul_roots(dropped, v, grad):
     return roots, [g() for t, g in pairs if t.requires_grad]
 
 
-def _first_positions(tensors) -> list[int]:
-    """For each position, the first position holding the same tensor (None: itself). As in
-    recompute_internals, each distinct input is saved once, so that the backward sees the same
-    tensor where the forward did and autograd sums its gradients in the default's order."""
-    first: dict[int, int] = {}
-    return [first.setdefault(id(t), i) if t is not None else i for i, t in enumerate(tensors)]
-
-
 def _save(ctx, inputs, *extra) -> None:
     """Save each distinct input once (`ctx.same`), then `extra`; no zero-filled gradients."""
-    ctx.same = _first_positions(inputs)
-    ctx.save_for_backward(*[t for i, t in enumerate(inputs) if t is not None and ctx.same[i] == i],
-                          *extra)
+    ctx.same = first_positions(inputs)
+    ctx.save_for_backward(*distinct_inputs(inputs, ctx.same), *extra)
     ctx.set_materialize_grads(False)
-
-
-def _unpack(saved, same, none=None):
-    """The inputs back from the distinct saved tensors, by `_first_positions`."""
-    it = iter(saved)
-    inputs = [None] * len(same)
-    for i in range(len(same)):
-        if not (none and none[i]):
-            inputs[i] = next(it) if same[i] == i else inputs[same[i]]
-    return inputs
 
 
 def _gradients(roots, grads, det, need, same):
@@ -182,7 +164,6 @@ class SdpaMask(torch.autograd.Function):
     def forward(ctx, p, is_causal, scale, query, key, value, attn_mask):
         tensors = (query, key, value, attn_mask)
         out, keep, _ = _attention(*tensors, p, is_causal, scale)
-        ctx.none = [t is None for t in tensors]
         ctx.args = (p, is_causal, scale)
         _save(ctx, tensors, keep)
         return out
@@ -192,12 +173,9 @@ class SdpaMask(torch.autograd.Function):
         if grad is None:
             return (None,) * 7
         *distinct, keep = ctx.saved_tensors
-        inputs = _unpack(distinct, ctx.same, ctx.none)
         need = ctx.needs_input_grad[3:]
         with torch.enable_grad(), _hidden_hooks():
-            det = _detach([t if t is not None else torch.empty(0) for t in inputs], need,
-                          ctx.same)
-            det = [None if ctx.none[i] else t for i, t in enumerate(det)]
+            det = _detach(inputs_from(distinct, ctx.same), need, ctx.same)
             q, k, v, mask = det
             dropped, _, _ = _attention(q, k, None, mask, *ctx.args, keep=keep)
             roots, grads = _value_matmul_roots(dropped, v, grad)
@@ -222,7 +200,7 @@ class SdpaProbsMask(torch.autograd.Function):
         p, scale = ctx.args
         need = ctx.needs_input_grad[3:]
         with torch.enable_grad(), _hidden_hooks():
-            det = _detach(_unpack(distinct, ctx.same), need[:3], ctx.same)
+            det = _detach(inputs_from(distinct, ctx.same), need[:3], ctx.same)
             q, k, v = det
             factor = _factor(q, scale)
             q3, kt3, v3 = _as_3d(q * factor), _as_3d(k.transpose(-2, -1) * factor), _as_3d(v)

@@ -83,12 +83,7 @@ class RecomputeInternals(torch.autograd.Function):
         # returns the tensors only; `run` rebuilds the structure).
         n_in = len(tensors) - len(call.params)
         inputs = tensors[:n_in]
-        # `same[i]`: the first position holding the tensor at position i. The recomputation must
-        # see the same tensor passed twice where the forward did (nn.MultiheadAttention projects
-        # query, key and value in one matmul when they are one tensor), and a saved tensor comes
-        # back from unpacking as a new object each time; so each distinct input is saved once.
-        first: dict[int, int] = {}
-        ctx.same = [first.setdefault(id(t), i) for i, t in enumerate(inputs)]
+        ctx.same = first_positions(inputs)
         rng_ctx = rc.ContextCapturer(rc.cuda_devices_of(inputs), as_tensor=True).capture(rng=random)
         with torch.enable_grad(), _hidden_hooks():
             detached = _detach(inputs, [t.requires_grad for t in inputs], ctx.same)
@@ -101,7 +96,7 @@ class RecomputeInternals(torch.autograd.Function):
         # The RNG state is saved as a tensor (not a ctx attribute) so that what this backward
         # holds is visible to the profiler's accounting, as dropout_regen's is.
         states = [s for s in (rng_ctx.cpu_rng, *rng_ctx.cuda_rng) if s is not None]
-        ctx.save_for_backward(*[t for i, t in enumerate(inputs) if ctx.same[i] == i], *states)
+        ctx.save_for_backward(*distinct_inputs(inputs, ctx.same), *states)
         outs = tuple(leaves[i].detach() for i in ctx.tensor_pos)
         del out, leaves  # the forward's graph, and with it every internal, goes here
         ctx.mark_non_differentiable(*[o for o in outs
@@ -113,10 +108,7 @@ class RecomputeInternals(torch.autograd.Function):
     def backward(ctx, *grads):
         need = ctx.needs_input_grad[4:]
         n_in, same = ctx.n_in, ctx.same
-        distinct = iter(ctx.saved_tensors)
-        inputs = [None] * n_in
-        for i in range(n_in):
-            inputs[i] = next(distinct) if same[i] == i else inputs[same[i]]
+        inputs = inputs_from(ctx.saved_tensors, same)
         with torch.enable_grad(), rc.replay(ctx.rng_ctx), _hidden_hooks():
             detached = _detach(inputs, need[:n_in], same)
             out = ctx.call(_rebuild(ctx.spec, detached))
@@ -138,12 +130,38 @@ class RecomputeInternals(torch.autograd.Function):
         return (None, None, None, None, *result)
 
 
+def first_positions(tensors) -> list[int]:
+    """`same[i]`: the first position holding the tensor at position i (None: i itself).
+
+    A recomputation must see the same tensor passed twice where the forward did
+    (nn.MultiheadAttention projects query, key and value in one matmul when they are one tensor;
+    autograd sums a shared tensor's gradients in its own order), and a saved tensor comes back
+    from unpacking as a new object each time; so each distinct input is saved once."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(t), i) if t is not None else i for i, t in enumerate(tensors)]
+
+
+def distinct_inputs(tensors, same) -> list:
+    """The tensors to save: each distinct one once, by `first_positions` (None kept as None)."""
+    return [t for i, t in enumerate(tensors) if same[i] == i]
+
+
+def inputs_from(saved, same) -> list:
+    """The inputs back from what `distinct_inputs` saved (more saved tensors may follow)."""
+    it = iter(saved)
+    inputs = [None] * len(same)
+    for i in range(len(same)):
+        inputs[i] = next(it) if same[i] == i else inputs[same[i]]
+    return inputs
+
+
 def _detach(tensors, requires_grad, same):
-    """Detached aliases of `tensors` with the given requires_grad; a position holding the same
-    tensor as an earlier one (`same`) gets that one's alias."""
+    """Detached aliases of `tensors` with the given requires_grad (None stays None); a position
+    holding the same tensor as an earlier one (`same`) gets that one's alias."""
     out = []
     for i, (t, rg) in enumerate(zip(tensors, requires_grad)):
-        out.append(out[same[i]] if same[i] != i else t.detach().requires_grad_(bool(rg)))
+        out.append(out[same[i]] if same[i] != i
+                   else None if t is None else t.detach().requires_grad_(bool(rg)))
     return out
 
 
