@@ -153,6 +153,7 @@ class StepState:
                 self.input_keys.setdefault(x.untyped_storage()._cdata, i)
         self.resident: dict[int, torch.Tensor] = {}
         self.vkey: dict[int, int] = {}  # Value id -> storage key, while the storage is alive
+        self.key_values: dict[int, list[int]] = {}  # and back (an in-place Op's output shares)
         self.vref: dict[int, weakref.ref] = {}
         # Value id -> (size, stride, storage offset, storage bytes) of the forward's result that
         # made it (NOTE [Recomputed layouts]).
@@ -178,12 +179,20 @@ class StepState:
         self.to_offload: dict[int, torch.Tensor] = {}
 
     # -- saved tensors ----------------------------------------------------------------------
-    def _match(self, op: int, key: int) -> int | None:
-        vkey = self.vkey
-        for v in self.plan.storage_values[op]:
-            if vkey.get(v) == key:
-                return v
-        return None
+    def _match(self, op: int, key: int, dtype: str | None = None) -> int | None:
+        """The Value of Op `op` whose storage has this key (of this dtype if given; the first
+        in rank), or None."""
+        found = self.key_values.get(key)
+        if found is None:
+            return None
+        ranks = self.plan.storage_values[op]
+        values = self.plan.graph.values
+        best = None
+        for v in found:
+            if v in ranks and (best is None or ranks[v] < ranks[best]) and (
+                    dtype is None or values[v].dtype == dtype):
+                best = v
+        return best
 
     def pack(self, t: torch.Tensor) -> Saved:
         op = self.current_op
@@ -196,6 +205,8 @@ class StepState:
             return h.keep()
         v = self._match(op, key)
         if v is None:
+            if t.requires_grad and t.grad_fn is None:
+                return h.keep()  # a parameter or input, never the result of the node running
             # Possibly an output of the node running now (relu saves its result): its storage is
             # only known when the node returns; resolved in ScheduledForward.run_node.
             self.pending.append(h)
@@ -266,14 +277,18 @@ class StepState:
             resident[v] = self.host.fetch(v)
         for v in rel.at_start:
             resident.pop(v, None)
-        log = self.runner.recompute_log
-        for pos, j in enumerate(plan.schedule.stages[t].recompute):
-            if log is None:
-                self.recompute_op(j, t)
-            else:
-                self._timed_recompute(j, t, log)
-            for v in rel.after_recompute[pos]:
-                resident.pop(v, None)
+        recompute = plan.schedule.stages[t].recompute
+        if recompute:
+            log = self.runner.recompute_log
+            autocast = rc.autocast_state()
+            with torch.no_grad():  # once per stage: entering it costs microseconds per Op
+                for pos, j in enumerate(recompute):
+                    if log is None:
+                        self.recompute_op(j, t, autocast)
+                    else:
+                        self._timed_recompute(j, t, log, autocast)
+                    for v in rel.after_recompute[pos]:
+                        resident.pop(v, None)
         # NOTE [Early release]: a Value the stage's backward reads last goes to its handles
         # now, so it is freed when autograd releases the last node that saved it, before the
         # stage's peak, as a tensor saved the ordinary way is (Impl.early_release); the profile's
@@ -333,7 +348,10 @@ class StepState:
             self.host.offload(v, x)
 
     # -- recomputation ----------------------------------------------------------------------
-    def recompute_op(self, j: int, t: int) -> None:
+    def recompute_op(self, j: int, t: int, autocast: tuple) -> None:
+        """Op j again, under no_grad (the caller's), before stage t; `autocast`: the state
+        now (rc.autocast_state()), so that an Op recorded under the same one and drawing no
+        random numbers runs without entering `rc.replay`."""
         plan = self.plan
         op = plan.graph.ops[j]
         local: dict[str, Any] = {}
@@ -348,12 +366,15 @@ class StepState:
             ctx = rc.without_rng(ctx)
         # NOTE [Generated recomputation]
         call = Recomputation(self, j, local, new_values, t)
-        with torch.no_grad(), rc.replay(ctx):
-            try:
+        try:
+            if rc.replay_needed(ctx, autocast):
+                with rc.replay(ctx):
+                    self.runner.recompute_code(j)(self.runner.root, call)
+            else:
                 self.runner.recompute_code(j)(self.runner.root, call)
-            except Exception as e:
-                raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
-                                   f"backward stage {t} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
+                               f"backward stage {t} failed: {type(e).__name__}: {e}") from e
         resident = self.resident
         for v in op.outputs:
             if v not in resident:
@@ -362,13 +383,13 @@ class StepState:
                                        f"produce value {v}; the graph does not match the model")
                 resident[v] = new_values[v]
 
-    def _timed_recompute(self, j: int, t: int, log: tuple) -> None:
+    def _timed_recompute(self, j: int, t: int, log: tuple, autocast: tuple) -> None:
         times, clock = log
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:  # pragma: no cover - no GPU in CI
             torch.cuda.synchronize()
         start = clock()
-        self.recompute_op(j, t)
+        self.recompute_op(j, t, autocast)
         if cuda:  # pragma: no cover
             torch.cuda.synchronize()
         times.setdefault(j, []).append(clock() - start)
@@ -392,47 +413,50 @@ class StepState:
         if rec is None:
             raise RuntimeError(f"ScheduleWrapper: no record of node {m.format_node()} needed to "
                                f"recompute before stage {t}; this is a bug")
-        spec, leaves = rec
-        if any(leaf[0] == _RERUN for leaf in leaves):
+        spec, leaves, rerun = rec
+        if rerun:
             # A view of a parameter or another tensor that is not a Value: cheap to redo.
             args, kwargs = self._materialize_args(m, local, new_values, t)
             out = self.runner.call_for_recompute(m, args, kwargs)
+        elif spec is None:  # a tensor (most nodes): no pytree to rebuild
+            out = self._leaf(leaves[0], new_values, m, t)
         else:
-            vals = []
-            for leaf in leaves:
-                kind = leaf[0]
-                if kind == _CONST:
-                    vals.append(leaf[1])
-                elif kind == _VALUE:
-                    _, vid, size, stride, offset, grad = leaf
-                    base = new_values.get(vid)
-                    if base is None:
-                        base = self.resident.get(vid)
-                    if base is None:
-                        v = self.plan.graph.values[vid]
-                        raise RuntimeError(
-                            f"ScheduleWrapper: recomputation before stage {t} reads value {vid} "
-                            f"({v.name}) through node {m.name}, which is not resident; the "
-                            f"schedule is not valid for this run (second backward?)")
-                    vals.append(_flagged(torch.as_strided(base, size, stride, offset), grad))
-                else:  # _INPUT
-                    _, i, size, stride, offset, grad = leaf
-                    vals.append(_flagged(torch.as_strided(self.inputs[i], size, stride, offset),
-                                         grad))
-            out = tree_unflatten(vals, spec)
+            out = tree_unflatten([self._leaf(leaf, new_values, m, t) for leaf in leaves], spec)
         local[m.name] = out
         return out
+
+    def _leaf(self, leaf: tuple, new_values: dict, m: fx.Node, t: int) -> Any:
+        """One leaf of node m's recorded result (record_meta), rebuilt."""
+        kind = leaf[0]
+        if kind == _CONST:
+            return leaf[1]
+        if kind == _INPUT:
+            _, i, size, stride, offset, grad = leaf
+            return _flagged(torch.as_strided(self.inputs[i], size, stride, offset), grad)
+        _, vid, size, stride, offset, grad = leaf
+        base = new_values.get(vid)
+        if base is None:
+            base = self.resident.get(vid)
+        if base is None:
+            v = self.plan.graph.values[vid]
+            raise RuntimeError(
+                f"ScheduleWrapper: recomputation before stage {t} reads value {vid} ({v.name}) "
+                f"through node {m.name}, which is not resident; the schedule is not valid for "
+                f"this run (second backward?)")
+        return _flagged(torch.as_strided(base, size, stride, offset), grad)
 
     # -- forward bookkeeping ----------------------------------------------------------------
     def _register_outputs(self, node: fx.Node, result, store: dict | None, recompute: bool):
         """Give the creator node's new storages their Value ids."""
         # Same indexing as the profiler: position among the pytree leaves of a non-tensor result.
         value_of = self.plan.value_of
-        multi = not isinstance(result, torch.Tensor)
-        for i, x in enumerate(tree_leaves(result)):
+        if isinstance(result, torch.Tensor):
+            made = ((None, result),)
+        else:
+            made = enumerate(tree_leaves(result))
+        for idx, x in made:
             if not isinstance(x, torch.Tensor):
                 continue
-            idx = i if multi else None
             v = value_of.get((node.name, idx))
             if v is None:
                 continue
@@ -445,23 +469,28 @@ class StepState:
                 storage = x.untyped_storage()
                 key = storage._cdata
                 self.vkey[v] = key
+                self.key_values.setdefault(key, []).append(v)
                 self.vgeom[v] = _geometry(x)
                 # NOTE [Storage identity]: forget the key the moment the storage dies.
-                self.vref[v] = weakref.ref(storage, functools.partial(_forget, self.vkey, v, key))
+                self.vref[v] = weakref.ref(storage, functools.partial(
+                    _forget, self.vkey, self.key_values, v, key))
                 if v in self.plan.keep_from_forward:
                     self.resident[v] = x.detach()
                 elif self.host is not None and v in self.plan.offload:
                     self.to_offload[v] = x.detach()  # detached: NOTE [No reference cycles]
 
     def record_meta(self, node: fx.Node, op: int | None, result) -> None:
-        """Remember how to rebuild this node's result from Values (geometry, no tensors)."""
-        flat, spec = tree_flatten(result)
+        """Remember how to rebuild this node's result from Values (geometry, no tensors):
+        (pytree spec, or None for a tensor; one record per leaf; whether a leaf is neither a
+        constant, a Value nor an input, so the node is run again)."""
+        if isinstance(result, torch.Tensor):
+            flat, spec = [result], None
+        else:
+            flat, spec = tree_flatten(result)
         leaves = []
         values = self.plan.graph.values
-        if op is not None:
-            candidates = [v for v in self.plan.storage_values[op] if v in self.vkey]
-        else:
-            candidates = set()
+        candidates = set()
+        if op is None:
             for a in node.all_input_nodes:
                 rec = self.node_meta.get(a.name)
                 if rec is not None:
@@ -474,19 +503,22 @@ class StepState:
             key = x.untyped_storage()._cdata
             # requires_grad too: some kernels choose by it (NOTE [Recomputed layouts]).
             geom = (tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.requires_grad)
+            dtype = _dtype_name(x)
             match = None
+            if op is not None:
+                match = self._match(op, key, dtype)
             for v in candidates:
-                if self.vkey.get(v) == key and values[v].dtype == _dtype_name(x):
+                if self.vkey.get(v) == key and values[v].dtype == dtype:
                     match = v
                     break
             if match is not None:
                 leaves.append((_VALUE, match) + geom)
             elif key in self.input_keys and \
-                    _dtype_name(self.inputs[self.input_keys[key]]) == _dtype_name(x):
+                    _dtype_name(self.inputs[self.input_keys[key]]) == dtype:
                 leaves.append((_INPUT, self.input_keys[key]) + geom)
             else:
                 leaves.append((_RERUN,))
-        self.node_meta[node.name] = (spec, leaves)
+        self.node_meta[node.name] = (spec, leaves, any(leaf[0] == _RERUN for leaf in leaves))
 
     def hook_stage(self, t: int, nodes: list) -> None:
         pre = functools.partial(self.on_stage, t)
@@ -500,6 +532,7 @@ class StepState:
             raise RuntimeError(f"ScheduleWrapper: offloaded values {sorted(self.to_offload)} were "
                                f"made but their ops never finished; this is a bug")
         self.vkey.clear()
+        self.key_values.clear()
         self.vref.clear()
         self.pending.clear()
         self.current_op = None
@@ -565,7 +598,7 @@ class Recomputation:
 
 class ScheduledForward:
     """Runs the traced forward for one StepState (reused across steps): fx's generated code, with
-    the nodes a schedule needs routed through `_run` (NOTE [Generated forward])."""
+    the nodes a schedule needs routed through `run_node` (NOTE [Generated forward])."""
 
     def __init__(self, plan: Plan, root: torch.nn.Module):
         self.plan = plan
@@ -579,6 +612,7 @@ class ScheduledForward:
         self.recompute_log = None  # (times, clock) inside ScheduleWrapper.timing_recomputations()
         self._nodes = list(plan.gm.graph.nodes)
         self._info = [_node_info(plan, n) for n in self._nodes]
+        self._store_all = plan.store_all
         # Per recomputed Op, the targets of its module nodes (their side effects are checked).
         self._op_modules = {j: [n for n in plan.op_nodes[j] if n.op == "call_module"]
                             for j in plan.recomputed_ops}
@@ -610,7 +644,9 @@ class ScheduledForward:
         found = self._attrs.get(target, MISSING)
         if found is not MISSING:
             return found
-        found = attr_path(self.root, target)
+        parent, _, atom = target.rpartition(".")
+        # Through the parent's lookup, cached too: a block's modules share their path.
+        found = attr_path(self._on_model(parent) if parent else self.root, atom)
         if found is MISSING:
             found = attr_path(self.plan.gm, target)
         if found is MISSING:
@@ -619,13 +655,25 @@ class ScheduledForward:
         self._attrs[target] = found
         return found
 
+    def _on_model(self, target: str) -> Any:
+        """`root.<target>` on the live model, or MISSING (cached for the step like fetch_attr)."""
+        found = self._attrs.get(target, MISSING)
+        if found is MISSING:
+            parent, _, atom = target.rpartition(".")
+            obj = self._on_model(parent) if parent else self.root
+            found = attr_path(obj, atom) if obj is not MISSING else MISSING
+            if found is not MISSING:
+                self._attrs[target] = found
+        return found
+
     def run_step(self, state: StepState, args: tuple) -> Any:
         self.state = state
         self._buffer_versions = {}
         self._attrs = {}  # looked up once per step (and its recomputations) on the live model
         if not self.plan.store_all:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors))
+            self._capturer = rc.ContextCapturer(rc.cuda_devices_of(tensors),
+                                                autocast_fixed=not self.plan.autocast_switches)
             self._hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
         try:
             return self._forward(self, self.root, *args)
@@ -637,7 +685,49 @@ class ScheduledForward:
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
         try:
-            return self._run(self._info[i], args, kwargs)
+            n, op, starts, rng, hooked, makes, meta, stage, ends, offloads = self._info[i]
+            if self._store_all:
+                # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
+                # stage hook or a recorded context: the step is plain autograd, node by node.
+                result = self._call(n, args, kwargs)
+                return result if n.users else None
+            state = self.state
+            if starts:  # the first node of a recomputed Op
+                self._before_recomputed_op(op)
+                state.op_ctx[op] = self._capturer.capture(rng=rng)
+            state.current_op = op
+            if hooked:
+                self._hooks.__enter__()
+            try:
+                result = self._call(n, args, kwargs)
+            finally:
+                if hooked:
+                    self._hooks.__exit__(None, None, None)
+                state.current_op = None
+            if makes:
+                state._register_outputs(n, result, None, recompute=False)
+            if state.pending:
+                state.resolve_pending(op)
+            if meta:
+                state.record_meta(n, op, result)
+            if stage is not None:
+                # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
+                leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
+                # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's
+                # base a new grad_fn (CopySlices); a gradient may enter through the base alone.
+                bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
+                roots = grad_fns(list(leaves) + bases)
+                if roots:
+                    state.hook_stage(stage, roots)
+            if ends:
+                if op in self._buffer_versions:
+                    self._after_recomputed_op(op)
+                if offloads:
+                    # After the Op's in-place nodes too: the host copy holds the final contents.
+                    state.offload_outputs(op)
+            if not n.users:
+                return None  # nobody reads it: free it now, as eager PyTorch and the profiler do
+            return result
         except Exception as e:
             if not getattr(e, "_monetlike_node", False):
                 e._monetlike_node = True
@@ -664,51 +754,6 @@ class ScheduledForward:
         if op == "get_attr":
             return self.fetch_attr(n.target)
         raise RuntimeError(f"ScheduleWrapper: cannot run node {n.format_node()}")
-
-    def _run(self, info: tuple, args: tuple, kwargs: dict) -> Any:
-        n, op, starts, rng, hooked, makes, meta, stage, ends, offloads = info
-        if self.plan.store_all:
-            # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
-            # stage hook or a recorded context: the step is plain autograd, node by node.
-            result = self._call(n, args, kwargs)
-            return result if n.users else None
-        state = self.state
-        if starts:  # the first node of a recomputed Op
-            self._before_recomputed_op(op)
-            state.op_ctx[op] = self._capturer.capture(rng=rng)
-        state.current_op = op
-        if hooked:
-            self._hooks.__enter__()
-        try:
-            result = self._call(n, args, kwargs)
-        finally:
-            if hooked:
-                self._hooks.__exit__(None, None, None)
-            state.current_op = None
-        if makes:
-            state._register_outputs(n, result, None, recompute=False)
-        if state.pending:
-            state.resolve_pending(op)
-        if meta:
-            state.record_meta(n, op, result)
-        if stage is not None:
-            # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
-            leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
-            # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's base a
-            # new grad_fn (CopySlices); a gradient may enter through the base alone.
-            bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
-            roots = grad_fns(list(leaves) + bases)
-            if roots:
-                state.hook_stage(stage, roots)
-        if ends:
-            if op in self._buffer_versions:
-                self._after_recomputed_op(op)
-            if offloads:
-                # After the Op's in-place nodes too: the host copy must hold the final contents.
-                state.offload_outputs(op)
-        if not n.users:
-            return None  # nobody reads it: free it now, as eager PyTorch (and the profiler) would
-        return result
 
     # -- side effects of Ops the schedule recomputes ------------------------------------------
     def _before_recomputed_op(self, op: int) -> None:
@@ -747,7 +792,7 @@ class ScheduledForward:
 
 
 def _node_info(plan: Plan, n: fx.Node) -> tuple:
-    """What `ScheduledForward._run` does around node n, decided once per plan: (node, its Op,
+    """What `ScheduledForward.run_node` does around node n, decided once per plan: (node, its Op,
     first node of a recomputed Op, whose RNG is captured, under the saved-tensor hooks, makes the
     Op's Values, geometry recorded, active stage to hook or None, last node of the Op, last node
     of an Op with offloaded outputs)."""
@@ -804,9 +849,14 @@ def _unviewed(args: tuple, kwargs: dict, where: tuple) -> tuple[tuple, dict]:
     return tuple(args), kwargs
 
 
-def _forget(vkey: dict, v: int, key: int, _ref) -> None:
+def _forget(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:
     if vkey.get(v) == key:
         del vkey[v]
+    found = key_values.get(key)
+    if found is not None and v in found:
+        found.remove(v)
+        if not found:
+            del key_values[key]
 
 
 __all__ = ["StepState", "ScheduledForward", "module_of"]

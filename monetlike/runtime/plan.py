@@ -70,6 +70,11 @@ def target_name(node: fx.Node) -> str:
     return getattr(t, "__name__", None) or str(t)
 
 
+# What a graph captured by torch.export records for `with torch.autocast(...)` in older IRs
+# (newer ones wrap the region into one `wrap_with_autocast` node; fx records nothing).
+AUTOCAST_SWITCHES = frozenset({"_enter_autocast", "_exit_autocast"})
+
+
 @dataclass
 class Plan:
     graph: OpGraph
@@ -119,7 +124,8 @@ class Plan:
     """fx node name -> the positions (ints) and keywords (strs) of its arguments that are the
     Value its in-place Impl overwrites (NOTE [In place on a view] in executor.py)."""
     storage_values: list = field(default_factory=list)
-    """Per Op, the Values a storage it touches may be, outputs first: the candidates when a saved
+    """Per Op, the Values a storage it touches may be, each with its rank (outputs first): the
+    candidates when a saved
     tensor or a node's result is matched to a Value by storage (NOTE [Storage identity] in
     executor.py). An in-place Op's output shares its storage with the Value it overwrites, which
     is left out: after the write that storage holds the output."""
@@ -132,6 +138,9 @@ class Plan:
     mask_recompute: dict = field(default_factory=dict)
     """fx node name -> p, for the dropouts run with dropout_mask that a stage recomputes: the
     recomputation applies the held mask (NOTE [Recomputed from the mask] in impls/dropout.py)."""
+    autocast_switches: bool = True
+    """Whether a node of the traced graph enters or leaves an autocast context, so that the
+    autocast state may differ between Ops of one forward."""
 
     @property
     def store_all(self) -> bool:
@@ -206,8 +215,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                            if isinstance(a, fx.Node) and a.name == xv.name)
             if where:
                 overwritten_args[node.name] = where
-    storage_values = [tuple(op.outputs) + tuple(
-        v for v in op.inputs if v not in op.outputs and v != overwrites.get(op.id))
+    storage_values = [{v: rank for rank, v in enumerate(tuple(op.outputs) + tuple(
+        v for v in op.inputs if v not in op.outputs and v != overwrites.get(op.id)))}
         for op in graph.ops]
     impl_saved = [frozenset(op.impls[k].saved) for op, k in zip(graph.ops, schedule.impl)]
 
@@ -296,7 +305,10 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()},
                 active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes),
-                mask_recompute=mask_recompute)
+                mask_recompute=mask_recompute,
+                autocast_switches=any(n.op == "call_function"
+                                      and target_name(n) in AUTOCAST_SWITCHES
+                                      for n in gm.graph.nodes))
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

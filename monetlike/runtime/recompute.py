@@ -55,15 +55,25 @@ class ForwardContext:
 class ContextCapturer:
     """Captures ForwardContexts during one forward pass, sharing equal RNG states."""
 
-    def __init__(self, cuda_devices: tuple[int, ...], *, as_tensor: bool = False):
+    def __init__(self, cuda_devices: tuple[int, ...], *, as_tensor: bool = False,
+                 autocast_fixed: bool = False):
+        """autocast_fixed: the autocast state cannot change during the pass (the traced graph
+        has no node entering or leaving an autocast context: fx does not record them, and
+        torch.export wraps an autocast region into one node), so it is read once."""
         self.cuda_devices = cuda_devices
         self.as_tensor = as_tensor
         self._last_cpu: torch.Tensor | None = None
         self._last_cuda: tuple[torch.Tensor, ...] = ()
         self._cuda = torch.cuda.is_available()
+        self._no_rng = self._capture(rng=False) if autocast_fixed else None
 
     def capture(self, rng: bool = True) -> ForwardContext:
         """The context now. rng=False for Ops known not to draw random numbers (RNG_FREE)."""
+        if not rng and self._no_rng is not None:
+            return self._no_rng  # shared: nothing in it changes during the pass
+        return self._capture(rng)
+
+    def _capture(self, rng: bool) -> ForwardContext:
         cpu: torch.Tensor | torch.Generator | None = None
         cuda: tuple[torch.Tensor, ...] = ()
         if rng and not self.as_tensor:
@@ -83,8 +93,7 @@ class ContextCapturer:
                     states.append(s)
                 cuda = tuple(states)
                 self._last_cuda = cuda
-        # Autocast can only change between nodes if the traced code entered a context itself;
-        # reading it is cheap, so read it per Op rather than assume.
+        # Autocast can only change between nodes if the traced code entered a context itself.
         return ForwardContext(cpu_rng=cpu, cuda_devices=self.cuda_devices if rng else (),
                               cuda_rng=cuda, autocast=_autocast_state(self._cuda),
                               autocast_cache=torch.is_autocast_cache_enabled())
@@ -112,6 +121,22 @@ def cuda_devices_of(tensors) -> tuple[int, ...]:
     return tuple(devs)
 
 
+def autocast_state() -> tuple[tuple[str, bool, Any], ...]:
+    """The autocast state now, as a ForwardContext records it."""
+    return _autocast_state(torch.cuda.is_available())
+
+
+def replay_needed(ctx: ForwardContext, autocast: tuple) -> bool:
+    """Whether `replay(ctx)` would change anything when the autocast state is `autocast`
+    (autocast_state()): an Op that drew random numbers, or whose autocast state differs."""
+    return ctx.cpu_rng is not None or not _same_autocast(ctx, autocast)
+
+
+def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
+    return ctx.autocast == autocast and (not any(enabled for _, enabled, _ in autocast)
+                                         or ctx.autocast_cache == torch.is_autocast_cache_enabled())
+
+
 @contextlib.contextmanager
 def replay(ctx: ForwardContext):
     """Run the body under the RNG and autocast state of an Op's original forward.
@@ -128,9 +153,7 @@ def replay(ctx: ForwardContext):
         for d, s in zip(ctx.cuda_devices, ctx.cuda_rng):
             torch.cuda.set_rng_state(s, d)
     try:
-        if ctx.autocast == _autocast_state(len(ctx.autocast) > 1) and (
-                not any(enabled for _, enabled, _ in ctx.autocast)
-                or ctx.autocast_cache == torch.is_autocast_cache_enabled()):
+        if _same_autocast(ctx, _autocast_state(len(ctx.autocast) > 1)):
             yield
         else:
             with contextlib.ExitStack() as stack:
