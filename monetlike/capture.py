@@ -321,21 +321,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                 raise
             fx_error = e
         else:
-            inputs = fx_inputs(model, gm, args, kwargs)
-            nested = nested_tensor_inputs(gm, inputs)
-            if not nested:
+            try:
+                inputs = flat_fx_inputs(model, gm, args, kwargs)
+            except TraceError as e:
+                if mode == "fx":
+                    raise
+                fx_error = e
+            else:
                 gm.meta["capture"] = "fx"
                 return gm, inputs
-            # fx takes a dict or tuple of tensors as one placeholder, which the profiler and
-            # the runtime cannot follow (their placeholders are tensors); export flattens it.
-            fx_error = TraceError(
-                f"could not capture {type(model).__name__} with torch.fx: its input"
-                f"{'s' if len(nested) > 1 else ''} {', '.join(nested)} hold tensors inside a "
-                f"container, and an fx graph takes a container as one input, not its tensors; "
-                f"capture it with torch.export (capture='export' or 'auto', which flatten the "
-                f"container), or pass the tensors as separate arguments of forward")
-            if mode == "fx":
-                raise fx_error
     leaf_modules = list(leaf_modules)
     if leaf_modules:
         raise ValueError(f"leaf_modules={leaf_modules!r}: leaves are a torch.fx notion; "
@@ -351,12 +345,24 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     return gm, flat
 
 
-def nested_tensor_inputs(gm: fx.GraphModule, inputs: tuple) -> list[str]:
-    """The placeholders (as "'name' (a dict)") whose inputs are containers holding tensors."""
+def flat_fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
+    """fx_inputs, where none is a container holding tensors; TraceError otherwise (how "auto"
+    chooses between fx and export, for the profile and the runtime alike)."""
+    inputs = fx_inputs(model, gm, args, kwargs)
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    return [f"'{name}' (a {type(x).__name__})" for name, x in zip(names, inputs)
-            if not isinstance(x, torch.Tensor)
-            and any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])]
+    nested = [f"'{name}' (a {type(x).__name__})" for name, x in zip(names, inputs)
+              if not isinstance(x, torch.Tensor)
+              and any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])]
+    if nested:
+        # fx takes a dict or tuple of tensors as one placeholder, which the profiler and the
+        # runtime cannot follow (their placeholders are tensors); export flattens it.
+        raise TraceError(
+            f"could not capture {type(model).__name__} with torch.fx: its input"
+            f"{'s' if len(nested) > 1 else ''} {', '.join(nested)} hold tensors inside a "
+            f"container, and an fx graph takes a container as one input, not its tensors; "
+            f"capture it with torch.export (capture='export' or 'auto', which flatten the "
+            f"container), or pass the tensors as separate arguments of forward")
+    return inputs
 
 
 def fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:

@@ -54,7 +54,7 @@ from solver.graph import OpGraph
 from solver.schedule import Schedule
 
 from ..capture import (FlatInputs, call_spec, check_capture, example_of, export_graph,
-                       fx_inputs, nested_tensor_inputs)
+                       flat_fx_inputs)
 from .executor import ScheduledForward, StepState
 from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
@@ -364,16 +364,13 @@ class ScheduleWrapper(torch.nn.Module):
             from ..trace import TraceError
 
             try:
-                gm = self._traced()
+                flat_fx_inputs(self._model, self._traced(), args, kwargs or {})
             except TraceError:
                 self._capture = "export"
+            except TypeError:  # not a call forward accepts: reported by the caller
+                self._capture = "fx"
             else:
-                try:
-                    nested = nested_tensor_inputs(gm, fx_inputs(self._model, gm, args,
-                                                                 kwargs or {}))
-                except TypeError:  # not a call forward accepts: reported by the caller
-                    nested = []
-                self._capture = "export" if nested else "fx"
+                self._capture = "fx"
         return self._capture == "export"
 
     def _traced(self, inputs: tuple | None = None):
