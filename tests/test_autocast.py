@@ -97,3 +97,29 @@ def test_one_autocast_context_over_several_steps():
                 module(x).float().pow(2).mean().backward()
     for (n, p), (_, q) in zip(ref.named_parameters(), wrapped.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=n)
+
+
+def test_autocast_read_once_per_forward_only_where_no_node_switches_it():
+    """RNG-free Ops share one forward context per step (read when the step starts) only where no
+    node of the traced graph enters or leaves autocast; a graph that does reads it per Op."""
+    from monetlike.runtime import plan as plan_mod
+    from monetlike.runtime import recompute as rc
+    from monetlike.trace import trace
+    from solver.simulate import store_all_schedule
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    graph = monetlike.profile(model, torch.randn(4, 8), cost="analytical:A100-40GB")
+    gm = trace(model)
+    assert not plan_mod.build_plan(graph, store_all_schedule(graph), gm).autocast_switches
+    first = next(n for n in gm.graph.nodes if n.op == "call_module")
+    with gm.graph.inserting_before(first):
+        gm.graph.call_function(torch.amp.autocast_mode._enter_autocast,
+                               ("cpu", torch.bfloat16, True, None))
+    assert plan_mod.build_plan(graph, store_all_schedule(graph), gm).autocast_switches
+
+    fixed = rc.ContextCapturer((), autocast_fixed=True)
+    per_op = rc.ContextCapturer(())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fixed.capture(rng=False).autocast[0][1] is False  # the state it started in
+        assert per_op.capture(rng=False).autocast[0][1] is True
+        assert fixed.capture(rng=True).autocast[0][1] is True  # a random Op reads it anew
