@@ -641,22 +641,18 @@ class ScheduledForward:
     # `load_state_dict(..., assign=True)` or a replaced submodule is seen by the next step; a
     # constant fx made at trace time exists on the traced copy only.
     def fetch_attr(self, target: str) -> Any:
-        found = self._attrs.get(target, MISSING)
-        if found is not MISSING:
-            return found
-        parent, _, atom = target.rpartition(".")
-        # Through the parent's lookup, cached too: a block's modules share their path.
-        found = attr_path(self._on_model(parent) if parent else self.root, atom)
+        found = self._on_model(target)
         if found is MISSING:
             found = attr_path(self.plan.gm, target)
-        if found is MISSING:
-            raise RuntimeError(f"ScheduleWrapper: the model has no attribute {target!r}, which "
-                               f"the traced graph reads")
-        self._attrs[target] = found
+            if found is MISSING:
+                raise RuntimeError(f"ScheduleWrapper: the model has no attribute {target!r}, "
+                                   f"which the traced graph reads")
+            self._attrs[target] = found
         return found
 
     def _on_model(self, target: str) -> Any:
-        """`root.<target>` on the live model, or MISSING (cached for the step like fetch_attr)."""
+        """`root.<target>` on the live model, or MISSING; found through its parent, both cached
+        for the step (a block's modules share their path)."""
         found = self._attrs.get(target, MISSING)
         if found is MISSING:
             parent, _, atom = target.rpartition(".")

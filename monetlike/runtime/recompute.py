@@ -99,6 +99,21 @@ class ContextCapturer:
                               autocast_cache=torch.is_autocast_cache_enabled())
 
 
+def rng_states(ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+    """The state tensors of a context captured with as_tensor=True: the CPU generator's (when
+    captured), then each CUDA device's (captured only with it)."""
+    return tuple(s for s in (ctx.cpu_rng, *ctx.cuda_rng) if s is not None)
+
+
+def with_rng_states(ctx: ForwardContext, states) -> ForwardContext:
+    """`ctx` with the tensors `rng_states` gave (none: `ctx` without its states). An autograd
+    Function saves the states as saved tensors and keeps the rest as an attribute: a ctx
+    attribute lives as long as its node, which later nodes keep until the whole backward is
+    done, where saved tensors are freed once the node's backward has run."""
+    return dataclasses.replace(ctx, cpu_rng=states[0] if states else None,
+                               cuda_rng=tuple(states[1:]))
+
+
 def without_rng(ctx: ForwardContext) -> ForwardContext:
     """The context of a recomputation that draws no random numbers: autocast only."""
     return dataclasses.replace(ctx, cpu_rng=None, cuda_devices=(), cuda_rng=())
