@@ -23,6 +23,7 @@ The events come from the profiler's private event tree, read through
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import os
@@ -74,6 +75,9 @@ class AllocatorLog:
         self._times: list[int] = []
         self._levels: list[int] = []  # the running sum after each event
         self._marks: dict[str, int] = {}  # label -> index of the mark in the replay
+        # blocks allocated while recording: (address, bytes, position allocated, position
+        # freed or None if alive at the end), in the order allocated
+        self._blocks: list[tuple[int, int, int, int | None]] = []
         self._watch: list[weakref.ref] = []  # refs whose callbacks report frees
 
     # -- recording --------------------------------------------------------------------------
@@ -133,13 +137,19 @@ class AllocatorLog:
                 events.append((start, -int(name[len(_FREE):]), None, 0))
         events.sort(key=lambda e: e[0])
         level = 0
-        allocated: dict[int, int] = {}  # address -> bytes, of blocks allocated while recording
+        allocated: dict[int, int] = {}  # address -> index in _blocks, of blocks still alive
         for t, nbytes, label, ptr in events:
             if ptr:
                 if nbytes > 0:
-                    allocated[ptr] = nbytes
-                elif allocated.pop(ptr, None) is None:
-                    nbytes = 0  # a block from before recording: counted by free_when_dead
+                    allocated[ptr] = len(self._blocks)
+                    self._blocks.append((ptr, nbytes, len(self._times), None))
+                else:
+                    i = allocated.pop(ptr, None)
+                    if i is None:
+                        nbytes = 0  # a block from before recording: counted by free_when_dead
+                    else:
+                        b = self._blocks[i]
+                        self._blocks[i] = (*b[:3], len(self._times))
             level += nbytes
             if label is not None:
                 self._marks[label] = len(self._times)
@@ -173,6 +183,14 @@ class AllocatorLog:
     def peak_between(self, start: object, end: object | None = None) -> int:
         """Highest net level from mark `start` to mark `end` (or to the end of the recording)."""
         return self._levels[self.peak_position(start, end)]
+
+    def blocks_left(self, start: object, end: object) -> list[tuple[int, int, int, int | None]]:
+        """Blocks allocated between marks `start` and `end` and still allocated at `end`:
+        (address, bytes, position allocated, position freed or None if never freed)."""
+        i, j = self.position(start), self.position(end)
+        first = bisect.bisect_right(self._blocks, i, key=lambda b: b[2])  # in allocation order
+        last = bisect.bisect_left(self._blocks, j, key=lambda b: b[2])
+        return [b for b in self._blocks[first:last] if b[3] is None or b[3] > j]
 
     def peak(self) -> int:
         """Highest net level over the whole recording (0 if nothing was allocated)."""

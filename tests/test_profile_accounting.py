@@ -131,6 +131,34 @@ def test_maxpool_saves_input_and_int64_indices():
     assert out.bytes == N * 4 * (H // 2) * (W // 2) * 4 and out.dtype == "float32"
 
 
+class _ScaledByNumbers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x) * 0.5) / 3.0 + 2.0)
+
+
+def test_python_numbers_autograd_keeps_are_held_by_their_op():
+    """`h * 0.5` and `h / 3.0` wrap the number as a 0-dim double that the backward keeps without
+    the saved-tensor hooks (autograd skips them for wrapped numbers); `+ 2.0` keeps nothing. The
+    profiler finds them among the allocator's blocks: 8 B held by each Op to its backward, and
+    store-all's prediction is what the allocator measures."""
+    from runtime_support import measured_peak, peak_of
+    from solver.rules import schedule_from_keep
+
+    torch.manual_seed(0)
+    m, x = _ScaledByNumbers(), torch.randn(4, 16)
+    g = prof(m, x)
+    held = {op.name: op.impls[0].internal_bytes for op in g.ops}
+    assert held["mul"] == 8 and held["truediv"] == 8 and held["add"] == 0, held
+    for keep in ({v.id for v in g.values}, set()):
+        schedule = schedule_from_keep(g, keep, retain="saved")
+        wrapped = monetlike.ScheduleWrapper(m, schedule, graph=g)
+        assert measured_peak(g, m, wrapped, (x,)) == peak_of(g, schedule)
+
+
 def test_views_belong_to_no_op_and_map_to_their_storage():
     class M(nn.Module):
         def __init__(self):

@@ -153,7 +153,7 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                     fwd, bwd = sg.fwd_cost, sg.bwd_cost
                 result.setdefault(gid, []).append(dict(
                     name=spec.name, saved=tuple(sorted(set(saved))),
-                    internal_bytes=int(sg.internal_bytes), fwd_time=float(fwd),
+                    internal_bytes=int(sg.held_bytes), fwd_time=float(fwd),
                     bwd_time=float(bwd), fwd_workspace=int(max(0, sg.fwd_workspace)),
                     bwd_workspace=int(max(0, sg.bwd_peak - sg.stage_start)),
                     early_release=tuple(sorted(set(early)))))
@@ -237,7 +237,7 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
         if not g.ran_backward:
             bwd = 0.0
         out[gid] = [dict(name=spec.name, saved=tuple(sorted(g.saved)),
-                         internal_bytes=int(g.internal_bytes), fwd_time=float(fwd),
+                         internal_bytes=int(g.held_bytes), fwd_time=float(fwd),
                          bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                          bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                          if g.ran_backward else 0, overwrites=x,

@@ -391,7 +391,7 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
         else:
             fwd, bwd = g.fwd_cost, (g.bwd_cost if g.ran_backward else 0.0)
         impl = Impl(name="default", saved=tuple(sorted(new_tid[t] for t in g.saved)),
-                    internal_bytes=int(g.internal_bytes), fwd_time=float(fwd),
+                    internal_bytes=int(g.held_bytes), fwd_time=float(fwd),
                     bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0,

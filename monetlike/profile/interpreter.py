@@ -74,7 +74,11 @@ class Group:
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     saved: set = field(default_factory=set)
-    internal_bytes: int = 0
+    internal_bytes: int = 0  # saved tensors the saved-tensor hooks saw that are not Values
+    # Bytes its autograd nodes keep outside those hooks until its backward ran (autograd saves a
+    # Python number wrapped as a 0-dim tensor, `x * 1.5`'s 1.5, without calling them): found
+    # from the CPU allocator's blocks (_apply_allocator_windows).
+    unhooked_bytes: int = 0
     fwd_workspace: int = 0
     recompute_workspace: int = 0  # the forward's transient under no_grad (how it is recomputed)
     random: bool = False  # draws random numbers (an aten op tagged nondeterministic_seeded)
@@ -85,6 +89,11 @@ class Group:
     stage_start: int = 0
     bwd_peak: int = 0
     early_release: set = field(default_factory=set)  # Value tags autograd freed before the peak
+
+    @property
+    def held_bytes(self) -> int:
+        """What the Op holds from its forward to its backward besides Values (Impl.internal_bytes)."""
+        return self.internal_bytes + self.unhooked_bytes
 
     def add_unsafe(self, reason: str) -> None:
         if reason and reason not in self.unsafe:
@@ -240,7 +249,8 @@ class ProfileRun(fx.Interpreter):
         # marks left around each node and backward interval, and raise the tracker's figures.
         self.alloc = AllocatorLog() if device is not None and device.type == "cpu" else None
         self._marks = 0
-        self._fwd_windows: list[tuple] = []  # (gid, marks, persistent, nograd marks)
+        # (gid, marks, persistent, nograd marks, addresses of the storages the node left)
+        self._fwd_windows: list[tuple] = []
         # (gid, start mark, Value bytes at start, first interval of the stage?, end mark)
         self._bwd_windows: list[tuple] = []
         self._bwd_open: tuple | None = None
@@ -367,8 +377,20 @@ class ProfileRun(fx.Interpreter):
         """Each Op's workspaces and each stage's gradient memory from what the allocator saw
         between the marks (the tracker's figures miss kernel scratch)."""
         a = self.alloc
-        for gid, (s, e), persistent, nograd in self._fwd_windows:
+        spans: dict[int, list[tuple[int, int]]] = {}  # group -> its backward intervals
+        for gid, s, _, _, e in self._bwd_windows:
+            spans.setdefault(gid, []).append((a.position(s), a.position(e)))
+        # Blocks a node allocated that outlive it, are none of the storages it left (Values,
+        # hooked internals) and die in its Op's backward: autograd keeps them for it without the
+        # hooks (Group.unhooked_bytes). (position allocated, position freed, bytes)
+        unhooked: list[tuple[int, int, int]] = []
+        for gid, (s, e), persistent, nograd, left in self._fwd_windows:
             g = self.groups[gid]
+            held = [b for b in a.blocks_left(s, e) if b[0] not in left and b[3] is not None
+                    and any(bs < b[3] < be for bs, be in spans.get(gid, ()))]
+            g.unhooked_bytes += sum(b[1] for b in held)
+            persistent += sum(b[1] for b in held)
+            unhooked.extend((b[2], b[3], b[1]) for b in held)
             workspace = a.peak_between(s, e) - a.level(s) - persistent
             g.fwd_workspace = max(g.fwd_workspace, workspace)
             if nograd is None:
@@ -403,7 +425,7 @@ class ProfileRun(fx.Interpreter):
         top: dict[int, int] = {}
         current = None
         for gid, s, values0, first, e in self._bwd_windows:
-            other0 = a.level(s) - values0
+            other0 = a.level(s) - values0 - self._unhooked_at(unhooked, s)
             if first or current is None:
                 current = gid
             if first:
@@ -429,12 +451,18 @@ class ProfileRun(fx.Interpreter):
             g = self.groups[gid]
             g.stage_start = max(g.stage_start, other0)
             g.bwd_peak = g.stage_start + max(0, top[gid] - other0)
-        self._charge_loss()
+        self._charge_loss(unhooked)
         if self._end is not None:
             end, values = self._end
             self.final_grad_bytes = max(self.final_grad_bytes, a.level(end) - values)
 
-    def _charge_loss(self) -> None:
+    def _unhooked_at(self, unhooked: list[tuple[int, int, int]], mark) -> int:
+        """Bytes of `unhooked` blocks ((allocated, freed, bytes) positions) alive at `mark`:
+        held like internals, so not part of the "other" bytes there."""
+        i = self.alloc.position(mark)
+        return sum(n for s, e, n in unhooked if s < i < e)
+
+    def _charge_loss(self, unhooked: list[tuple[int, int, int]]) -> None:
         """A user's loss runs its own kernels between the model's forward and its first stage:
         their peak, forward and backward, is charged to the first stage, whose backward point
         holds at least what the step held then (every Value kept or output at the end of the
@@ -449,8 +477,10 @@ class ProfileRun(fx.Interpreter):
         g = self.groups[self._bwd_windows[0][0]]
         first_mark = self._bwd_windows[0][1]
         # the peak of gradients and other non-Value bytes over each part, as stages count them
-        forward = a.peak_between(before, start) - values_before
-        backward = a.peak_between(start, first_mark) - values_start
+        forward = (a.peak_between(before, start) - values_before
+                   - self._unhooked_at(unhooked, before))
+        backward = (a.peak_between(start, first_mark) - values_start
+                    - self._unhooked_at(unhooked, start))
         g.bwd_peak = max(g.bwd_peak, forward, backward)
 
     def _loss_window_start(self) -> tuple:
@@ -770,7 +800,9 @@ class ProfileRun(fx.Interpreter):
                                     if rec.nograd_transient is None else rec.nograd_transient)
         g.random = g.random or rec.random
         if rec.marks is not None:
-            self._fwd_windows.append((g.gid, rec.marks, persistent, rec.nograd_marks))
+            left = {s.data_ptr() for s in (*map(tr.storage, rec.created), *map(storage_of, leaves))
+                    if s is not None}
+            self._fwd_windows.append((g.gid, rec.marks, persistent, rec.nograd_marks, left))
         g.fwd_cost += rec.cost
         _walk_new_autograd_nodes(list(leaves) + list(written), self.fn_owner, self.fn_keep,
                                  g.gid, self._hook_fn)

@@ -140,6 +140,11 @@ class StorageTracker(TorchDispatchMode):
     def nbytes_of(self, key: int) -> int:
         return self.entries[key].nbytes
 
+    def storage(self, key: int):
+        """The storage tracked under `key`, or None once it died."""
+        e = self.entries.get(key)
+        return None if e is None else e.ref()
+
     def alive(self, key: int) -> bool:
         return key in self.entries
 
