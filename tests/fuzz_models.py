@@ -35,6 +35,10 @@ CONSTRUCTS = (
     "reshape_permute", "contiguous",
     "stack_mean", "softmax", "dropout", "layer_norm", "batch_norm", "group_norm", "relu_inplace",
     "gelu", "tanh", "sigmoid_inplace", "add", "mul", "add_param", "mul_param", "shared_linear",
+    # what Llama-style blocks and loss heads write: Python numbers autograd keeps, bool masks,
+    # integer Values, reductions broadcast back
+    "rms_norm", "swiglu", "where_scalar", "masked_fill", "clamp", "scale_pow", "amax_broadcast",
+    "argmax_gather",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -42,7 +46,8 @@ ARITY = {k: 1 for k in CONSTRUCTS}
 ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
               "attention_sdpa": 3, "chunk_cat": 2,
               "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
-              "sigmoid_inplace": 2, "add": 2, "mul": 2})
+              "sigmoid_inplace": 2, "add": 2, "mul": 2, "swiglu": 2, "masked_fill": 2,
+              "argmax_gather": 2})
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,22 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return a * net.scale  # broadcasts over batch and time
     if k == "shared_linear":
         return net.shared(a)
+    if k == "rms_norm":
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * net.scale
+    if k == "swiglu":
+        return F.silu(a) * b
+    if k == "where_scalar":
+        return torch.where(a > 0, a, 0.1 * a)
+    if k == "masked_fill":
+        return a.masked_fill(b > 0.5, 0.0)
+    if k == "clamp":
+        return a.clamp(min=-0.5, max=0.5)
+    if k == "scale_pow":
+        return (a / 3.0) ** 2 + 1.0
+    if k == "amax_broadcast":
+        return a - a.amax(dim=1, keepdim=True)
+    if k == "argmax_gather":
+        return b * torch.gather(a, -1, a.argmax(-1, keepdim=True))
     raise ValueError(f"unknown construct {k!r}")
 
 

@@ -92,7 +92,8 @@ class Group:
 
     @property
     def held_bytes(self) -> int:
-        """What the Op holds from its forward to its backward besides Values (Impl.internal_bytes)."""
+        """What the Op holds from its forward to its backward besides Values: its Impl's
+        `internal_bytes`."""
         return self.internal_bytes + self.unhooked_bytes
 
     def add_unsafe(self, reason: str) -> None:
