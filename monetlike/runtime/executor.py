@@ -39,11 +39,13 @@ callback holds the key dictionary only, never the StepState.
 
 NOTE [Where the hooks are]
 The saved-tensor hooks are pushed only around the nodes of Ops that read or make a scheduled
-Value (NOTE [Value handling] in plan.py): only there can a saved tensor need a handle. Every other
+Value (NOTE [Value handling] in plan.py): only there can a saved tensor need a handle; and around
+those of Ops no backward reaches, which keep nothing (NOTE [Ops no backward reaches]). Every other
 node saves its tensors the ordinary way, with autograd's own version checks and without a Python
 call per tensor, and a tensor saved that way keeps its history, so double backward through it is
-right. A schedule that recomputes nothing (store-all) runs as plain autograd: fx's generated code
-for the traced graph, bound to the live model; no hooks, no stage prehooks, no recorded contexts.
+right. A schedule that recomputes nothing (store-all) runs as plain autograd where no Op no
+backward reaches saves anything: fx's generated code for the traced graph, bound to the live
+model; no hooks, no stage prehooks, no recorded contexts.
 
 NOTE [Generated forward]
 The forward is the traced graph's own Python code (fx codegen), bound to the live model, in which
@@ -126,7 +128,8 @@ from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_
                              tree_leaves, tree_unflatten)
 from . import recompute as rc
 from .codegen import MISSING, attr_path, generated_forward, generated_recompute
-from .hooks import CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message
+from .hooks import (CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message,
+                    unreached_message)
 from .offload import HostCopies
 from .plan import Plan, module_of
 
@@ -199,6 +202,8 @@ class StepState:
         h = Saved(t, op)
         if op is None:
             return h.keep()
+        if op in self.plan.unreached_ops:
+            return h.let_go()
         try:
             key = t.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
@@ -233,6 +238,8 @@ class StepState:
             raise RuntimeError(CREATE_GRAPH_MESSAGE)
         if h.vid is None:
             t = h.tensor
+            if t is None:
+                raise RuntimeError(unreached_message(self, h))
             if t._version != h.version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by "

@@ -41,6 +41,12 @@ class Saved:
             self.lost_graph = True
         return self
 
+    def let_go(self) -> "Saved":
+        """Keep nothing: saved by an Op no backward reaches (NOTE [Ops no backward reaches] in
+        plan.py). Unpacking it raises."""
+        self.tensor = None
+        return self
+
     def to_value(self, vid: int) -> "Saved":
         """Turn into a handle on Value `vid`: remember the geometry, drop the tensor."""
         t = self.tensor
@@ -68,6 +74,14 @@ CREATE_GRAPH_MESSAGE = (
     "higher-order gradient would be wrong; this is not supported. Compute that loss through the "
     "plain model instead: `with wrapper.plain(): loss = ...` runs the same module and parameters "
     "without the schedule.")
+
+
+def unreached_message(state, h: Saved) -> str:
+    op = state.plan.graph.ops[h.op]
+    return (f"ScheduleWrapper: the backward reached op {op.id} ({op.name}), which the profiled "
+            f"training step's backward never ran (its results did not lead to the loss), so "
+            f"the schedule kept nothing it saved. Profile with the loss you train with "
+            f"(monetlike.profile(..., loss_fn=...)) and solve again.")
 
 
 def missing_value_message(state, h: Saved) -> str:

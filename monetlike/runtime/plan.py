@@ -41,6 +41,15 @@ from solver.simulate import simulate
 # An offloaded Value (schedule.offload, CUDA only: offload.py) is scheduled and held too: its
 # forward copy leaves the device at its last forward use, and the copy fetched back from host
 # memory at a stage start is put in `resident` exactly like a recomputed one.
+#
+# NOTE [Ops no backward reaches]
+# An Op whose results do not lead to the loss (`has_backward` False: `mask = (u * scale) > 0`)
+# still gets autograd nodes when its inputs require grad, and they keep what they save until the
+# tensors that reference them die: `u` lives on with `u * scale`'s MulBackward until the mask has
+# been computed, past its last use, where the model (simulator and MILP alike) frees it; they
+# hold nothing for such an Op. So the runtime packs whatever these nodes save as nothing at all:
+# no backward reads it. Should one run all the same (a loss other than the profiled one), the
+# unpack raises, saying so.
 
 # Functions whose recomputation would not reproduce the original result or would repeat a side
 # effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
@@ -104,7 +113,10 @@ class Plan:
     """Recomputed Ops whose RNG state is captured and replayed (not known to be RNG-free)."""
     hooked_ops: frozenset[int]
     """Ops whose nodes run under the saved-tensor hooks: those that read or make a scheduled
-    Value (NOTE [Where the hooks are] in executor.py)."""
+    Value (NOTE [Where the hooks are] in executor.py), and the unreached ones."""
+    unreached_ops: frozenset[int]
+    """Ops no backward runs through that save tensors all the same (NOTE [Ops no backward
+    reaches])."""
     meta_nodes: frozenset[str]
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
@@ -144,8 +156,9 @@ class Plan:
 
     @property
     def store_all(self) -> bool:
-        """Nothing recomputed or offloaded: the step is plain autograd."""
-        return not self.recomputed_ops and not self.offload
+        """Nothing recomputed or offloaded, and no Op no backward reaches saves a tensor: the
+        step is plain autograd."""
+        return not self.recomputed_ops and not self.offload and not self.unreached_ops
 
 
 def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
@@ -232,7 +245,12 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     offload_after: dict[int, list[int]] = {}
     for v in sorted(offload):
         offload_after.setdefault(graph.values[v].producer, []).append(v)
-    hooked_ops = frozenset(op.id for op in graph.ops if not scheduled.isdisjoint(op_values[op.id]))
+    # NOTE [Ops no backward reaches]: what their nodes save is let go at once.
+    unreached_ops = frozenset(
+        op.id for op, k in zip(graph.ops, schedule.impl)
+        if not op.has_backward and (op.impls[k].saved or op.impls[k].internal_bytes))
+    hooked_ops = frozenset(op.id for op in graph.ops
+                           if not scheduled.isdisjoint(op_values[op.id])) | unreached_ops
     from .recompute import rng_free
 
     def kind(n: fx.Node) -> str:
@@ -298,7 +316,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
-                hooked_ops=hooked_ops, rng_ops=rng_ops,
+                hooked_ops=hooked_ops, unreached_ops=unreached_ops, rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
                 impl_saved=impl_saved, impl_calls=impl_calls, overwrites=overwrites,
                 overwritten_args=overwritten_args,
