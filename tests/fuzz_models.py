@@ -39,6 +39,10 @@ CONSTRUCTS = (
     # integer Values, reductions broadcast back
     "rms_norm", "swiglu", "where_scalar", "masked_fill", "clamp", "scale_pow", "amax_broadcast",
     "argmax_gather",
+    # detached statistics, gates no gradient flows through, in-place writes on fresh results and
+    # their views, scans
+    "detach_stat", "sigmoid_gate", "mul_inplace_scalar", "view_add_inplace", "cumsum",
+    "log_softmax", "slice_broadcast",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -47,7 +51,8 @@ ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
               "attention_sdpa": 3, "chunk_cat": 2,
               "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
               "sigmoid_inplace": 2, "add": 2, "mul": 2, "swiglu": 2, "masked_fill": 2,
-              "argmax_gather": 2})
+              "argmax_gather": 2, "sigmoid_gate": 2, "view_add_inplace": 2,
+              "slice_broadcast": 2})
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,22 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return a - a.amax(dim=1, keepdim=True)
     if k == "argmax_gather":
         return b * torch.gather(a, -1, a.argmax(-1, keepdim=True))
+    if k == "detach_stat":
+        return a - a.mean(dim=1, keepdim=True).detach()
+    if k == "sigmoid_gate":
+        return a * (b.sigmoid() > 0.5)  # the sigmoid leads to no gradient
+    if k == "mul_inplace_scalar":
+        return F.gelu(a).mul_(2.0)
+    if k == "view_add_inplace":
+        x = a * 1.0
+        x[:, 0] += b[:, 0]
+        return x
+    if k == "cumsum":
+        return a.cumsum(dim=1)
+    if k == "log_softmax":
+        return F.log_softmax(a, dim=-1)
+    if k == "slice_broadcast":
+        return a[:, :1] * b
     raise ValueError(f"unknown construct {k!r}")
 
 

@@ -236,9 +236,10 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
             fwd, bwd = g.fwd_cost, g.bwd_cost
         if not g.ran_backward:
             bwd = 0.0
+        internal_bytes, fwd_workspace = g.forward_figures()
         out[gid] = [dict(name=spec.name, saved=tuple(sorted(g.saved)),
-                         internal_bytes=int(g.held_bytes), fwd_time=float(fwd),
-                         bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
+                         internal_bytes=int(internal_bytes), fwd_time=float(fwd),
+                         bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace)),
                          bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                          if g.ran_backward else 0, overwrites=x,
                          early_release=tuple(sorted(g.early_release & g.saved)))]

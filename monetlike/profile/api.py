@@ -390,9 +390,10 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
             bwd = median(bwd_times.get(gid, [])) if g.ran_backward else 0.0
         else:
             fwd, bwd = g.fwd_cost, (g.bwd_cost if g.ran_backward else 0.0)
+        internal_bytes, fwd_workspace = g.forward_figures()
         impl = Impl(name="default", saved=tuple(sorted(new_tid[t] for t in g.saved)),
-                    internal_bytes=int(g.held_bytes), fwd_time=float(fwd),
-                    bwd_time=float(bwd), fwd_workspace=int(max(0, g.fwd_workspace)),
+                    internal_bytes=int(internal_bytes), fwd_time=float(fwd),
+                    bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace)),
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0,
                     recompute_workspace=int(max(0, g.recompute_workspace)),

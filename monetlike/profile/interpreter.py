@@ -81,6 +81,11 @@ class Group:
     unhooked_bytes: int = 0
     fwd_workspace: int = 0
     recompute_workspace: int = 0  # the forward's transient under no_grad (how it is recomputed)
+    # The same as measured, before the RNG replay's state is added, and whether every node was
+    # rerun so, writing nothing (the forward's own kernels): the forward of an Op no backward
+    # reaches, whose saved tensors the runtime lets go (forward_figures).
+    nograd_workspace: int = 0
+    nograd_exact: bool = True
     random: bool = False  # draws random numbers (an aten op tagged nondeterministic_seeded)
     unsafe: list = field(default_factory=list)
     fwd_cost: float = 0.0
@@ -89,6 +94,15 @@ class Group:
     stage_start: int = 0
     bwd_peak: int = 0
     early_release: set = field(default_factory=set)  # Value tags autograd freed before the peak
+
+    def forward_figures(self) -> tuple[int, int]:
+        """(internal_bytes, fwd_workspace) of the Op's default Impl. An Op no backward reaches
+        keeps nothing at run time (NOTE [Ops no backward reaches] in monetlike/runtime/plan.py):
+        its forward is then its no_grad run, where every node was rerun exactly; otherwise its
+        internals count at its forward point, an upper bound."""
+        if not self.ran_backward and self.nograd_exact:
+            return 0, self.nograd_workspace
+        return self.held_bytes, self.fwd_workspace
 
     @property
     def held_bytes(self) -> int:
@@ -398,8 +412,9 @@ class ProfileRun(fx.Interpreter):
                 g.recompute_workspace = max(g.recompute_workspace, workspace)
             else:
                 ns, ne = nograd
-                g.recompute_workspace = max(g.recompute_workspace,
-                                            a.peak_between(ns, ne) - a.level(ne))
+                nograd_workspace = a.peak_between(ns, ne) - a.level(ne)
+                g.recompute_workspace = max(g.recompute_workspace, nograd_workspace)
+                g.nograd_workspace = max(g.nograd_workspace, nograd_workspace)
         # The runtime replays a random Op's generator state through a state tensor (NOTE [RNG
         # capture] in runtime/recompute.py): a transient of its size around the recomputation.
         state = torch.get_rng_state().numel()
@@ -799,6 +814,8 @@ class ProfileRun(fx.Interpreter):
         # forward workspace.
         g.recompute_workspace = max(g.recompute_workspace, workspace
                                     if rec.nograd_transient is None else rec.nograd_transient)
+        g.nograd_exact = g.nograd_exact and rec.nograd_transient is not None and not rec.writes
+        g.nograd_workspace = max(g.nograd_workspace, rec.nograd_transient or 0)
         g.random = g.random or rec.random
         if rec.marks is not None:
             left = {s.data_ptr() for s in (*map(tr.storage, rec.created), *map(storage_of, leaves))

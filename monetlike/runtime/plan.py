@@ -49,7 +49,8 @@ from solver.simulate import simulate
 # been computed, past its last use, where the model (simulator and MILP alike) frees it; they
 # hold nothing for such an Op. So the runtime packs whatever these nodes save as nothing at all:
 # no backward reads it. Should one run all the same (a loss other than the profiled one), the
-# unpack raises, saying so.
+# unpack raises, saying so. The profile measures such an Op's forward as its no_grad run
+# (Group.forward_figures), which is what is left when nothing is saved.
 
 # Functions whose recomputation would not reproduce the original result or would repeat a side
 # effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
@@ -246,9 +247,10 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     for v in sorted(offload):
         offload_after.setdefault(graph.values[v].producer, []).append(v)
     # NOTE [Ops no backward reaches]: what their nodes save is let go at once.
+    # (An output that requires grad has a grad_fn: the Op has autograd nodes, which may save.)
     unreached_ops = frozenset(
-        op.id for op, k in zip(graph.ops, schedule.impl)
-        if not op.has_backward and (op.impls[k].saved or op.impls[k].internal_bytes))
+        op.id for op in graph.ops
+        if not op.has_backward and any(graph.values[v].requires_grad for v in op.outputs))
     hooked_ops = frozenset(op.id for op in graph.ops
                            if not scheduled.isdisjoint(op_values[op.id])) | unreached_ops
     from .recompute import rng_free
