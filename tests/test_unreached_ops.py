@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import monetlike
-from runtime_support import measured_peak
+from runtime_support import compare_step, measured_peak
 from solver.rules import schedule_from_keep
 from solver.simulate import simulate
 
@@ -73,3 +73,38 @@ def test_a_backward_through_an_unreached_op_says_why():
     out = wrapped(x)
     with pytest.raises(RuntimeError, match=r"never ran .*loss_fn="):
         (out[0].sum() + out[1].sum()).backward()
+
+
+class ViewReadFirstByAGate(nn.Module):
+    """A view of a result read first by a product that only makes a mask, then by the path to
+    the loss: the view's autograd node is claimed by the first reader's walk."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        t = self.l1(x).transpose(0, 1)
+        gate = (t * 0.5) > 0
+        return self.l2(t.masked_fill(gate, 0.0).transpose(0, 1))
+
+
+def test_a_view_claimed_by_an_unreached_reader_starts_no_stage():
+    """The product's walk claimed the transpose's node, which runs for masked_fill: the profile
+    took that for the product's backward and gave it a stage, which at run time never starts
+    (a stage starts at its Op's results' grad_fn); a schedule recomputing there left a later
+    stage without its Value ("needs value 5 (cat), which the schedule does not hold", found by
+    random fuzz programs). The node now runs in the stage under way."""
+    torch.manual_seed(0)
+    model, x = ViewReadFirstByAGate().train(), torch.randn(8, 16)
+    graph = monetlike.profile(model, x, repeat=1)
+    by_name = {op.name: op for op in graph.ops}
+    assert not by_name["mul"].has_backward and by_name["masked_fill"].has_backward
+    assert by_name["mul"].id not in graph.backward_order
+    schedule = schedule_from_keep(graph, set(), retain="saved")
+    assert any(st.recompute for st in schedule.stages)
+    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
+                             (x,))
+    assert measured <= simulate(graph, schedule).peak_bytes
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
+                 steps=2)

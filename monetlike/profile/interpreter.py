@@ -231,15 +231,23 @@ def _walk_new_autograd_nodes(tensors, owner: dict, keep: list, gid: int, on_new)
     """Claim for `gid` every autograd node reachable from `tensors` not claimed by an earlier Op.
 
     The walk stops at nodes of earlier Ops and at AccumulateGrad (parameters, leaf inputs): what
-    remains was created by this Op's nodes (or by the views between it and earlier Ops)."""
-    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    remains was created by this Op's nodes (or by the views between it and earlier Ops).
+    `on_new(fn, gid, root)`: root says whether fn is the grad_fn of one of `tensors`, where the
+    runtime starts the Op's stage (NOTE [Stage boundaries] in runtime/executor.py)."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    # A view's base too: an in-place write through a view gives the base its new grad_fn
+    # (CopySlices), where a gradient may enter alone (the runtime hooks it as well).
+    bases = [t._base for t in tensors if t._is_view()]
+    roots = [t.grad_fn for t in tensors + bases if t.grad_fn is not None]
+    root_ids = {id(fn) for fn in roots}
+    stack = list(roots)
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in owner or _is_accumulate_grad(fn):
             continue
         owner[id(fn)] = gid
         keep.append(fn)  # keeps the Python wrapper (and so id(fn)) stable
-        on_new(fn, gid)
+        on_new(fn, gid, id(fn) in root_ids)
         stack.extend(f for f, _ in fn.next_functions)
 
 
@@ -841,8 +849,8 @@ class ProfileRun(fx.Interpreter):
         self.readers.setdefault(tid, []).append((pos, g.gid))
 
     # -- backward stages --------------------------------------------------------------------
-    def _hook_fn(self, fn, gid: int) -> None:
-        fn.register_prehook(lambda grad_outputs, gid=gid: self._bwd_pre(gid))
+    def _hook_fn(self, fn, gid: int, root: bool) -> None:
+        fn.register_prehook(lambda grad_outputs, gid=gid, root=root: self._bwd_pre(gid, root))
 
     def _close_interval(self) -> None:
         if self._bwd_open is not None:
@@ -857,8 +865,14 @@ class ProfileRun(fx.Interpreter):
                 g.bwd_peak = max(g.bwd_peak, self._other0 + torch.cuda.max_memory_allocated(
                     self.cuda) - self._alloc0)
 
-    def _bwd_pre(self, gid: int) -> None:
+    def _bwd_pre(self, gid: int, root: bool = True) -> None:
         if gid == self.bcur:
+            return None
+        if not root and not self.groups[gid].ran_backward:
+            # A node the Op claimed that is none of its results' grad_fn, run before any of
+            # those: a view between Ops, claimed by the first Op to read it (one whose results
+            # may lead nowhere), run for another reader. As at run time, where a stage starts
+            # at a result's grad_fn only, it runs in the stage under way.
             return None
         loss_peaks = ()
         if self._loss is not None and not self.backward_order:
@@ -971,7 +985,7 @@ class TimingRun(fx.Interpreter):
             return None
         return result
 
-    def _hook_fn(self, fn, gid: int) -> None:
+    def _hook_fn(self, fn, gid: int, root: bool) -> None:
         # The closures own their state (this step's list, a cell per node): an autograd node can
         # outlive a step (autocast caches weight casts with their grad_fn) and fire again later,
         # with this step's hooks still on it; it then writes into this step's dead list.
