@@ -116,8 +116,8 @@ class Plan:
     """Ops whose nodes run under the saved-tensor hooks: those that read or make a scheduled
     Value (NOTE [Where the hooks are] in executor.py), and the unreached ones."""
     unreached_ops: frozenset[int]
-    """Ops no backward runs through that save tensors all the same (NOTE [Ops no backward
-    reaches])."""
+    """Ops no backward runs through whose results require grad, so that autograd nodes made by
+    them may save tensors all the same (NOTE [Ops no backward reaches])."""
     meta_nodes: frozenset[str]
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
