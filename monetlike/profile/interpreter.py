@@ -39,6 +39,7 @@ from solver.errors import MonetlikeError
 from ..allocator import AllocatorLog
 from ..impls.registry import observing_releases
 from ..runtime import recompute as rc
+from ..runtime.hooks import stage_roots
 from ..torch_private import tree_leaves
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
@@ -234,11 +235,7 @@ def _walk_new_autograd_nodes(tensors, owner: dict, keep: list, gid: int, on_new)
     remains was created by this Op's nodes (or by the views between it and earlier Ops).
     `on_new(fn, gid, root)`: root says whether fn is the grad_fn of one of `tensors`, where the
     runtime starts the Op's stage (NOTE [Stage boundaries] in runtime/executor.py)."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    # A view's base too: an in-place write through a view gives the base its new grad_fn
-    # (CopySlices), where a gradient may enter alone (the runtime hooks it as well).
-    bases = [t._base for t in tensors if t._is_view()]
-    roots = [t.grad_fn for t in tensors + bases if t.grad_fn is not None]
+    roots = stage_roots(tensors)
     root_ids = {id(fn) for fn in roots}
     stack = list(roots)
     while stack:
@@ -865,7 +862,7 @@ class ProfileRun(fx.Interpreter):
                 g.bwd_peak = max(g.bwd_peak, self._other0 + torch.cuda.max_memory_allocated(
                     self.cuda) - self._alloc0)
 
-    def _bwd_pre(self, gid: int, root: bool = True) -> None:
+    def _bwd_pre(self, gid: int, root: bool) -> None:
         if gid == self.bcur:
             return None
         if not root and not self.groups[gid].ran_backward:

@@ -128,7 +128,7 @@ from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_
                              tree_leaves, tree_unflatten)
 from . import recompute as rc
 from .codegen import MISSING, attr_path, generated_forward, generated_recompute
-from .hooks import (CREATE_GRAPH_MESSAGE, Saved, grad_fns, missing_value_message,
+from .hooks import (CREATE_GRAPH_MESSAGE, Saved, missing_value_message, stage_roots,
                     unreached_message)
 from .offload import HostCopies
 from .plan import Plan, module_of
@@ -716,10 +716,7 @@ class ScheduledForward:
             if stage is not None:
                 # NOTE [Stage boundaries]: the nodes that give this Op's results their grad_fn.
                 leaves = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
-                # An in-place write through a view (x.narrow(...).copy_(y)) gives the view's
-                # base a new grad_fn (CopySlices); a gradient may enter through the base alone.
-                bases = [t._base for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
-                roots = grad_fns(list(leaves) + bases)
+                roots = stage_roots(leaves)
                 if roots:
                     state.hook_stage(stage, roots)
             if ends:

@@ -57,6 +57,15 @@ class Saved:
         return self
 
 
+def stage_roots(leaves) -> list:
+    """Where an Op's stage starts (NOTE [Stage boundaries] in executor.py): the grad_fns of its
+    result tensors among `leaves`, and of their bases where they are views (an in-place write
+    through a view, x.narrow(...).copy_(y), gives the base a new grad_fn, CopySlices, through
+    which a gradient may enter alone). The profiler claims the same nodes as an Op's roots."""
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return grad_fns(tensors + [t._base for t in tensors if t._is_view()])
+
+
 def grad_fns(leaves) -> list:
     """The distinct grad_fn nodes of the tensors among `leaves` (tuple outputs often share one)."""
     out = []
