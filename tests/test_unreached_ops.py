@@ -108,3 +108,36 @@ def test_a_view_claimed_by_an_unreached_reader_starts_no_stage():
     assert measured <= simulate(graph, schedule).peak_bytes
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
                  steps=2)
+
+
+class SavedAlsoByAGate(nn.Module):
+    """s is saved by its own Op's backward (sigmoid keeps its result) and by a product that
+    only makes a mask: in a plain step that product's node dies with the product, so s goes
+    when the sigmoid's backward is done with it, before the add's backward accumulates."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 256), nn.Linear(16, 256), nn.Linear(256, 4)
+        self.scale = nn.Parameter(torch.ones(256))
+
+    def forward(self, x):
+        a, b = self.l1(x), self.l2(x)
+        s = (a + b).sigmoid_()
+        gate = (s * self.scale) > 0.5
+        return self.l3(s.masked_fill(gate, 0.0)), a, b
+
+
+def test_a_value_an_unreached_op_saved_is_freed_as_in_a_plain_step():
+    """The profiler held every autograd node of the forward (to know them by id) through the
+    backward, the product's among them, and so s: the sigmoid stage's figures counted s to
+    the stage's end, 4.4% over the measured store-all (a random fuzz program, seed 3505). The
+    nodes no backward reaches are now let go of before the backward, as in a plain step."""
+    torch.manual_seed(0)
+    model, x = SavedAlsoByAGate().train(), torch.randn(64, 16)
+    graph = monetlike.profile(model, x, repeat=1)
+    by_name = {op.name: op for op in graph.ops}
+    assert not by_name["mul"].has_backward
+    for keep in ({v.id for v in graph.values}, set()):
+        schedule = schedule_from_keep(graph, keep, retain="saved")
+        wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
+        assert measured_peak(graph, model, wrapped, (x,)) == simulate(graph, schedule).peak_bytes

@@ -572,6 +572,7 @@ class ProfileRun(fx.Interpreter):
                     forward = self._loss_window_peak(before, tracked=not plain)
                     self._loss = (before, self._loss_window_start(), not plain, forward)
                 if loss is not None:
+                    self._let_go_of_unreached_nodes(loss)
                     self.phase = "backward"
                     with observing_releases(self._on_release):
                         loss.backward()
@@ -591,6 +592,26 @@ class ProfileRun(fx.Interpreter):
             self.fn_keep.clear()
             self.fn_owner.clear()
             self.env = {}
+
+    def _let_go_of_unreached_nodes(self, loss: torch.Tensor) -> None:
+        """Drop our hold on the autograd nodes the loss's backward cannot reach (a gate's, a
+        detached statistic's). In a plain step and at run time (NOTE [Ops no backward reaches]
+        in runtime/plan.py) they die with their results, and what they saved with them; held
+        by `fn_keep`, they kept it through the backward, where a stage's Value then never
+        showed as freed early."""
+        walked, seen = [], set()  # `walked` keeps each wrapper, and so its id, alive
+        stack = [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or id(fn) in seen or _is_accumulate_grad(fn):
+                continue
+            seen.add(id(fn))
+            walked.append(fn)
+            stack.extend(f for f, _ in fn.next_functions)
+        for fn in self.fn_keep:
+            if id(fn) not in seen:
+                del self.fn_owner[id(fn)]
+        self.fn_keep[:] = [fn for fn in self.fn_keep if id(fn) in seen]
 
     def run_node(self, n: fx.Node) -> Any:
         self.pos += 1
