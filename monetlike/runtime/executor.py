@@ -79,12 +79,16 @@ the out-of-place add hands them one, so a gradient-sized buffer more stays alive
 base's backward has run (a GPT's last residual add run in place: +262,144 B at the next stage's
 peak, over the schedule's budget; tests/test_peak_fidelity_cases.py).
 It also leaves the view's own grad_fn, on which the Op's stage hook sits, out of the graph. So
-the runtime writes through a plain alias of x (aten._unsafe_view to x's own size: same storage
-and strides, not a view to autograd, its backward a reshape of the gradient to the same shape,
-which copies nothing): the in-place kernel's backward is then the out-of-place one's, node
-for node, plus that reshape. Nothing checks versions on x's storage afterwards, and nothing
-needs to: the in-place Impl is only offered where no backward reads that storage. Under
-no_grad (recomputation) there is no view tracking and nothing to do.
+the runtime writes through a plain alias of x (`_PlainAlias`: aten._unsafe_view to x's own size,
+same storage and strides, not a view to autograd), whose backward hands on the incoming
+gradient itself: the in-place kernel's backward is then the out-of-place one's, node for node,
+plus that pass-through. Not _unsafe_view's own backward, a reshape to the same shape: that is a
+second tensor on the gradient's storage, and a later Op summing its gradient into x's then can
+no longer do it in place (the storage is shared), so it allocates a gradient-sized buffer the
+profile did not see (a fuzzed model: 960 B over an in-place schedule's prediction). Nothing
+checks versions on x's storage afterwards, and nothing needs to: the in-place Impl is only
+offered where no backward reads that storage. Under no_grad (recomputation) there is no view
+tracking and nothing to do.
 
 NOTE [Recomputed layouts]
 A recomputed Value is read through the geometry (sizes, strides, offset into its storage) that
@@ -845,8 +849,21 @@ def _unviewed(args: tuple, kwargs: dict, where: tuple) -> tuple[tuple, dict]:
         box = args if isinstance(i, int) else kwargs
         t = box[i]
         if isinstance(t, torch.Tensor) and t.requires_grad and t._is_view():
-            box[i] = torch.ops.aten._unsafe_view(t, t.size())
+            box[i] = _PlainAlias.apply(t)
     return tuple(args), kwargs
+
+
+class _PlainAlias(torch.autograd.Function):
+    """NOTE [In place on a view]: `t`'s storage, size and strides as a tensor autograd does not
+    track as a view, whose backward passes the gradient on as it came."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return torch.ops.aten._unsafe_view(t, t.size())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _forget(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:
