@@ -119,6 +119,14 @@ def _keep_table(itemsize: int, device) -> torch.Tensor:
     return _KEEP[key]
 
 
+def warm(device: torch.device) -> None:
+    """Make the tables on `device` now (ImplSpec.warm): the bit weights, and the keep tables for
+    every element size a gradient may have."""
+    _weights(device)
+    for itemsize in _INT_OF_SIZE:
+        _keep_table(itemsize, device)
+
+
 def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:
     """Elements a..b of the mask (row-major) applied to `out` (of b - a elements, any layout:
     matched by logical position), in place."""

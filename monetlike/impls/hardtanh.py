@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..torch_private import HARDTANH, RELU6_INPLACE, RELU6_OUT
+from . import bitmask
 from .registry import ImplSpec, register
 from .relu import Activation, bn_lean_matcher, mask_matcher
 
@@ -92,7 +93,7 @@ def hardtanh_call(gm, n) -> "tuple[bool, Hardtanh] | None":
 
 register(ImplSpec("hardtanh_mask", mask_matcher(hardtanh_call),
                   "hardtanh / ReLU6 holding a mask packed to 1 bit per element instead of its "
-                  "input (or, in place, autograd's clone of it)"))
+                  "input (or, in place, autograd's clone of it)", warm=bitmask.warm))
 register(ImplSpec("bn_hardtanh_lean", bn_lean_matcher(hardtanh_call),
                   "BatchNorm(train) + in-place hardtanh / ReLU6 holding only the BN input; the "
                   "backward recomputes the pre-activation"))

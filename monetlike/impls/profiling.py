@@ -90,6 +90,9 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
     cands = candidates(gm, run, target)
     if not cands:
         return {}
+    for spec in {spec.name: spec for found in cands.values() for spec, _ in found}.values():
+        if spec.warm is not None:
+            spec.warm(torch.device(device))
     main_tid = {(v.name, v.index): v.tid for v in run.values}
     result: dict[int, list[dict]] = {}
     for chosen in _rounds(run, cands):

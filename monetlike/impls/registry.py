@@ -19,6 +19,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 Replacement = Callable[[Any, fx.Node, tuple, dict], Any]
@@ -39,6 +40,11 @@ class ImplSpec:
     on which the Impl is offered; None: all. An Impl that only helps where the default's
     kernel differs (dropout_mask: CUDA's dropout already holds a bool mask) would otherwise add
     a column the MILP cannot use, and change the fingerprint of every graph it matches."""
+    warm: "Callable[[torch.device], None] | None" = None
+    """Makes the Impl's lasting caches on a device (bitmask's tables) ahead of the profile's
+    measured steps: made inside one, the first profile of a process counted them (a ReLU mask's
+    stage 37 KB over later profiles), so a profile depended on what ran before it. (A wrapped
+    model's first step builds its plan and these caches: measure from the second.)"""
     needs_internals: bool = False
     """Offered only on Ops whose default holds internal bytes (`Impl.internal_bytes`): an Impl
     that exists to drop them has nothing to gain elsewhere (a matmul of contiguous operands)."""

@@ -256,7 +256,8 @@ def bn_lean_matcher(act_call):
 
 
 register(ImplSpec("relu_mask", mask_matcher(relu_call),
-                  "ReLU holding a mask packed to 1 bit per element instead of its output"))
+                  "ReLU holding a mask packed to 1 bit per element instead of its output",
+                  warm=bitmask.warm))
 register(ImplSpec("bn_relu_lean", bn_lean_matcher(relu_call),
                   "BatchNorm(train) + in-place ReLU holding only the BN input; the backward "
                   "recomputes the pre-activation"))
