@@ -9,9 +9,12 @@ tiny modules.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -434,6 +437,48 @@ def test_hardtanh_mask_at_the_bounds_and_nan(inplace):
                           lambda t: ActMask.apply(t, Hardtanh(lo, hi), inplace))
     assert g1.tolist() == [grad[0].item(), 0, 0, 0, grad[4].item(), grad[5].item(),
                            grad[6].item(), 0, 0, 0]
+
+
+def _near(bounds) -> list[float]:
+    """Floats at, beside (one ulp either way) and between the bounds, and the special ones."""
+    out = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.0]
+    for b in bounds:
+        t = torch.tensor(b, dtype=torch.float32)
+        out += [b, torch.nextafter(t, torch.tensor(math.inf)).item(),
+                torch.nextafter(t, torch.tensor(-math.inf)).item()]
+    return out
+
+
+BOUNDS = [(0.0, 6.0), (-1.0, 1.0), (-2.5, 0.5), (0.25, 0.25000003), (1e-40, 2e-40), (-3.0, -3.0),
+          (0, 6), (-math.inf, 2.0), (0.0, math.inf)]
+
+
+def _check_masks(xs, lo, hi, dtype):
+    from monetlike.impls.hardtanh import Hardtanh
+    from monetlike.impls.relu import RELU
+
+    x = torch.tensor(xs, dtype=torch.float32).to(dtype)
+    y = F.hardtanh(x, lo, hi)
+    assert torch.equal(Hardtanh(lo, hi).mask(y), (x <= lo) | (x >= hi)), (lo, hi, x, y)
+    r = torch.relu(x)
+    assert torch.equal(RELU.mask(r), r <= 0), (x, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lo,hi", BOUNDS)
+def test_activation_masks_are_the_default_backward_s_condition(lo, hi, dtype):
+    """Each mask is where the default backward zeroes the gradient, element for element, on
+    values at, one ulp beside and between the bounds, NaN, infinities, subnormals and -0.0:
+    threshold_backward's `out <= 0` for ReLU, hardtanh_backward's `in <= lo || in >= hi`."""
+    _check_masks(_near((lo, hi)), lo, hi, dtype)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(xs=st.lists(st.floats(width=32), min_size=1, max_size=40),
+       bounds=st.sampled_from(BOUNDS),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_activation_masks_on_any_floats(xs, bounds, dtype):
+    _check_masks(xs, *bounds, dtype)
 
 
 @pytest.mark.parametrize("inplace", [False, True])
