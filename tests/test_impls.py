@@ -330,6 +330,7 @@ def test_mask_impl_figures_do_not_depend_on_what_ran_before(act, monkeypatch):
 
     monkeypatch.setattr(bitmask, "_KEEP", {})  # as in a fresh process
     monkeypatch.setattr(bitmask, "_WEIGHTS", {})
+    monkeypatch.setattr(bitmask, "_CONSTANTS", {})
     first = memory(mask_impl())
     assert bitmask._KEEP, "the profile used no keep table: the test no longer tests the tables"
     assert memory(mask_impl()) == first

@@ -227,6 +227,14 @@ def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype, in
         assert torch.equal(h.view(bits), want)  # written in place
 
 
+@pytest.mark.parametrize("integer_kernels", [True, False])
+def test_pack_gives_every_byte(integer_kernels):
+    """All 256 patterns of 8 elements, each packed to its byte (bit i: element i)."""
+    m = (torch.arange(256).unsqueeze(-1).bitwise_right_shift(torch.arange(8)) & 1).bool()
+    with mock.patch.object(bitmask, "_integer_kernels", lambda device: integer_kernels):
+        assert torch.equal(bitmask.pack(m.reshape(-1)), torch.arange(256).to(torch.uint8))
+
+
 @mock.patch.object(bitmask, "MIN_SLICE", 8)
 def test_packed_mask_of_a_channels_last_tensor():
     torch.manual_seed(0)

@@ -45,24 +45,38 @@ def _integer_kernels(device) -> bool:
     return device.type == "cpu"
 
 
+_GATHER = sum(1 << (56 - 7 * i) for i in range(8))  # 0x0102040810204080
+_CONSTANTS: dict[str, tuple[torch.Tensor, ...]] = {}
+
+
+def _pack_constants(device) -> tuple[torch.Tensor, ...]:
+    """_GATHER, 56 and 0xFF as int64 tensors on `device`: a Python number would be wrapped
+    into a fresh 8-byte tensor at each call, at the moment the step peaks (and twice under the
+    profiler's dispatch mode, which then counts 8 B the run does not have)."""
+    key = str(device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = tuple(torch.tensor(v, dtype=torch.int64, device=device)
+                                for v in (_GATHER, 56, 0xFF))
+    return _CONSTANTS[key]
+
+
 def _pack_into(out: torch.Tensor, part: torch.Tensor) -> None:
     """Pack `part` (bytes 0 or 1, a multiple of 8 of them, starting on an 8-byte boundary) into
     `out`, one byte per 8. Each group of 8 bytes is read as one little-endian int64 whose bit 8i
-    is element i; three shift-and-or passes gather bits 0, 8, ..., 56 into bits 0..7 (x >> 7
-    brings 8i to 8i - 7, x >> 14 and x >> 28 the pairs and quadruples; nothing else lands in
-    the low byte). Elementwise kernels on an eighth of the elements: a multiply-and-sum over
-    groups of 8, the obvious way, costs a reduction per byte, slower than making the mask."""
+    is element i; multiplied by `_GATHER` (bits 56 - 7j), bit 8i lands on bit 56 + 8i - 7j,
+    which is in the top byte only for j = i (on bit 56 + i), and no two (i, j) share a bit, so
+    nothing carries: the top byte is the packed byte, bits past 63 wrap away. Elementwise
+    kernels on an eighth of the elements: a multiply-and-sum over groups of 8, the obvious way,
+    costs a reduction per byte, slower than making the mask."""
     if not _integer_kernels(part.device):
         torch.sum(part.view(-1, 8) * _weights(part.device), dim=-1, dtype=torch.uint8, out=out)
         return
     if sys.byteorder != "little":
         raise NotImplementedError("monetlike's packed masks read bytes as little-endian integers; "
                                   "this host is big-endian: use the default Impls")
-    x = part.view(torch.int64)
-    x = x.bitwise_or(x >> 7)
-    x.bitwise_or_(x >> 14)
-    x.bitwise_or_(x >> 28)
-    out.copy_(x.bitwise_and_(0xFF))  # the low byte; copy_ narrows to uint8
+    gather, shift, low = _pack_constants(part.device)
+    x = part.view(torch.int64).mul(gather)
+    out.copy_(x.bitwise_right_shift_(shift).bitwise_and_(low))  # copy_ narrows to uint8
 
 
 def _bounds(n: int):
@@ -103,28 +117,32 @@ def pack_of(y: torch.Tensor, mask_of) -> torch.Tensor:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_KEEP: dict[tuple, torch.Tensor] = {}
+_KEEP: dict[str, torch.Tensor] = {}
 
 
-def _keep_table(itemsize: int, device) -> torch.Tensor:
-    """256 x 8 integers of `itemsize` bytes: row k, column i is 0 where bit i of k is set and
-    all ones where it is clear. ANDed into a gradient's bits, it gives +0 (all bits clear) where
-    the mask is set and the gradient's own bits elsewhere: `torch.where(mask, 0, grad)` bit for
-    bit, NaNs included, in one vectorised integer kernel (masked_fill_ and where with a
-    broadcast zero are not vectorised on the CPU: several times the default backward's time)."""
-    key = (itemsize, str(device))
+def _keep_bytes(device) -> torch.Tensor:
+    """256 int64s: byte i (little-endian) of number k is 0 where bit i of k is set and 0xFF
+    where it is clear. One gather per packed byte gives a keep byte per element, which
+    sign-extends to a keep word of the gradient's width (0 or all ones). ANDed into a gradient's
+    bits, it gives +0 (all bits clear) where the mask is set and the gradient's own bits
+    elsewhere: `torch.where(mask, 0, grad)` bit for bit, NaNs included, in vectorised integer
+    kernels (masked_fill_ and where with a broadcast zero are not vectorised on the CPU:
+    several times the default backward's time; gathering a row of 8 words per byte, 2.3x the
+    time of this)."""
+    key = str(device)
     if key not in _KEEP:
         bits = torch.arange(256).unsqueeze(-1).bitwise_right_shift(torch.arange(8)) & 1
-        _KEEP[key] = (bits - 1).to(_INT_OF_SIZE[itemsize]).to(device)  # set: 0, clear: -1
+        rows = (bits - 1).to(torch.int8)  # set: 0, clear: -1
+        _KEEP[key] = rows.view(torch.int64).reshape(256).to(device)
     return _KEEP[key]
 
 
 def warm(device: torch.device) -> None:
-    """Make the tables on `device` now (ImplSpec.warm): the bit weights, and the keep tables for
-    every element size a gradient may have."""
+    """Make the tables on `device` now (ImplSpec.warm)."""
     _weights(device)
-    for itemsize in _INT_OF_SIZE:
-        _keep_table(itemsize, device)
+    _keep_bytes(device)
+    if _integer_kernels(device):
+        _pack_constants(device)
 
 
 def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:
@@ -135,10 +153,10 @@ def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> 
         out.masked_fill_(bits.ne_(0).view(torch.bool).view(-1)[a % 8:a % 8 + b - a]
                          .view(out.shape), 0)
         return
-    table = _keep_table(out.element_size(), out.device)
-    keep = torch.index_select(table, 0, packed[a // 8:(b + 7) // 8].int())  # 3x advanced indexing
-    keep = keep.view(-1)[a % 8:a % 8 + b - a].view(out.shape)
-    out.view(_INT_OF_SIZE[out.element_size()]).bitwise_and_(keep)
+    word = _INT_OF_SIZE[out.element_size()]
+    keep = torch.index_select(_keep_bytes(out.device), 0, packed[a // 8:(b + 7) // 8].int())
+    keep = keep.view(torch.int8)[a % 8:a % 8 + b - a].to(word)  # sign-extended: 0 or all ones
+    out.view(word).bitwise_and_(keep.view(out.shape))
 
 
 def masked_zero(grad: torch.Tensor, packed: torch.Tensor, in_place: bool,

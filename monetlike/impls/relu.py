@@ -105,8 +105,11 @@ class Relu(Activation):
         return torch.relu_(x) if inplace else torch.relu(x)
 
     def mask(self, y):
-        # `y <= 0` (y is a ReLU's output: never below 0), by the cast's nonzero test: the CPU's
-        # cast to bool is vectorised, its comparisons to bool are not (5x the time).
+        if y.device.type != "cpu":
+            return y <= 0
+        # On the CPU by the cast's nonzero test (y is a ReLU's output: never below 0): its cast
+        # to bool is vectorised, its comparisons to bool are not (5x the time). Elsewhere (CUDA,
+        # and the meta device of a GPU plan) the comparison moves fewer bytes.
         return y.to(torch.bool).logical_not_()
 
     def grad_from_pre(self, grad, z):
