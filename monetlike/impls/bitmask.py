@@ -138,11 +138,12 @@ def _keep_bytes(device) -> torch.Tensor:
 
 
 def warm(device: torch.device) -> None:
-    """Make the tables on `device` now (ImplSpec.warm)."""
-    _weights(device)
-    _keep_bytes(device)
+    """Make the tables the kernels on `device` use now (ImplSpec.warm)."""
     if _integer_kernels(device):
+        _keep_bytes(device)
         _pack_constants(device)
+    else:
+        _weights(device)
 
 
 def _zero_where_set(out: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:

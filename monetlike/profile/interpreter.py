@@ -599,15 +599,9 @@ class ProfileRun(fx.Interpreter):
         in runtime/plan.py) they die with their results, and what they saved with them; held
         by `fn_keep`, they kept it through the backward, where a stage's Value then never
         showed as freed early."""
-        walked, seen = [], set()  # `walked` keeps each wrapper, and so its id, alive
-        stack = [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen or _is_accumulate_grad(fn):
-                continue
-            seen.add(id(fn))
-            walked.append(fn)
-            stack.extend(f for f, _ in fn.next_functions)
+        seen: dict = {}
+        walked: list = []  # keeps each wrapper, and so its id, alive while `seen` is read
+        _walk_new_autograd_nodes([loss], seen, walked, -1, lambda fn, gid, root: None)
         for fn in self.fn_keep:
             if id(fn) not in seen:
                 del self.fn_owner[id(fn)]
