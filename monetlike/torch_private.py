@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
+    "BatchNormBase", "HARDTANH", "batch_norm_saved_stats", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
@@ -96,6 +96,16 @@ def sole_owner(grad: torch.Tensor) -> bool:
     storage object made to ask."""
     return (grad._base is None and grad._use_count() == 1
             and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2)
+
+
+def batch_norm_saved_stats(fn) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """(save_mean, save_invstd) held by a training BatchNorm's autograd node `fn`, detached, or
+    None for another node. No public API reads a node's saved tensors: the generated node class
+    (NativeBatchNormBackward0) names them `_saved_result1` and `_saved_result2` (the forward's
+    outputs 1 and 2, unpacked through any saved-tensor hooks)."""
+    if fn is None or type(fn).__name__ != "NativeBatchNormBackward0" or not fn._saved_training:
+        return None
+    return fn._saved_result1.detach(), fn._saved_result2.detach()
 
 
 def queue_engine_callback(fn: Callable[[], None]) -> None:

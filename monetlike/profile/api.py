@@ -28,6 +28,7 @@ from solver.graph import Impl, Op, OpGraph, Value
 from ..capture import capture as capture_graph
 from ..impls.dropout import mask_recomputable, mask_recompute_scratch
 from ..capture import check_capture, split_example
+from ..runtime import recompute as rc
 from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
@@ -236,6 +237,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).
                 gpu_like = ((lambda: GpuLike(preset.compute_capability)) if kind == "analytical"
                             else contextlib.nullcontext)
+                rc.warm()  # what a recomputation asks once, outside the measured steps
                 with torch.enable_grad(), gpu_like():
                     run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
                                      device_note=note, progress=bar, device=device)

@@ -649,7 +649,8 @@ class ProfileRun(fx.Interpreter):
                                                      "call_method")
                     and not rec.unsafe and set(rec.writes) <= rec.spared):
                 # a rerun writes no existing storage but what the recomputation leaves out
-                rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs)
+                rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs,
+                                                              rc.batch_stats(result))
         if isinstance(result, torch.Tensor):
             self.contiguous[n.name] = result.is_contiguous()
         # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
@@ -665,14 +666,16 @@ class ProfileRun(fx.Interpreter):
             return None  # nobody reads it: free it now, as eager PyTorch would
         return result
 
-    def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs) -> int:
+    def _nograd_transient(self, rec: _NodeRec, n: fx.Node, args, kwargs,
+                          stats: tuple | None) -> int:
         """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
         the memory before it and the outputs it leaves. Under no_grad nothing is saved for a
         backward, so an Impl's internals (a ReLU mask, max-pool indices) are not made unless the
         kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics). Only for
         nodes whose recomputation writes no existing storage (run twice, an in-place write would
         apply twice); run by the runtime's own rule (rc.call_for_recompute: a BatchNorm without
-        its running statistics takes another kernel path, with other scratch). The generator
+        its running statistics takes another kernel path, with other scratch; a training one
+        reuses its forward's batch statistics `stats`, as the runtime does). The generator
         state is put back, so later nodes draw what they drew before."""
         tr = self.tracker
         tr.reset_window()
@@ -684,7 +687,8 @@ class ProfileRun(fx.Interpreter):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 start_mark = self._mark()  # after fork_rng's own copy of the state
-                again = rc.call_for_recompute(n.op, n.target, args, kwargs, self.fetch_attr)
+                again = rc.call_for_recompute(n.op, n.target, args, kwargs, self.fetch_attr,
+                                              stats)
                 end_mark = self._mark()
         except Exception as e:
             raise ProfileError(

@@ -170,6 +170,9 @@ class StepState:
         # Dropout masks a recomputation applies (NOTE [Recomputed from the mask]), by Op: put
         # here by the Impl's forward, taken out by its backward.
         self.masks: dict[int, torch.Tensor] = {}
+        # A recomputed training BatchNorm's batch statistics from its forward, by fx node name,
+        # until the Op's last recomputation (NOTE [BatchNorm from its statistics]).
+        self.bn_stats: dict[str, tuple] = {}
         self.current_op: int | None = None
         self.pending: list[Saved] = []
         # (op, Value id) -> the op's live handles on that Value, for the hand-over in its stage.
@@ -337,6 +340,7 @@ class StepState:
             self.node_meta.clear()
             self.op_ctx.clear()
             self.masks.clear()
+            self.bn_stats.clear()
             self.inputs = ()
             self.release_host()
 
@@ -386,6 +390,9 @@ class StepState:
         except Exception as e:
             raise RuntimeError(f"ScheduleWrapper: recomputing op {j} ({op.name}) before "
                                f"backward stage {t} failed: {type(e).__name__}: {e}") from e
+        if self.bn_stats and plan.last_recompute[j] == t:
+            for n in plan.op_nodes[j]:
+                self.bn_stats.pop(n.name, None)
         resident = self.resident
         for v in op.outputs:
             if v not in resident:
@@ -595,7 +602,7 @@ class Recomputation:
             mask = self.state.masks.get(self.op)
             if mask is not None:
                 return dropout_from_mask(args[0] if args else kwargs["input"], mask, p)
-        return runner.call_for_recompute(node, args, kwargs)
+        return runner.call_for_recompute(node, args, kwargs, self.state.bn_stats.get(node.name))
 
     def made(self, i: int, result: Any) -> None:
         """The Op's node ran: its new storages are the Op's Values."""
@@ -692,7 +699,8 @@ class ScheduledForward:
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
         try:
-            n, op, starts, rng, hooked, makes, meta, stage, ends, offloads = self._info[i]
+            n, op, starts, rng, hooked, makes, meta, stage, ends, offloads, stats = \
+                self._info[i]
             if self._store_all:
                 # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
                 # stage hook or a recorded context: the step is plain autograd, node by node.
@@ -711,6 +719,10 @@ class ScheduledForward:
                 if hooked:
                     self._hooks.__exit__(None, None, None)
                 state.current_op = None
+            if stats:
+                found = rc.batch_stats(result)
+                if found is not None:
+                    state.bn_stats[n.name] = found
             if makes:
                 state._register_outputs(n, result, None, recompute=False)
             if state.pending:
@@ -789,8 +801,9 @@ class ScheduledForward:
                         f"{name!r} in the forward; recomputing would write it again. The profiler "
                         f"marks such ops recompute_unsafe: profile again and solve again")
 
-    def call_for_recompute(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-        return rc.call_for_recompute(node.op, node.target, args, kwargs, self.fetch_attr)
+    def call_for_recompute(self, node: fx.Node, args: tuple, kwargs: dict,
+                           stats: tuple | None = None) -> Any:
+        return rc.call_for_recompute(node.op, node.target, args, kwargs, self.fetch_attr, stats)
 
 
 
@@ -799,17 +812,17 @@ def _node_info(plan: Plan, n: fx.Node) -> tuple:
     """What `ScheduledForward.run_node` does around node n, decided once per plan: (node, its Op,
     first node of a recomputed Op, whose RNG is captured, under the saved-tensor hooks, makes the
     Op's Values, geometry recorded, active stage to hook or None, last node of the Op, last node
-    of an Op with offloaded outputs)."""
+    of an Op with offloaded outputs, a BatchNorm whose batch statistics are held)."""
     op = plan.node_op.get(n.name)
     if op is None:
         return (n, None, False, False, False, False, n.name in plan.meta_nodes, None, False,
-                False)
+                False, False)
     stage = plan.stage_of_op.get(op)
     ends = plan.op_last_node.get(n.name) == op
     return (n, op, op in plan.recomputed_ops and plan.op_nodes[op][0] is n, op in plan.rng_ops,
             op in plan.hooked_ops, n.name == plan.graph.ops[op].name, n.name in plan.meta_nodes,
             stage if stage in plan.active_stages else None, ends,
-            ends and op in plan.offload_after)
+            ends and op in plan.offload_after, n.name in plan.stats_nodes)
 
 
 def _flagged(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from solver.errors import ScheduleError
 from solver.graph import OpGraph
@@ -151,6 +152,12 @@ class Plan:
     mask_recompute: dict = field(default_factory=dict)
     """fx node name -> p, for the dropouts run with dropout_mask that a stage recomputes: the
     recomputation applies the held mask (NOTE [Recomputed from the mask] in impls/dropout.py)."""
+    stats_nodes: dict = field(default_factory=dict)
+    """fx node name -> Op id, for the training BatchNorms of recomputed Ops: their forward's
+    batch statistics are held until the Op's last recomputation (NOTE [BatchNorm from its
+    statistics] in recompute.py)."""
+    last_recompute: dict = field(default_factory=dict)
+    """Recomputed Op id -> the last backward stage that recomputes it."""
     autocast_switches: bool = True
     """Whether a node of the traced graph enters or leaves an autocast context, so that the
     autocast state may differ between Ops of one forward."""
@@ -314,6 +321,17 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
             if p is not None:
                 mask_recompute[op_nodes[j][0].name] = p
 
+    from .recompute import norm_kind
+
+    stats_nodes = {}
+    for j in recomputed_ops - unreached_ops:
+        for n in op_nodes[j]:
+            if (n.op == "call_function" and n.target is F.batch_norm) or (
+                    n.op == "call_module" and norm_kind(type(_submodule(gm, n.target)))
+                    == "batchnorm"):
+                stats_nodes[n.name] = j
+    last_recompute = {j: t for t, st in enumerate(schedule.stages) for j in st.recompute}
+
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
@@ -325,10 +343,18 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()},
                 active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes),
-                mask_recompute=mask_recompute,
+                mask_recompute=mask_recompute, stats_nodes=stats_nodes,
+                last_recompute=last_recompute,
                 autocast_switches=any(n.op == "call_function"
                                       and target_name(n) in AUTOCAST_SWITCHES
                                       for n in gm.graph.nodes))
+
+
+def _submodule(gm: fx.GraphModule, target: str) -> "torch.nn.Module | None":
+    try:
+        return module_of(gm, target)
+    except AttributeError:
+        return None
 
 
 def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:

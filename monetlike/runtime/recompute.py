@@ -7,9 +7,11 @@ What the original forward of an Op depended on besides its inputs, and how it is
 - the autocast state (dtypes of the results): captured with the RNG state, re-entered;
 - BatchNorm and InstanceNorm in training mode: the forward normalised with the batch statistics
   and updated the running statistics. The recomputation normalises with the batch statistics
-  again but passes no running statistics, so `running_mean`, `running_var` and
-  `num_batches_tracked` are updated exactly once per step (pytorch#96136). The output is
-  bitwise identical (checked in tests/test_runtime_bites.py).
+  again (a BatchNorm with those its forward computed, where that gives the same bits: NOTE
+  [BatchNorm from its statistics]) but passes no running statistics, so `running_mean`,
+  `running_var` and `num_batches_tracked` are updated exactly once per step (pytorch#96136).
+  The output is bitwise identical (checked in tests/test_runtime_bites.py and
+  tests/test_batchnorm_from_stats.py).
 Side effects that cannot be undone (forward hooks, buffers a module writes) make an Op unsafe to
 recompute; `check_side_effects` refuses them at the first step instead of replaying them.
 """
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..torch_private import BatchNormBase, InstanceNormBase, global_module_hooks
+from ..torch_private import (BatchNormBase, InstanceNormBase, batch_norm_saved_stats,
+                             global_module_hooks)
 
 # NOTE [RNG capture]
 # The CPU generator state is 5 KB. The executor holds it as a clone of the generator
@@ -246,15 +249,18 @@ def _is_plain_instancenorm(mod: torch.nn.Module) -> bool:
     return norm_kind(type(mod)) == "instancenorm"
 
 
-def call_for_recompute(kind: str, target: Any, args: tuple, kwargs: dict, fetch_attr) -> Any:
+def call_for_recompute(kind: str, target: Any, args: tuple, kwargs: dict, fetch_attr,
+                       stats: tuple | None = None) -> Any:
     """Run an fx node (`kind` its op, `target` its target) as a recomputation does. The runtime
     recomputes with it and the profiler measures a recomputation's transient memory with it:
     a norm run without running statistics takes other kernel paths (other scratch) than the
-    forward that updated them."""
+    forward that updated them. `stats`: the node's batch statistics from its forward
+    (`batch_stats`), which a training BatchNorm reuses where it can (NOTE [BatchNorm from its
+    statistics])."""
     if kind == "call_module":
-        return call_module_for_recompute(fetch_attr(target), args, kwargs)
+        return call_module_for_recompute(fetch_attr(target), args, kwargs, stats)
     if kind == "call_function":
-        return call_function_for_recompute(target, args, kwargs)
+        return call_function_for_recompute(target, args, kwargs, stats)
     if kind == "call_method":
         self_obj, *rest = args
         return getattr(self_obj, target)(*rest, **kwargs)
@@ -283,11 +289,16 @@ def writes_left_out(kind: str, target: Any, args: tuple, kwargs: dict, fetch_att
     return []
 
 
-def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Call `mod` as its original forward did, but without updating running statistics."""
+def call_module_for_recompute(mod: torch.nn.Module, args: tuple, kwargs: dict,
+                              stats: tuple | None = None) -> Any:
+    """Call `mod` as its original forward did, but without updating running statistics.
+    `stats`: a BatchNorm's batch statistics from its forward (`batch_stats`), or None."""
     if _is_plain_batchnorm(mod) and not kwargs and len(args) == 1:
         bn_training = mod.training or (mod.running_mean is None and mod.running_var is None)
         if bn_training:
+            out = normalized_with(args[0], mod.weight, mod.bias, stats)
+            if out is not None:
+                return out
             # Batch statistics, no running-statistics update (torch.nn.BatchNorm forward with
             # running_mean = running_var = None). mod._check_input_dim ran in the forward.
             return F.batch_norm(args[0], None, None, mod.weight, mod.bias, True, 0.0, mod.eps)
@@ -308,12 +319,17 @@ def recomputes_differently(fn) -> bool:
     return fn is F.batch_norm or fn is F.instance_norm or fn in _ATEN_NORMS
 
 
-def call_function_for_recompute(fn, args: tuple, kwargs: dict) -> Any:
-    """Call a traced function, dropping running statistics from functional batch/instance norm."""
+def call_function_for_recompute(fn, args: tuple, kwargs: dict,
+                                stats: tuple | None = None) -> Any:
+    """Call a traced function, dropping running statistics from functional batch/instance norm
+    (`stats`: as for call_module_for_recompute)."""
     if fn is F.batch_norm:
         bound = _bind_norm(fn, args, kwargs, ("input", "running_mean", "running_var", "weight",
                                               "bias", "training", "momentum", "eps"))
         if bound.get("training", False):
+            out = normalized_with(bound["input"], bound.get("weight"), bound.get("bias"), stats)
+            if out is not None:
+                return out
             bound["running_mean"] = bound["running_var"] = None
             bound["momentum"] = 0.0
         return F.batch_norm(**bound)
@@ -335,6 +351,96 @@ def call_function_for_recompute(fn, args: tuple, kwargs: dict) -> Any:
             bound[6] = 0.0
         return fn(*bound, **kwargs)
     return fn(*args, **kwargs)
+
+
+# NOTE [BatchNorm from its statistics]
+# A training BatchNorm recomputed as the forward ran it computes its batch statistics again, a
+# reduction that costs the CPU about nine tenths of the whole kernel (a 4M-element tensor: 5.6 ms
+# against 0.6 for the normalisation alone). The forward's autograd node already holds them
+# (`save_mean`, `save_invstd`, for its backward, alive until that backward ran, which comes after
+# every recomputation of the Op). ATen's CPU kernel normalises as `x * alpha + beta` per channel
+# with alpha = invstd * weight, beta = bias - mean * alpha, in training and in eval mode alike;
+# so the eval-mode kernel given weight alpha, bias beta, mean 0, variance 1 and eps 0 (its own
+# alpha is then 1 * alpha, its beta beta - 0 * alpha) gives the training kernel's bits from the
+# held statistics. How the kernel rounds beta (one fused multiply-add or not) depends on how it
+# was compiled for this CPU, so `_beta_rules` asks it once per dtype, on a probe whose channels
+# tell the two apart, and the held statistics are used only where a rule reproduced the kernel
+# exactly: float32/float64 CPU tensors, dense in channels-first or channels-last order. The
+# runtime holds the statistics from the forward to the Op's last recomputation: the node holds
+# them longer, so nothing outlives what the profile measured.
+def batch_stats(result: Any) -> tuple | None:
+    """(save_mean, save_invstd) of a training BatchNorm's result, from its autograd node, or
+    None (no node: nothing requires grad; another kind of node)."""
+    if not isinstance(result, torch.Tensor):
+        return None
+    return batch_norm_saved_stats(result.grad_fn)
+
+
+def normalized_with(x: Any, weight, bias, stats: tuple | None) -> "torch.Tensor | None":
+    """A training BatchNorm's output from its forward's batch statistics, bit for bit as the
+    kernel computes it, or None where that is not known to hold (NOTE [BatchNorm from its
+    statistics])."""
+    if stats is None or not isinstance(x, torch.Tensor) or x.device.type != "cpu" \
+            or x.dim() < 2:
+        return None
+    rule = _beta_rules().get(x.dtype)
+    mean, invstd = stats
+    if rule is None or mean.dtype != x.dtype or invstd.dtype != x.dtype \
+            or mean.shape != (x.shape[1],) \
+            or any(p is not None and (not isinstance(p, torch.Tensor) or p.dtype != x.dtype)
+                   for p in (weight, bias)) or not _dense(x):
+        return None
+    return _normalized(x, weight, bias, mean, invstd, rule)
+
+
+def _normalized(x, weight, bias, mean, invstd, rule) -> torch.Tensor:
+    alpha = invstd * weight if weight is not None else invstd
+    beta = rule(bias if bias is not None else torch.zeros_like(mean), mean, alpha)
+    return torch.batch_norm(x, alpha, beta, torch.zeros_like(mean), torch.ones_like(mean),
+                            False, 0.0, 0.0, False)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    if x.is_contiguous():
+        return True
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return fmt is not None and x.is_contiguous(memory_format=fmt)
+
+
+def _beta_fused(bias, mean, alpha):
+    return torch.addcmul(bias, mean, alpha, value=-1)
+
+
+def _beta_rounded(bias, mean, alpha):
+    return bias - mean * alpha
+
+
+@functools.cache
+def _beta_rules() -> dict:
+    """dtype -> the beta rule that reproduces the CPU kernel's output on a probe, for float32 and
+    float64 (absent: neither did). Made once per process, before any measured step: the
+    profiler and the runtime call it when they start (`warm`)."""
+    rules = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64):
+            # Deterministic values (no generator draws): 64 channels, 2 x 67 elements each (a
+            # vector body and a tail), means and scales far apart so that beta's rounding shows.
+            c, n = 64, 2 * 67
+            k = torch.arange(c * n, dtype=dtype)
+            x = (torch.sin(k * 0.7071) * (1 + k % 7) + torch.cos(k * 0.013) * 5).view(2, c, 67)
+            w = torch.cos(torch.arange(c, dtype=dtype) * 1.3) * 2
+            b = torch.sin(torch.arange(c, dtype=dtype) * 0.9) * 3
+            ref, mean, invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.0, 1e-5)
+            for rule in (_beta_fused, _beta_rounded):
+                if torch.equal(_normalized(x, w, b, mean, invstd, rule), ref):
+                    rules[dtype] = rule
+                    break
+    return rules
+
+
+def warm() -> None:
+    """Make what `normalized_with` asks the kernel once (before any measured step)."""
+    _beta_rules()
 
 
 _ATEN_NORMS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)

@@ -55,6 +55,7 @@ from solver.schedule import Schedule
 
 from ..capture import (FlatInputs, call_spec, check_capture, example_of, export_graph,
                        flat_fx_inputs)
+from . import recompute as rc
 from .executor import ScheduledForward, StepState
 from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
@@ -112,6 +113,7 @@ class ScheduleWrapper(torch.nn.Module):
                 f"{graph.describe_difference(schedule.graph_summary)} (fingerprints "
                 f"{schedule.fingerprint} and {graph.fingerprint})")
         check_cuda_available(schedule, graph)  # offload runs on CUDA only (offload.py)
+        rc.warm()  # before any step measures what the step allocates
         if leaf_modules is None:
             leaf_modules = (graph.meta.get("leaf_modules") if graph is not None else None) \
                 or schedule.meta.get("leaf_modules") or ()
