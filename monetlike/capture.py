@@ -199,7 +199,7 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
         fix = ("write it without the branch (torch.where, masks of fixed shape), or mark the "
                "value with torch._check, or profile with capture='fx' if fx can trace the model")
-    elif "use_cache" in low or "dynamiccache" in low or "cache" in name.lower():
+    elif "use_cache" in low or "cache_utils" in low or "cache" in name.lower():
         what = "a key-value cache object in the outputs"
         fix = "call the model with use_cache=False (training does not need the cache)"
     else:
@@ -216,13 +216,29 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
 # (tested on torch 2.14: a gradient reversal's gradient comes back with the wrong sign). Every
 # `Function.apply` during the export is recorded, and a graph that had one is refused; fx applies
 # the Function as one op (NOTE [Custom autograd Functions] in monetlike/trace.py).
+# NOTE [Gradient hooks under export]
+# A hook registered on a tensor in forward (`h.register_hook(lambda g: 3 * g)`) changes the
+# gradient autograd computes; torch.export records ops, not hooks, so the exported graph would
+# run without it (tested on torch 2.14: every gradient upstream of the hook wrong, silently).
+# fx refuses such a model (the hook is registered on a proxy). Calls are recorded while exporting
+# and a graph that had one is refused.
+_GRADIENT_HOOKS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+
+
 class _RecordContiguous(TorchFunctionMode):
     """NOTE [Contiguous is always recorded]: `x.contiguous()` as the ATen op, traced whatever
-    the strides."""
+    the strides; and the gradient hooks registered, in `hooks` (NOTE [Gradient hooks under
+    export])."""
+
+    def __init__(self):
+        super().__init__()
+        self.hooks: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.contiguous:
             return torch.ops.aten.contiguous.default(*args, **(kwargs or {}))
+        if func in _GRADIENT_HOOKS:
+            self.hooks.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -231,8 +247,9 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     args, kwargs = flat.spec.rebuild(_distinct(flat))
     rng = torch.get_rng_state()
     applied: list = []  # NOTE [Custom autograd Functions under export]
+    recorder = _RecordContiguous()
     try:
-        with _RecordContiguous(), functions_applied(lambda cls, a, k: applied.append(cls)):
+        with recorder, functions_applied(lambda cls, a, k: applied.append(cls)):
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
@@ -241,6 +258,14 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
         raise _export_error(model, e) from e
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
+    if recorder.hooks:
+        raise TraceError(
+            f"torch.export.export(strict=False) could not capture {type(model).__name__} "
+            f"faithfully: its forward registers a gradient hook on a tensor "
+            f"(Tensor.{recorder.hooks[0]}), which changes the gradients; an exported graph runs "
+            f"without it, so they would not be plain PyTorch's. Way out: capture the model with "
+            f"torch.fx (capture='fx') with the module that registers the hook made a leaf "
+            f"(leaf_modules=[<its name or class>]), so that it runs as one op, hook included")
     if applied:
         names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in applied}))
         checkpoint = any(c.__module__ == "torch.utils.checkpoint" for c in applied)

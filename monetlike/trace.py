@@ -103,8 +103,10 @@ class MonetTracer(fx.Tracer):
 # model computes: the grad and autocast modes (a context manager sets them while tracing: ops in
 # a no_grad block would get gradients in the graph), and in-place updates of real tensors the
 # model holds (fx proxies parameters, not buffers: `self.steps += 1` adds to the real buffer
-# during the trace and never again). Both are detected (MonetTracer.create_node; tensor versions
-# around the trace) and refused with a TraceError; torch.export records both.
+# during the trace and never again), and random numbers drawn outside the traced ops
+# (`torch.randn(4, 32)` has no proxy argument: fx runs it once and keeps the tensor as a constant,
+# the same noise every step). All are detected (MonetTracer.create_node; tensor versions and the
+# generators' states around the trace) and refused with a TraceError; torch.export records them.
 
 # NOTE [Custom autograd Functions]
 # `MyFunction.apply(x)` runs MyFunction.forward under no_grad and attaches MyFunction.backward to
@@ -202,6 +204,26 @@ def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> N
         f"submodule made a leaf (leaf_modules=[<its name or class>] in monetlike.profile)")
 
 
+def _rng_states() -> list:
+    """The CPU generator's state, and each initialised CUDA device's."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - no GPU
+        states.append(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _restore_rng(states: list) -> bool:
+    """Put the generators back as `states` had them; whether tracing had moved them (NOTE
+    [What fx does not record])."""
+    moved = not torch.equal(torch.get_rng_state(), states[0])
+    torch.set_rng_state(states[0])
+    if len(states) > 1:  # pragma: no cover - no GPU in CI
+        now = torch.cuda.get_rng_state_all()
+        moved = moved or any(not torch.equal(a, b) for a, b in zip(now, states[1]))
+        torch.cuda.set_rng_state_all(states[1])
+    return moved
+
+
 def _user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch itself: the line of the user's model."""
     best = None
@@ -221,9 +243,11 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     tracer = MonetTracer(leaf_modules)
     before = _model_state(model)
+    rng = _rng_states()
     try:
         graph = tracer.trace(model)
     except Exception as e:
+        _restore_rng(rng)
         _check_state(model, before, refuse=False)
         stack = list(getattr(tracer, "module_stack", {}).items())
         where = ""
@@ -256,6 +280,17 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
+    if _restore_rng(rng):
+        raise TraceError(
+            f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
+            f"forward draws random numbers outside the traced ops (a random tensor made from "
+            f"constant sizes only, torch.randn(4, 32) or torch.randperm(n), or a random Python "
+            f"decision such as `if torch.rand(1) < p`). torch.fx runs such a call once, while "
+            f"tracing, and keeps its result: every step would reuse the same draw. Ways out: "
+            f"capture the model with torch.export (monetlike.profile(..., capture='export'), "
+            f"the fallback of capture='auto'), which records the draw, or take its sizes from a "
+            f"traced tensor (torch.randn(x.shape), torch.randn_like(x)), or move it into a "
+            f"submodule made a leaf (leaf_modules=[<its name or class>])")
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return gm

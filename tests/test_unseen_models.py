@@ -15,6 +15,11 @@ and the way out.
 - A custom `torch.autograd.Function` (a gradient reversal, a straight-through estimator): both
   fx and export traced its forward and differentiated that, not its backward (the wrong sign of
   gradient, silently). fx now applies the Function as one op; export refuses it.
+- Noise drawn from constant sizes (`torch.randn(64, 32)`): fx ran the draw once, at trace time,
+  and kept it as a constant (the same noise every step, silently). Now refused by fx (the
+  generator put back) and captured by torch.export, which records the draw.
+- A gradient hook registered in forward (`h.register_hook(...)`): fx refuses it; export dropped
+  it (every gradient upstream of it wrong, silently). Now refused by export too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 import monetlike
 from monetlike.trace import TraceError, trace
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
+from solver.simulate import store_all_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,6 +75,26 @@ class StepCounter(nn.Module):
     def forward(self, x):
         self.steps += 1
         return self.b(torch.relu(self.a(x)))
+
+
+class ConstantSizeNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x) + 0.1 * torch.randn(64, 32)))
+
+
+class GradientHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.register_hook(lambda g: 3 * g)
+        return self.b(h)
 
 
 class GradReverse(torch.autograd.Function):
@@ -172,6 +198,50 @@ def test_buffer_updated_in_forward_is_captured_by_export():
     for _ in range(3):
         wrapped(_x()).sum().backward()
     assert int(model.steps) == 3
+
+
+def test_noise_drawn_from_constant_sizes_is_captured_by_export():
+    torch.manual_seed(0)
+    model = ConstantSizeNoise().train()
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    with pytest.raises(TraceError) as e:
+        trace(model)
+    msg = str(e.value)
+    assert "its forward draws random numbers outside the traced ops" in msg, msg
+    assert "every step would reuse the same draw" in msg
+    assert "capture the model with torch.export" in msg and "torch.randn(x.shape)" in msg
+    assert torch.equal(torch.get_rng_state(), state)  # the trace's draw was put back
+    # compare_step seeds both models alike: the wrapped one draws the same fresh noise.
+    _trains_like_pytorch(model, "export")
+    wrapped = monetlike.ScheduleWrapper(model, store_all_schedule(monetlike.profile(
+        model, _x(), repeat=1)))
+    torch.manual_seed(1)
+    first = wrapped(_x())
+    torch.manual_seed(2)
+    assert not torch.equal(first, wrapped(_x()))
+
+
+def test_gradient_hook_registered_in_forward_is_refused():
+    model = GradientHook().train()
+    with pytest.raises(TraceError) as e:
+        monetlike.profile(model, _x(), repeat=1, capture="export")
+    msg = str(e.value)
+    assert "could not capture GradientHook faithfully: its forward registers a gradient hook " \
+           "on a tensor (Tensor.register_hook)" in msg, msg
+    assert "an exported graph runs without it" in msg
+    assert "capture='fx'" in msg and "made a leaf" in msg
+    with pytest.raises(TraceError):  # fx refuses it too: nothing is captured without the hook
+        monetlike.profile(model, _x(), repeat=1)
+
+
+def test_a_cache_object_in_the_outputs_is_named_with_its_way_out():
+    from monetlike.capture import _export_error
+    e = RuntimeError("Found <class 'transformers.cache_utils.EncoderDecoderCache'> in output, "
+                     "which is not a known type.")
+    msg = str(_export_error(nn.Linear(2, 2), e))
+    assert "The construct: a key-value cache object in the outputs" in msg
+    assert "call the model with use_cache=False" in msg
 
 
 @pytest.mark.parametrize("cls, functions", [

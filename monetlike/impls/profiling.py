@@ -54,16 +54,45 @@ def candidates(gm, run: ProfileRun, target: str) -> dict[int, list]:
     return out
 
 
-def _rounds(run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple]]:
+def _parameters_read(gm, run: ProfileRun) -> dict[int, set[int]]:
+    """Group id -> ids of the parameters its nodes read (a module's own, or through get_attr)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = {}
+    for g in run.groups:
+        found = set()
+        for name in g.nodes:
+            n = nodes.get(name)
+            if n is None:
+                continue
+            if n.op == "call_module":
+                found.update(id(p) for p in gm.get_submodule(n.target).parameters())
+            for a in (n, *n.all_input_nodes):
+                if a.op == "get_attr":
+                    obj = gm
+                    for atom in a.target.split("."):
+                        obj = getattr(obj, atom, None)
+                    if isinstance(obj, torch.nn.Parameter):
+                        found.add(id(obj))
+        out[g.gid] = found
+    return out
+
+
+def _rounds(gm, run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple]]:
     """Each Op's candidates, in registration order, spread over rounds ({group id: candidate})
-    in which no two Ops are neighbours: one reads what the other makes, or both read one Value.
-    Greedy, in group order: a chain of Ops with candidates takes two rounds per candidate."""
+    in which no two Ops are neighbours: one reads what the other makes, both read one Value, or
+    both read one parameter (autograd sums a shared weight's gradients into the first that
+    reaches it, and whether it keeps that tensor or copies it depends on the later call's layout:
+    a split's figures, measured beside a split of the other call, would credit it with the
+    other's saving). Greedy, in group order: a chain of Ops with candidates takes two rounds per
+    candidate."""
     # only Values with a gradient pass one between Ops
     ins = {g.gid: {t for t in g.inputs if run.values[t].requires_grad} for g in run.groups}
     outs = {g.gid: set(g.outputs) for g in run.groups}
+    params = _parameters_read(gm, run)
 
     def neighbours(a, b) -> bool:
-        return bool(ins[a] & outs[b] or ins[b] & outs[a] or ins[a] & ins[b])
+        return bool(ins[a] & outs[b] or ins[b] & outs[a] or ins[a] & ins[b]
+                    or params[a] & params[b])
 
     rounds = []
     for r in range(max(len(c) for c in cands.values())):
@@ -95,7 +124,7 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
             spec.warm(torch.device(device))
     main_tid = {(v.name, v.index): v.tid for v in run.values}
     result: dict[int, list[dict]] = {}
-    for chosen in _rounds(run, cands):
+    for chosen in _rounds(gm, run, cands):
         subs = {}
         for spec, repl in chosen.values():
             subs.update(repl)
