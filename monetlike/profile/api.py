@@ -135,6 +135,9 @@ def _progress(total: int):
     return tqdm(total=total, desc="monetlike profile", unit="node", leave=False)
 
 
+# Casts are not cached, in the capture and in every step (NOTE [Autocast cache] in
+# runtime/recompute.py).
+@rc.uncached_autocast()
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
             leaf_modules: Iterable = (), impls: bool = True,

@@ -258,7 +258,8 @@ class ScheduleWrapper(torch.nn.Module):
         entry.runner.recompute_log = self._recompute_log
         state = StepState(entry.plan, entry.runner, inputs)
         try:
-            out = entry.runner.run_step(state, inputs)
+            with rc.uncached_autocast():  # NOTE [Autocast cache]
+                out = entry.runner.run_step(state, inputs)
             state.finish_forward()
         except BaseException as e:
             state.release_host()  # a failed step's pinned host copies go now, not with the graph
@@ -406,19 +407,11 @@ class ScheduleWrapper(torch.nn.Module):
             except Exception:  # data-dependent ops cannot run on meta; try for real below
                 pass
         # Autocast does not apply to meta tensors, so under autocast (or when the meta run
-        # failed) one measured repeat gives the structure the schedule was solved for. The
-        # autocast weight cache is turned off for it: cached casts (and their autograd nodes)
-        # would be shared between the profiler's steps, and casting again changes no structure.
-        with contextlib.ExitStack() as stack:
-            for dev in ("cpu", "cuda"):
-                if dev == "cuda" and not torch.cuda.is_available():
-                    continue
-                if torch.is_autocast_enabled(dev):
-                    stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
-                                                       cache_enabled=False))
-            return profile(self._model, tensors, cost="measured", repeat=1,
-                           leaf_modules=self._leaf_modules, impl_target=target,
-                           capture=self._capture, impls=self._structure_impls)
+        # failed) one measured repeat gives the structure the schedule was solved for (with
+        # the weight-cast cache off, as every profile: NOTE [Autocast cache]).
+        return profile(self._model, tensors, cost="measured", repeat=1,
+                       leaf_modules=self._leaf_modules, impl_target=target,
+                       capture=self._capture, impls=self._structure_impls)
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
