@@ -5,6 +5,7 @@ original forward (pytorch#141896: dtype mismatches when it does not)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -91,7 +92,9 @@ def test_one_autocast_context_over_several_steps():
     ref = copy.deepcopy(model)
     wrapped = ScheduleWrapper(copy.deepcopy(model),
                               keep_schedule(graph, every(0), "tight", hold="stage"))
-    with _autocast():
+    # The backward inside the block keeps the cached casts to its end: warned (NOTE [Autocast
+    # cache]).
+    with _autocast(), pytest.warns(RuntimeWarning, match="weight-cast cache on"):
         for _ in range(3):
             for module in (ref, wrapped):
                 module(x).float().pow(2).mean().backward()
@@ -126,10 +129,11 @@ def test_autocast_read_once_per_forward_only_where_no_node_switches_it():
 
 
 @pytest.mark.parametrize("backward_inside", [False, True])
-def test_peak_as_predicted_wherever_the_autocast_block_ends(backward_inside):
-    """NOTE [Autocast cache]: with the cache on, the casts of the weights lived to the end of the
-    user's autocast block, through the backward when the block holds it (5.9% over the
-    prediction); the profile and the wrapped step run with the cache off."""
+def test_peak_as_predicted_with_the_backward_outside_the_autocast_block(backward_inside):
+    """NOTE [Autocast cache]: profiled under the user's autocast with the cache on, the casts
+    were counted alive through the backward (12.7% over what PyTorch's recipe measures); the
+    profile runs with the cache off. A backward inside the block keeps the casts to its end: the
+    wrapped step warns."""
     import torch.nn.functional as F
     from runtime_support import peak_of, three_schedules
 
@@ -146,30 +150,38 @@ def test_peak_as_predicted_wherever_the_autocast_block_ends(backward_inside):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     with _autocast():  # the cache left on, as users write it
         graph = monetlike.profile(model, (x,), repeat=1)
-    for name, schedule in three_schedules(graph).items():
-        wrapped = ScheduleWrapper(model, schedule, graph=graph)
 
-        def step(module=wrapped):
-            with _autocast():
-                out = module(x)
-                if backward_inside:
-                    out.float().sum().backward()
-            if not backward_inside:
-                out.float().sum().backward()
-            for p in model.parameters():
-                p.grad = None
-
-        step()
-        m = monetlike.measure_step(step, warmup=0, repeat=0)
-        assert m.peak_bytes - m.start_bytes + graph.fixed_bytes == peak_of(graph, schedule), name
-    ref = copy.deepcopy(model)
-    wrapped = ScheduleWrapper(copy.deepcopy(model), three_schedules(graph)["tight"], graph=graph)
-    for module in (ref, wrapped):
+    def step(module):
         with _autocast():
             out = module(x)
             if backward_inside:
                 out.float().sum().backward()
         if not backward_inside:
             out.float().sum().backward()
+
+    for name, schedule in three_schedules(graph).items():
+        wrapped = ScheduleWrapper(model, schedule, graph=graph)
+
+        def measured_step(module=wrapped):
+            step(module)
+            for p in model.parameters():
+                p.grad = None
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            measured_step()
+            m = monetlike.measure_step(measured_step, warmup=0, repeat=0)
+        warned = [w for w in caught if "weight-cast cache on" in str(w.message)]
+        measured = m.peak_bytes - m.start_bytes + graph.fixed_bytes
+        if not backward_inside:
+            assert not warned and measured == peak_of(graph, schedule), name
+        elif name != "store_all":  # store-all runs as plain autograd: no stage hook to warn
+            assert warned and measured > peak_of(graph, schedule), name
+    ref = copy.deepcopy(model)
+    wrapped = ScheduleWrapper(copy.deepcopy(model), three_schedules(graph)["tight"], graph=graph)
+    step(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(wrapped)
     for (n, p), (_, q) in zip(ref.named_parameters(), wrapped.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=n)

@@ -119,6 +119,7 @@ and hooks point to it), never the other way round.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -174,6 +175,10 @@ class StepState:
         # until the Op's last recomputation (NOTE [BatchNorm from its statistics]).
         self.bn_stats: dict[str, tuple] = {}
         self.current_op: int | None = None
+        # Whether the forward ran under autocast with its weight-cast cache on (NOTE [Autocast
+        # cache] in recompute.py).
+        self.cached_casts = torch.is_autocast_cache_enabled() and any(
+            enabled for _, enabled, _ in rc.autocast_state())
         self.pending: list[Saved] = []
         # (op, Value id) -> the op's live handles on that Value, for the hand-over in its stage.
         self.handles: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -273,6 +278,9 @@ class StepState:
         if gid != self.task_id:
             self.task_id = gid
             queue_engine_callback(self._end_task)
+            if self.cached_casts and torch.is_autocast_cache_enabled() and any(
+                    enabled for _, enabled, _ in rc.autocast_state()):
+                warnings.warn(AUTOCAST_CACHE_MESSAGE, RuntimeWarning, stacklevel=2)
         # Another stage starts: the running ones whose roots have all run are over.
         for s in [s for s in self.running if self.roots_pending[s] <= 0]:
             self._end_stage(s)
@@ -565,6 +573,14 @@ class StepState:
                 f"ScheduleWrapper: {len(missing)} ops have a backward stage in the profiled graph "
                 f"but created no autograd node in this run ({names}); the model does not run as "
                 f"it was profiled (requires_grad or train/eval changed?): profile and solve again")
+
+
+AUTOCAST_CACHE_MESSAGE = (
+    "ScheduleWrapper: the backward runs inside the torch.autocast block of the forward, with its "
+    "weight-cast cache on: the casts of the parameters stay alive to the end of the block, "
+    "memory the schedule did not count (it can peak over its budget). Call backward after the "
+    "autocast block, as PyTorch's mixed-precision recipe does, or use "
+    "torch.autocast(..., cache_enabled=False)")
 
 
 class Recomputation:

@@ -160,11 +160,14 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 # outermost autocast block exits, so how long they live depends on where the user's `with` ends:
 # around the forward only (the usual recipe), a cast lives while the backward of the op that read
 # it holds it; around the backward too, every cast lives to the end of the backward (a
-# Linear-GELU-Linear measured 5.9% over its prediction that way). The profiler's steps would also
-# share one cache. So the profile and the wrapped step run the model with the cache off
-# (`uncached_autocast`): each op casts the weight it reads and the cast lives as its backward holds
-# it, wherever the user's block ends. The values are the same (a cast is a cast); a weight read by
-# several ops is cast once per read.
+# Linear-GELU-Linear measured 21% over the prediction that way). The profiler's steps would also
+# share one cache. So the profile runs with the cache off (`uncached_autocast`): each op casts the
+# weight it reads and the cast lives as its backward holds it, which is what a step with the
+# backward outside the block (PyTorch's recipe) measures, cache or not. The wrapped step keeps the
+# user's cache, because the cache changes values too: inside one block, a weight updated in place
+# (an optimizer step) is still read through its stale cached cast, in plain PyTorch and so in
+# the wrapped model alike. A backward inside the block is warned about at its start
+# (executor.AUTOCAST_CACHE_MESSAGE), with the ways out.
 @contextlib.contextmanager
 def uncached_autocast():
     """The current autocast state, with the weight-cast cache off (NOTE [Autocast cache])."""

@@ -258,8 +258,7 @@ class ScheduleWrapper(torch.nn.Module):
         entry.runner.recompute_log = self._recompute_log
         state = StepState(entry.plan, entry.runner, inputs)
         try:
-            with rc.uncached_autocast():  # NOTE [Autocast cache]
-                out = entry.runner.run_step(state, inputs)
+            out = entry.runner.run_step(state, inputs)
             state.finish_forward()
         except BaseException as e:
             state.release_host()  # a failed step's pinned host copies go now, not with the graph
