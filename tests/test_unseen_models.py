@@ -77,20 +77,12 @@ class StepCounter(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-class ConstantSizeNoise(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
-
+class ConstantSizeNoise(NoGradBlock):
     def forward(self, x):
         return self.b(torch.tanh(self.a(x) + 0.1 * torch.randn(64, 32)))
 
 
-class GradientHook(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
-
+class GradientHook(NoGradBlock):
     def forward(self, x):
         h = torch.tanh(self.a(x))
         h.register_hook(lambda g: 3 * g)
@@ -222,11 +214,15 @@ def test_noise_drawn_from_constant_sizes_is_captured_by_export():
     assert not torch.equal(first, wrapped(_x()))
 
 
-def test_gradient_hook_registered_in_forward_is_refused():
-    model = GradientHook().train()
+def _refused_by_export(model) -> str:
     with pytest.raises(TraceError) as e:
         monetlike.profile(model, _x(), repeat=1, capture="export")
-    msg = str(e.value)
+    return str(e.value)
+
+
+def test_gradient_hook_registered_in_forward_is_refused():
+    model = GradientHook().train()
+    msg = _refused_by_export(model)
     assert "could not capture GradientHook faithfully: its forward registers a gradient hook " \
            "on a tensor (Tensor.register_hook)" in msg, msg
     assert "an exported graph runs without it" in msg
@@ -259,10 +255,7 @@ def test_custom_autograd_function_keeps_its_backward(cls, functions):
 
 
 def test_custom_autograd_function_is_refused_by_export():
-    model = CustomFunctions().train()
-    with pytest.raises(TraceError) as e:
-        monetlike.profile(model, _x(), repeat=1, capture="export")
-    msg = str(e.value)
+    msg = _refused_by_export(CustomFunctions().train())
     assert "could not capture CustomFunctions faithfully: its forward applies the " \
            "torch.autograd.Function test_unseen_models.GradReverse, " \
            "test_unseen_models.RoundSTE" in msg, msg
