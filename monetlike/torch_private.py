@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 __all__ = [
-    "BatchNormBase", "HARDTANH", "batch_norm_saved_stats", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
-    "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "current_graph_task_id", "sole_owner",
+    "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
+    "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
+    "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]

@@ -204,23 +204,23 @@ def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> N
         f"submodule made a leaf (leaf_modules=[<its name or class>] in monetlike.profile)")
 
 
-def _rng_states() -> list:
+def save_rng() -> dict:
     """The CPU generator's state, and each initialised CUDA device's."""
-    states = [torch.get_rng_state()]
+    state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - no GPU
-        states.append(torch.cuda.get_rng_state_all())
-    return states
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def _restore_rng(states: list) -> bool:
-    """Put the generators back as `states` had them; whether tracing had moved them (NOTE
+def restore_rng(state: dict) -> bool:
+    """Put the generators back as `state` (save_rng) had them; whether they had moved (NOTE
     [What fx does not record])."""
-    moved = not torch.equal(torch.get_rng_state(), states[0])
-    torch.set_rng_state(states[0])
-    if len(states) > 1:  # pragma: no cover - no GPU in CI
+    moved = not torch.equal(torch.get_rng_state(), state["cpu"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:  # pragma: no cover - no GPU in CI
         now = torch.cuda.get_rng_state_all()
-        moved = moved or any(not torch.equal(a, b) for a, b in zip(now, states[1]))
-        torch.cuda.set_rng_state_all(states[1])
+        moved = moved or any(not torch.equal(a, b) for a, b in zip(now, state["cuda"]))
+        torch.cuda.set_rng_state_all(state["cuda"])
     return moved
 
 
@@ -243,11 +243,11 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     tracer = MonetTracer(leaf_modules)
     before = _model_state(model)
-    rng = _rng_states()
+    rng = save_rng()
     try:
         graph = tracer.trace(model)
     except Exception as e:
-        _restore_rng(rng)
+        restore_rng(rng)
         _check_state(model, before, refuse=False)
         stack = list(getattr(tracer, "module_stack", {}).items())
         where = ""
@@ -280,7 +280,7 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
-    if _restore_rng(rng):
+    if restore_rng(rng):
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
             f"forward draws random numbers outside the traced ops (a random tensor made from "

@@ -29,6 +29,7 @@ from ..capture import capture as capture_graph
 from ..impls.dropout import mask_recomputable, mask_recompute_scratch
 from ..capture import check_capture, split_example
 from ..runtime import recompute as rc
+from ..trace import restore_rng, save_rng
 from ..torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
@@ -112,19 +113,6 @@ def _device_name(dev: torch.device) -> str:
     return str(dev)
 
 
-def _save_rng():
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng(state) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:  # pragma: no cover
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _progress(total: int):
     if not sys.stderr.isatty():
         return None
@@ -201,7 +189,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     leaf_modules = list(leaf_modules)
     t_start = time.perf_counter()
     batch = int(inputs[0].shape[0])
-    rng = _save_rng()
+    rng = save_rng()
     try:
         if kind == "analytical":
             work = _meta_copy(model)
@@ -307,7 +295,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         graph = dataclasses.replace(graph, meta={**graph.meta,
                                                  "op_modules": _op_modules(gm, graph)})
     finally:
-        _restore_rng(rng)
+        restore_rng(rng)
     return graph
 
 

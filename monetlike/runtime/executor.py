@@ -177,8 +177,7 @@ class StepState:
         self.current_op: int | None = None
         # Whether the forward ran under autocast with its weight-cast cache on (NOTE [Autocast
         # cache] in recompute.py).
-        self.cached_casts = torch.is_autocast_cache_enabled() and any(
-            enabled for _, enabled, _ in rc.autocast_state())
+        self.cached_casts = rc.casts_cached()
         self.pending: list[Saved] = []
         # (op, Value id) -> the op's live handles on that Value, for the hand-over in its stage.
         self.handles: dict[tuple[int, int], list[weakref.ref]] = {}
@@ -278,8 +277,7 @@ class StepState:
         if gid != self.task_id:
             self.task_id = gid
             queue_engine_callback(self._end_task)
-            if self.cached_casts and torch.is_autocast_cache_enabled() and any(
-                    enabled for _, enabled, _ in rc.autocast_state()):
+            if self.cached_casts and rc.casts_cached():
                 warnings.warn(AUTOCAST_CACHE_MESSAGE, RuntimeWarning, stacklevel=2)
         # Another stage starts: the running ones whose roots have all run are over.
         for s in [s for s in self.running if self.roots_pending[s] <= 0]:

@@ -168,14 +168,20 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 # (an optimizer step) is still read through its stale cached cast, in plain PyTorch and so in
 # the wrapped model alike. A backward inside the block is warned about at its start
 # (executor.AUTOCAST_CACHE_MESSAGE), with the ways out.
+def casts_cached() -> bool:
+    """Whether autocast is on for some device with its weight-cast cache on."""
+    return torch.is_autocast_cache_enabled() and any(
+        enabled for _, enabled, _ in autocast_state())
+
+
 @contextlib.contextmanager
 def uncached_autocast():
     """The current autocast state, with the weight-cast cache off (NOTE [Autocast cache])."""
     with contextlib.ExitStack() as stack:
-        if torch.is_autocast_cache_enabled():
-            for dev in ("cpu", "cuda"):
-                if (dev == "cpu" or torch.cuda.is_available()) and torch.is_autocast_enabled(dev):
-                    stack.enter_context(torch.autocast(dev, dtype=torch.get_autocast_dtype(dev),
+        if casts_cached():
+            for device_type, enabled, dtype in autocast_state():
+                if enabled:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype,
                                                        cache_enabled=False))
         yield
 
