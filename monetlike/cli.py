@@ -166,6 +166,27 @@ def example_inputs(batch: int, input_shape: Sequence[int] | None, device: str = 
 # ----------------------------------------------------------------------------------------------
 # Subcommands
 # ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _fed_by_the_cli(args, model, shape: Sequence):
+    """Errors of a model that fails on the input the command line made for it (one float tensor
+    of --batch x --input-shape; `shape` its shape, the batch as a name where it varies) say so,
+    and how to give it its own."""
+    from .profile.interpreter import ProfileError
+
+    try:
+        yield
+    except (ProfileError, TypeError) as e:
+        if callable(getattr(model, "example_inputs", None)):
+            raise
+        raise UsageError(
+            f"{_one_line(e)}. The command line gave {args.model} one float32 tensor of shape "
+            f"({', '.join(map(str, shape))}) (--batch, --input-shape "
+            f"{','.join(map(str, shape[1:]))}); if the model takes other inputs (token ids, "
+            f"several tensors, keywords), give the model your factory returns a method "
+            f"example_inputs(batch, seq_len, device) that makes them (monetlike.models.gpt2 has "
+            f"one), or profile it from Python: monetlike.profile(model, inputs)") from e
+
+
 def _profile_args(args):
     """Build MODEL and profile it at --batch/--input-shape with --cost, --optimizer and
     --host-bandwidth (commands without that flag: the profiler's own figure)."""
@@ -174,8 +195,9 @@ def _profile_args(args):
     model = build_model(args.model)
     loss_fn = load_loss(args.loss)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
-    graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
-                    host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
+    with _fed_by_the_cli(args, model, x.shape):
+        graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
+                        host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
     if getattr(args, "calibrate", False):
         from .calibrate import calibrate
 
@@ -598,9 +620,10 @@ def cmd_explain(args) -> int:
 
     _check_writable(args.plot)
     model = build_model(args.model)
-    ex = explain(model, example_inputs(args.batch, args.input_shape,
-                                       _profile_device(args.cost), model),
-                 optimizer=args.optimizer, cost=args.cost, loss_fn=load_loss(args.loss))
+    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
+    with _fed_by_the_cli(args, model, x.shape):
+        ex = explain(model, x, optimizer=args.optimizer, cost=args.cost,
+                     loss_fn=load_loss(args.loss))
     print(ex.report())
     if args.plot:
         ex.plot(args.plot)
@@ -646,7 +669,8 @@ def cmd_maxbatch(args) -> int:
         shape = None
     else:
         make, shape = None, args.input_shape or DEFAULT_INPUT_SHAPE
-    with interruptible("monetlike maxbatch"):
+    with interruptible("monetlike maxbatch"), \
+            _fed_by_the_cli(args, model, ("batch", *(shape or ()))):
         found = max_batch(model, args.budget, shape, max_overhead=args.max_overhead,
                           cost=args.cost, optimizer=args.optimizer, limit=args.limit,
                           time_limit_s=args.time_limit, make_inputs=make,

@@ -26,6 +26,20 @@ def build():
 
 def notamodel():
     return 42
+
+class Pair(nn.Module):  # takes two inputs
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.a(x) + y
+
+def pair():
+    return Pair()
+
+def tokens():  # takes token ids
+    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 2))
 """
 
 # Written by the schedule's hostile model_spec if anything ever imported it.
@@ -179,6 +193,16 @@ CASES = [
                                            f"{w / 'tiny.py'}:build", "--input-shape", "9"],
      2, "failed on an input of shape [4, 9]: RuntimeError: mat1 and mat2 shapes cannot be "
         "multiplied"),
+    ("profile-wrong-input-shape",
+     lambda w: ["profile", f"{w / 'tiny.py'}:build", "--batch", "4", "--input-shape", "9"],
+     2, "mat1 and mat2 shapes cannot be multiplied (4x9 and 8x64). The command line gave "),
+    ("profile-two-input-model", lambda w: ["profile", f"{w / 'tiny.py'}:pair", *TINY_ARGS],
+     2, "missing a required argument: 'y'. The command line gave"),
+    ("explain-token-model", lambda w: ["explain", f"{w / 'tiny.py'}:tokens", *TINY_ARGS],
+     2, "give the model your factory returns a method example_inputs(batch, seq_len, device)"),
+    ("maxbatch-token-model", lambda w: ["maxbatch", f"{w / 'tiny.py'}:tokens", "--input-shape",
+                                        "8", "--budget", "1MiB"],
+     2, "one float32 tensor of shape (batch, 8)"),
     ("check-a-directory", lambda w: ["check", str(w), "--model", f"{w / 'tiny.py'}:build"],
      2, "cannot be read: Is a directory; pass the path of a schedule JSON file"),
     ("factory-calls-sys-exit", lambda w: ["profile", "sys:exit", *TINY_ARGS],

@@ -196,8 +196,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             to_input = (lambda x: torch.empty_like(x, device="meta")
                         .requires_grad_(x.requires_grad))
             device = torch.device("meta")
-            note = (" on the meta device (analytical costs); data-dependent ops cannot run there, "
-                    "use cost='measured'")
+            note = (" on the meta device (analytical costs; where the op reads tensor values, "
+                    "as .item() or nonzero do, which meta tensors have not, use cost='measured')")
             if clock not in CLOCKS:
                 check_clock(clock, device)  # raises: not a clock name
             if clock == "thread":
