@@ -484,7 +484,8 @@ class OpGraph:
         for k in mine:
             a, b = theirs.get(k), mine[k]
             # A hash says nothing in words; optimizer state is not part of the structure.
-            if a == b or k in ("shape_free_fingerprint", "optimizer_bytes"):
+            if a == b or k in ("shape_free_fingerprint", "optimizer_bytes") \
+                    or (k == "training" and a is None):  # not recorded by older monetlikes
                 continue
             if k == "params" and a is None:
                 diffs.append("the schedule records no parameter shapes (made by an older "
@@ -518,6 +519,9 @@ class OpGraph:
             # line each in a schedule file.
             "params": [f"{n} {'x'.join(map(str, shape)) or 'scalar'} {dtype}"
                        f"{' requires_grad' if rg else ''}" for n, shape, dtype, rg in self.params],
+            # The model's own train/eval mode when profiled: a schedule solved in eval mode (a
+            # model trained with frozen statistics) runs in eval mode too.
+            **({"training": self.meta["training"]} if "training" in self.meta else {}),
         }
 
     def without_impl(self, name: str) -> "OpGraph":

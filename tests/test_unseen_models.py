@@ -20,6 +20,9 @@ and the way out.
   generator put back) and captured by torch.export, which records the draw.
 - A gradient hook registered in forward (`h.register_hook(...)`): fx refuses it; export dropped
   it (every gradient upstream of it wrong, silently). Now refused by export too.
+- A model trained in eval mode (frozen BatchNorm statistics): the wrapper ran the plain model in
+  eval mode, so the schedule was ignored (store-all's peak, silently). A schedule solved in eval
+  mode now runs in eval mode.
 """
 
 from __future__ import annotations
@@ -384,3 +387,32 @@ def test_reentrant_checkpointing_in_a_transformers_model_is_refused_with_the_way
     assert "applies the torch.autograd.Function torch.utils.checkpoint.CheckpointFunction" in msg
     assert "turn that checkpointing off (model.gradient_checkpointing_disable()" in msg
     assert "or pass use_reentrant=False" in msg
+
+
+def test_a_model_trained_in_eval_mode_runs_its_schedule():
+    """Fine-tuning with frozen BatchNorm statistics and dropout off (the whole model in eval
+    mode): profiled and solved in eval mode, the schedule runs in eval mode too (the wrapper ran
+    the plain model: measured store-all's peak, 2.4x the tight schedule's prediction), trains as
+    plain PyTorch does, and is told apart from an evaluation of a model solved in train mode."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(16, 4)).eval()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1)
+    assert graph.summary()["training"] is False
+    for name, schedule in three_schedules(graph).items():
+        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
+                     steps=2, exact=True)
+        tst = copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(tst, schedule)  # the schedule alone says eval mode
+        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
+        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+    # Solved in train mode, an eval-mode call with grad enabled is an evaluation: the plain model.
+    trained = copy.deepcopy(model).train()
+    tight = three_schedules(monetlike.profile(trained, x, repeat=1))["tight"]
+    wrapped = monetlike.ScheduleWrapper(trained, tight).eval()
+    assert wrapped.training is False
+    assert torch.equal(wrapped(x), trained(x))
+    assert not wrapped._entries  # nothing was profiled or planned: the plain model ran

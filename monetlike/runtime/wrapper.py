@@ -4,7 +4,9 @@
     wrapped(x).sum().backward()      # same gradients as model(x).sum().backward()
 
 In training mode with grad enabled the forward runs the schedule (executor.py); in eval mode,
-under torch.no_grad(), or inside `with wrapped.plain():` it calls the model as it is. The wrapper
+under torch.no_grad(), or inside `with wrapped.plain():` it calls the model as it is. A schedule
+solved for a model in eval mode (trained with frozen BatchNorm statistics, dropout off) runs in
+eval mode as well, whenever grad is enabled. The wrapper
 owns nothing: its parameters, buffers, submodules and state_dict keys are the model's own (it
 shares the model's dictionaries), so an optimizer built on either works, checkpoints load both
 ways, and DistributedDataParallel can wrap it.
@@ -124,6 +126,12 @@ class ScheduleWrapper(torch.nn.Module):
             object.__setattr__(self, name, getattr(model, name))
         self.training = model.training
         self._schedule = schedule
+        # An eval-mode call is an evaluation (the plain model runs) unless the schedule was
+        # solved in eval mode: training with frozen BatchNorm statistics or dropout off.
+        solved = schedule.graph_summary.get("training")
+        if solved is None and graph is not None:
+            solved = graph.meta.get("training")
+        self._solved_in_eval = solved is False
         self._leaf_modules = _resolve_leaf_modules(leaf_modules)
         self._capture = check_capture(capture or (graph.meta.get("capture") if graph is not None
                                                   else None)
@@ -237,7 +245,8 @@ class ScheduleWrapper(torch.nn.Module):
         if getattr(self, "_is_replica", False):
             raise RuntimeError(DATAPARALLEL_MESSAGE)
         model = self._model
-        if self._plain or not model.training or not torch.is_grad_enabled():
+        if self._plain or not torch.is_grad_enabled() or \
+                (not model.training and not self._solved_in_eval):
             return model(*args, **kwargs)
         if model._forward_hooks or model._forward_pre_hooks:
             raise RuntimeError(
