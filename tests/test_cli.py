@@ -211,10 +211,13 @@ def test_a_schedule_solved_with_a_loss_is_checked_with_it(tmp_path, capsys):
         code, out, err = _run(["check", str(s), "--model", f"{f}:build"], capsys)
         if recorded:
             assert code == 0, (out, err)
-            # the loss's output-sized tensors are in the measured step: measured == predicted
-            # (with the signed sum, 1 MiB less)
+            # the loss's output-sized tensors are in the measured step: measured as predicted
+            # (with the signed sum, 1 MiB less); within 1%, as the 5 s solve under load may
+            # return another schedule, whose prediction can be a little high (never low)
             peaks = re.search(r"peak memory +\S+ MiB +(\S+) MiB predicted (\S+) MiB", out)
-            assert peaks and peaks.group(1) == peaks.group(2), out
+            assert peaks, out
+            measured, predicted = float(peaks.group(1)), float(peaks.group(2))
+            assert predicted * 0.99 <= measured <= predicted, out
         else:
             assert code == 2 and f"--loss {loss}" in err, err
             code, out, err = _run(["check", str(s), "--model", f"{f}:build", "--loss", loss],
