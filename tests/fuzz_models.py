@@ -42,7 +42,7 @@ CONSTRUCTS = (
     # detached statistics, gates no gradient flows through, in-place writes on fresh results and
     # their views, scans
     "detach_stat", "sigmoid_gate", "mul_inplace_scalar", "view_add_inplace", "cumsum",
-    "log_softmax", "slice_broadcast",
+    "log_softmax", "slice_broadcast", "read_then_inplace",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -209,6 +209,9 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return a * (b.sigmoid() > 0.5)  # the sigmoid leads to no gradient
     if k == "mul_inplace_scalar":
         return F.gelu(a).mul_(2.0)
+    if k == "read_then_inplace":  # a statistic read from x before x is divided by it in place
+        x = a * 1.0
+        return x.div_(x.detach().abs().amax(dim=-1, keepdim=True) + 1)
     if k == "view_add_inplace":
         x = a * 1.0
         x[:, 0] += b[:, 0]

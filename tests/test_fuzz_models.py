@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 import monetlike
 import solver
 from fuzz_models import FUZZ_PROGRAMS, Step, build
-from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of
+from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
 from solver_cases import random_schedules
 from solver.rules import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
@@ -89,6 +89,13 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
                                  monetlike.ScheduleWrapper(model, schedule, graph=graph),
                                  (tokens,))
         assert measured <= expected, ("random", measured, expected)
+    # Gradients under the schedule that recomputes most (nothing kept, each stage recomputes
+    # from the inputs): it recomputes what no solver at these budgets would (a reader of a Value
+    # overwritten in place later, recomputed from the new contents, went unseen while only
+    # solved schedules were compared).
+    tight = three_schedules(graph)["tight"]
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, tight, graph=graph),
+                 (tokens,), seed=seed, steps=2)
 
     # Every in-place Impl the profiler offers, at once, on store-all: each kernel then runs in
     # place with grad, whose backward must be the out-of-place one's that the Impl's figures

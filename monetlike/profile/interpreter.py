@@ -814,6 +814,13 @@ class ProfileRun(fx.Interpreter):
                 self.groups[p].add_unsafe(
                     f"its output {self.values[tid].name} is later overwritten in place by node "
                     f"{n.name} of another op (recomputing would give the old contents)")
+            # An Op that read the old contents would read the new ones when recomputed (every
+            # recomputation runs after the forward, so after this write).
+            for pos, reader in self.readers.get(tid, ()):
+                if pos < rec.pos and reader not in (g.gid, p):
+                    self.groups[reader].add_unsafe(
+                        f"reads value {self.values[tid].name}, which node {n.name} of another op "
+                        f"later overwrites in place (recomputing would read the new contents)")
 
         # What the backward holds.
         persistent = sum(self.values[tid].nbytes for tid in g.outputs
