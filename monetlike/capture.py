@@ -50,7 +50,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
-from .trace import TraceError, functions_applied, trace
+from .trace import (TraceError, attributes_set, check_attributes_set, functions_applied,
+                    trace)
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
            "example_of", "export_graph", "split_example"]
@@ -249,7 +250,8 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     applied: list = []  # NOTE [Custom autograd Functions under export]
     recorder = _RecordContiguous()
     try:
-        with recorder, functions_applied(lambda cls, a, k: applied.append(cls)):
+        with recorder, functions_applied(lambda cls, a, k: applied.append(cls)), \
+                attributes_set(model) as written:
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
@@ -258,6 +260,7 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
         raise _export_error(model, e) from e
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
+    check_attributes_set(model, written, "torch.export.export(strict=False)")
     if recorder.hooks:
         raise TraceError(
             f"torch.export.export(strict=False) could not capture {type(model).__name__} "

@@ -10,9 +10,10 @@ caller names, and any module with forward hooks or forward pre-hooks: tracing th
 would run its hooks once on fx proxies at trace time and then never again, so it is kept whole and
 its hooks run for real (and its Op is marked recompute-unsafe).
 
-Two things a forward can do that symbolic tracing runs but does not record are refused with a
-TraceError (so that `capture="auto"` captures with torch.export, which records both), never
-traced into a graph that computes something else (NOTE [What fx does not record]):
+Things a forward can do that symbolic tracing runs but does not record are refused with a
+TraceError (so that `capture="auto"` captures with torch.export, which records them), never
+traced into a graph that computes something else (NOTE [What fx does not record]); Python
+attributes the forward sets are refused by both captures (NOTE [Python state set in forward]):
 - ops inside a `torch.no_grad()` / `torch.enable_grad()` / `torch.autocast(...)` block: the
   mode is set while tracing, not in the graph, which would then give them gradients (or dtypes)
   plain PyTorch does not;
@@ -181,6 +182,56 @@ def _model_state(model: torch.nn.Module) -> list:
     return out
 
 
+@contextlib.contextmanager
+def attributes_set(model: torch.nn.Module):
+    """NOTE [Python state set in forward]: a capture runs the forward's Python once, so an
+    attribute the forward sets (a call counter, `self.last = h.detach()` kept for logging) is set
+    once, at capture time (to a tracer's proxy under fx; torch.export puts it back), and never at
+    a training step. Yields the (module name, attribute) pairs set on the model's modules while
+    capturing (Module.__setattr__, which `self.calls += 1` calls), and puts them back after."""
+    modules = dict(model.named_modules(remove_duplicate=True))
+    names = {id(m): prefix for prefix, m in modules.items()}
+    before = {(prefix, k): v for prefix, m in modules.items() for k, v in vars(m).items()}
+    written: list = []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def recording(self, name, value):
+        prefix = names.get(id(self))
+        if prefix is not None and (prefix, name) not in written:
+            written.append((prefix, name))
+        setattr_(self, name, value)
+
+    torch.nn.Module.__setattr__ = recording
+    try:
+        yield written
+    finally:
+        torch.nn.Module.__setattr__ = setattr_
+        for prefix, k in written:
+            m = modules[prefix]
+            if (prefix, k) in before:
+                object.__setattr__(m, k, before[(prefix, k)])
+            else:
+                m.__dict__.pop(k, None)
+
+
+def check_attributes_set(model: torch.nn.Module, written: list, how: str) -> None:
+    """Refuse a capture during which the forward set Python attributes (attributes_set)."""
+    if not written:
+        return
+    what = ", ".join(f"'{k}' of {f'module {p!r}' if p else type(model).__name__}"
+                     for p, k in written[:3]) + (" and more" if len(written) > 3 else "")
+    raise TraceError(
+        f"{how} could not capture {type(model).__name__} faithfully: its forward sets the "
+        f"Python attribute{'s' if len(written) > 1 else ''} {what} (a call counter such as `self.calls += 1`, a tensor kept for "
+        f"logging such as `self.last = h.detach()`). A captured graph runs no Python: the "
+        f"attribute was set once, while capturing (put back now), and would never be set at a "
+        f"training step. Ways out: keep a counter in a buffer updated in place "
+        f"(self.register_buffer('calls', torch.zeros((), dtype=torch.long)); `self.calls += 1`, "
+        f"which torch.export records: capture='export'), set the attribute outside forward, or "
+        f"move that code into a submodule made a leaf (leaf_modules=[<its name or class>]), which "
+        f"runs its forward for real at every step (again when the schedule recomputes it)")
+
+
 def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> None:
     """Refuse (restoring the buffers) a trace that updated the model's tensors in place; with
     `refuse=False` (the trace failed anyway) only restore them."""
@@ -245,7 +296,8 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     before = _model_state(model)
     rng = save_rng()
     try:
-        graph = tracer.trace(model)
+        with attributes_set(model) as written:
+            graph = tracer.trace(model)
     except Exception as e:
         restore_rng(rng)
         _check_state(model, before, refuse=False)
@@ -280,6 +332,7 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
+    check_attributes_set(model, written, "torch.fx.symbolic_trace")
     if restore_rng(rng):
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "

@@ -40,7 +40,7 @@ from ..allocator import AllocatorLog
 from ..impls.registry import observing_releases
 from ..runtime import recompute as rc
 from ..runtime.hooks import stage_roots
-from ..torch_private import tree_leaves
+from ..torch_private import tree_leaves, tree_map
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
 from .safety import aten_unsafe_reason, module_hook_reason, written_tensors
@@ -646,11 +646,14 @@ class ProfileRun(fx.Interpreter):
                 rec.spared = frozenset(s._cdata for s in map(storage_of, left_out)
                                        if s is not None)
             if (self.phase == "forward" and n.op in ("call_module", "call_function",
-                                                     "call_method")
-                    and not rec.unsafe and set(rec.writes) <= rec.spared):
-                # a rerun writes no existing storage but what the recomputation leaves out
-                rec.nograd_transient = self._nograd_transient(rec, n, args, kwargs,
-                                                              rc.batch_stats(result))
+                                                     "call_method") and not rec.unsafe):
+                # A rerun writes no existing storage but what the recomputation leaves out, or
+                # writes only whole tensors it is given (an in-place dropout into its Op's own
+                # Value), which it is given copies of.
+                copied = _copies_of_written(args, kwargs, set(rec.writes) - rec.spared)
+                if copied is not None:
+                    rec.nograd_transient = self._nograd_transient(
+                        rec, n, *copied, rc.batch_stats(result))
         if isinstance(result, torch.Tensor):
             self.contiguous[n.name] = result.is_contiguous()
         # Tensors the node wrote into in place (`x[idx] = y` returns None): their new grad_fn
@@ -671,9 +674,10 @@ class ProfileRun(fx.Interpreter):
         """Peak bytes of node `n` run again under no_grad, as the runtime recomputes it, above
         the memory before it and the outputs it leaves. Under no_grad nothing is saved for a
         backward, so an Impl's internals (a ReLU mask, max-pool indices) are not made unless the
-        kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics). Only for
-        nodes whose recomputation writes no existing storage (run twice, an in-place write would
-        apply twice); run by the runtime's own rule (rc.call_for_recompute: a BatchNorm without
+        kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics; an in-place
+        dropout's noise, which its forward saved, is scratch here). Only for nodes whose
+        recomputation writes no existing storage but the copies in `args` (run twice, an
+        in-place write would apply twice); run by the runtime's own rule (rc.call_for_recompute: a BatchNorm without
         its running statistics takes another kernel path, with other scratch; a training one
         reuses its forward's batch statistics `stats`, as the runtime does). The generator
         state is put back, so later nodes draw what they drew before."""
@@ -1023,3 +1027,33 @@ class TimingRun(fx.Interpreter):
 
         fn.register_prehook(pre)
         fn.register_hook(post)
+
+
+def _copies_of_written(args, kwargs, written: set) -> "tuple[tuple, dict] | None":
+    """(args, kwargs) with each tensor whose storage is in `written` replaced by a copy, so that
+    running the node again writes the copies; None where a written storage is not one whole
+    tensor argument (a view into it, or a storage the node reaches otherwise)."""
+    if not written:
+        return args, kwargs
+    found = set()
+
+    def copy(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        s = storage_of(x)
+        if s is None or s._cdata not in written:
+            return x
+        if x.storage_offset() != 0 or x.numel() * x.element_size() != s.nbytes():
+            raise _NotWhole
+        found.add(s._cdata)
+        return x.detach().clone(memory_format=torch.preserve_format)
+
+    try:
+        args, kwargs = tree_map(copy, (args, kwargs))
+    except _NotWhole:
+        return None
+    return (args, kwargs) if found == written else None
+
+
+class _NotWhole(Exception):
+    pass
