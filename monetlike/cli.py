@@ -195,7 +195,7 @@ def _profile_args(args):
     model = build_model(args.model)
     loss_fn = load_loss(args.loss)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
-    with _fed_by_the_cli(args, model, x.shape):
+    with _fed_by_the_cli(args, model, getattr(x, "shape", ())):
         graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
                         host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
     if getattr(args, "calibrate", False):
@@ -621,7 +621,7 @@ def cmd_explain(args) -> int:
     _check_writable(args.plot)
     model = build_model(args.model)
     x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
-    with _fed_by_the_cli(args, model, x.shape):
+    with _fed_by_the_cli(args, model, getattr(x, "shape", ())):
         ex = explain(model, x, optimizer=args.optimizer, cost=args.cost,
                      loss_fn=load_loss(args.loss))
     print(ex.report())

@@ -197,7 +197,11 @@ def attributes_set(model: torch.nn.Module):
 
     def recording(self, name, value):
         prefix = names.get(id(self))
-        if prefix is not None and (prefix, name) not in written:
+        # Not a registered parameter, buffer or submodule (`self.steps += 1` on a buffer: its
+        # in-place update is what _check_state sees), nor a constant fx keeps on the root.
+        if prefix is not None and (prefix, name) not in written \
+                and name not in self._parameters and name not in self._buffers \
+                and name not in self._modules and not name.startswith("_tensor_constant"):
             written.append((prefix, name))
         setattr_(self, name, value)
 
