@@ -226,9 +226,9 @@ def check_attributes_set(model: torch.nn.Module, written: list, how: str) -> Non
                      for p, k in written[:3]) + (" and more" if len(written) > 3 else "")
     raise TraceError(
         f"{how} could not capture {type(model).__name__} faithfully: its forward sets the "
-        f"Python attribute{'s' if len(written) > 1 else ''} {what} (a call counter such as `self.calls += 1`, a tensor kept for "
-        f"logging such as `self.last = h.detach()`). A captured graph runs no Python: the "
-        f"attribute was set once, while capturing (put back now), and would never be set at a "
+        f"Python attribute{'s' if len(written) > 1 else ''} {what} (a call counter such as "
+        f"`self.calls += 1`, a tensor kept for logging such as `self.last = h.detach()`). A "
+        f"captured graph runs no Python: the attribute was set once, while capturing (put back now), and would never be set at a "
         f"training step. Ways out: keep a counter in a buffer updated in place "
         f"(self.register_buffer('calls', torch.zeros((), dtype=torch.long)); `self.calls += 1`, "
         f"which torch.export records: capture='export'), set the attribute outside forward, or "

@@ -154,20 +154,26 @@ def _x() -> torch.Tensor:
     return torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
 
 
+def _as_plain_and_predicted(model, x, graph, name: str, schedule, *, exact: bool = False,
+                            given_graph: bool = True) -> None:
+    """Under `schedule`: two SGD steps as plain PyTorch's, the step's peak as predicted (the
+    wrapper given the graph, or the schedule alone)."""
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
+                 steps=2, exact=exact)
+    tst = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph if given_graph else None)
+    measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
+    assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+
+
 def _trains_like_pytorch(model, capture: str) -> None:
     """Store-all and keep-nothing: two SGD steps as plain PyTorch's, peak as predicted."""
     x = _x()
     graph = monetlike.profile(model, x, repeat=1)
     assert graph.meta["capture"] == capture
     for name, schedule in three_schedules(graph).items():
-        if name == "middle":
-            continue
-        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
-                     steps=2)
-        tst = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
-        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
-        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+        if name != "middle":
+            _as_plain_and_predicted(model, x, graph, name, schedule)
 
 
 @pytest.mark.parametrize("cls, line, mode", [
@@ -413,12 +419,8 @@ def test_a_model_trained_in_eval_mode_runs_its_schedule():
     graph = monetlike.profile(model, x, repeat=1)
     assert graph.summary()["training"] is False
     for name, schedule in three_schedules(graph).items():
-        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
-                     steps=2, exact=True)
-        tst = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(tst, schedule)  # the schedule alone says eval mode
-        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
-        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+        # the schedule alone says eval mode
+        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True, given_graph=False)
     # Solved in train mode, an eval-mode call with grad enabled is an evaluation: the plain model.
     trained = copy.deepcopy(model).train()
     tight = three_schedules(monetlike.profile(trained, x, repeat=1))["tight"]
@@ -496,10 +498,5 @@ def test_an_in_place_dropout_recomputed_peaks_as_predicted():
     x = torch.randn(512, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
     graph = monetlike.profile(model, x, repeat=1)
     for name, schedule in three_schedules(graph).items():
-        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
-                     steps=2, exact=True)
-        tst = copy.deepcopy(model)
-        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
-        measured, predicted = measured_peak(graph, tst, wrapped, (x,)), peak_of(graph, schedule)
         # tight: 860,756 measured against 734,728 predicted before
-        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured, predicted)
+        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)

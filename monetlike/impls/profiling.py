@@ -66,9 +66,9 @@ def _parameters_read(gm, run: ProfileRun) -> dict[int, set[int]]:
                 continue
             if n.op == "call_module":
                 found.update(id(p) for p in gm.get_submodule(n.target).parameters())
-            found.update(id(run.fetch_attr(a.target)) for a in (n, *n.all_input_nodes)
-                         if a.op == "get_attr"
-                         and isinstance(run.fetch_attr(a.target), torch.nn.Parameter))
+            attrs = (run.fetch_attr(a.target) for a in (n, *n.all_input_nodes)
+                     if a.op == "get_attr")
+            found.update(id(p) for p in attrs if isinstance(p, torch.nn.Parameter))
         out[g.gid] = found
     return out
 

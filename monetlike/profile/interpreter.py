@@ -677,10 +677,11 @@ class ProfileRun(fx.Interpreter):
         kernel makes them anyway (CPU dropout's noise, BatchNorm's batch statistics; an in-place
         dropout's noise, which its forward saved, is scratch here). Only for nodes whose
         recomputation writes no existing storage but the copies in `args` (run twice, an
-        in-place write would apply twice); run by the runtime's own rule (rc.call_for_recompute: a BatchNorm without
-        its running statistics takes another kernel path, with other scratch; a training one
-        reuses its forward's batch statistics `stats`, as the runtime does). The generator
-        state is put back, so later nodes draw what they drew before."""
+        in-place write would apply twice); run by the runtime's own rule
+        (rc.call_for_recompute: a BatchNorm without its running statistics takes another kernel
+        path, with other scratch; a training one reuses its forward's batch statistics `stats`,
+        as the runtime does). The generator state is put back, so later nodes draw what they
+        drew before."""
         tr = self.tracker
         tr.reset_window()
         start = tr.live
@@ -1035,25 +1036,11 @@ def _copies_of_written(args, kwargs, written: set) -> "tuple[tuple, dict] | None
     tensor argument (a view into it, or a storage the node reaches otherwise)."""
     if not written:
         return args, kwargs
-    found = set()
-
-    def copy(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        s = storage_of(x)
-        if s is None or s._cdata not in written:
-            return x
-        if x.storage_offset() != 0 or x.numel() * x.element_size() != s.nbytes():
-            raise _NotWhole
-        found.add(s._cdata)
-        return x.detach().clone(memory_format=torch.preserve_format)
-
-    try:
-        args, kwargs = tree_map(copy, (args, kwargs))
-    except _NotWhole:
+    targets = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+               and storage_of(t) is not None and storage_of(t)._cdata in written]
+    if {storage_of(t)._cdata for t in targets} != written or any(
+            t.storage_offset() != 0 or t.numel() * t.element_size() != storage_of(t).nbytes()
+            for t in targets):
         return None
-    return (args, kwargs) if found == written else None
-
-
-class _NotWhole(Exception):
-    pass
+    copies = {id(t): t.detach().clone(memory_format=torch.preserve_format) for t in targets}
+    return tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
