@@ -390,6 +390,18 @@ def flat_fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tupl
             f"container, and an fx graph takes a container as one input, not its tensors; "
             f"capture it with torch.export (capture='export' or 'auto', which flatten the "
             f"container), or pass the tensors as separate arguments of forward")
+    plain = [f"'{name}' ({x!r})" for name, x in zip(names, inputs)
+             if not isinstance(x, torch.Tensor)]
+    if plain:
+        # fx traced every argument of forward as a tensor Proxy: code that tests one
+        # (`if mask is not None`) took the tensor's branch. Export specializes the graph to the
+        # call's values instead (and the runtime checks that a call passes the same).
+        raise TraceError(
+            f"could not capture {type(model).__name__} with torch.fx: the call passes "
+            f"{', '.join(plain)}, not a tensor, for an argument of forward that torch.fx traced "
+            f"as a tensor input (Python code testing it, such as `if mask is not None`, took "
+            f"the tensor's branch); capture it with torch.export (capture='export' or 'auto'), "
+            f"which builds the graph for these values, or pass tensors only")
     return inputs
 
 

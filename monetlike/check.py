@@ -33,7 +33,7 @@ from .capture import split_example
 from .measure import measure_step
 from .profile.interpreter import training_loss
 from .runtime import ScheduleWrapper
-from .torch_private import tree_leaves
+from .torch_private import tensors_in
 
 __all__ = ["CheckReport", "check_schedule"]
 
@@ -96,9 +96,9 @@ class CheckReport:
 
 
 def _tensors(out) -> list:
-    """The tensor leaves of an output or input structure (a tensor, tuples, lists, dicts and
-    Hugging Face ModelOutputs, which are registered pytree nodes)."""
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    """The tensors of an output or input structure (a tensor, tuples, lists, dicts, dataclasses
+    and Hugging Face ModelOutputs)."""
+    return tensors_in(out)
 
 
 def _loss(out) -> torch.Tensor:

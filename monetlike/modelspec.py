@@ -80,12 +80,11 @@ def cross_entropy_loss(out):
     import torch
     import torch.nn.functional as F
 
-    from .torch_private import tree_leaves
+    from .torch_private import tensors_in
 
     logits = out.get("logits") if isinstance(out, dict) else None
     if logits is None:
-        logits = next((t for t in tree_leaves(out)
-                       if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        logits = next((t for t in tensors_in(out) if t.is_floating_point()), None)
     if logits is None or logits.dim() < 2:
         raise ModelSpecError(f"--loss cross_entropy needs logits of shape (..., classes) among "
                              f"the model's outputs; got {_outputs(out)}")
@@ -96,12 +95,9 @@ def cross_entropy_loss(out):
 
 def mean_square_loss(out):
     """The mean of the squares of every floating output that requires grad, summed."""
-    import torch
+    from .torch_private import tensors_in
 
-    from .torch_private import tree_leaves
-
-    leaves = [t for t in tree_leaves(out)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    leaves = [t for t in tensors_in(out) if t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise ModelSpecError(f"--loss mean_square needs a floating output that requires grad; "
                              f"got {_outputs(out)}")
@@ -109,9 +105,9 @@ def mean_square_loss(out):
 
 
 def _outputs(out) -> str:
-    from .torch_private import tree_leaves
+    from .torch_private import tensors_in
 
-    shapes = [tuple(t.shape) for t in tree_leaves(out) if hasattr(t, "shape")]
+    shapes = [tuple(t.shape) for t in tensors_in(out)]
     return f"outputs of shapes {shapes}" if shapes else f"an output of type {type(out).__name__}"
 
 

@@ -18,6 +18,7 @@ Imports stay as cheap as before: everything imported at the top here is already 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterator
 
 import torch
@@ -33,7 +34,7 @@ __all__ = [
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
     "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
-    "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+    "tensors_in", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]
 
 # -- pytree and dispatch modes -------------------------------------------------------------------
@@ -42,6 +43,19 @@ __all__ = [
 # has no public pytree module (torch.utils.pytree does not exist in 2.14).
 # TorchDispatchMode (imported above): the base class of a mode that sees every aten call; torch
 # exports it only from the private torch.utils._python_dispatch.
+
+
+def tensors_in(obj) -> list:
+    """The tensors in a model's output or inputs: the pytree's tensor leaves, and those of the
+    fields of a dataclass instance, which the pytree keeps whole unless it is registered (a
+    Hugging Face ModelOutput is)."""
+    found = []
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return found
 
 
 # -- classes of torch.nn and torch.fx ------------------------------------------------------------
@@ -107,6 +121,11 @@ def batch_norm_saved_stats(fn) -> "tuple[torch.Tensor, torch.Tensor] | None":
     if fn is None or type(fn).__name__ != "NativeBatchNormBackward0" or not fn._saved_training:
         return None
     return fn._saved_result1.detach(), fn._saved_result2.detach()
+
+
+def neg_view(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a lazily negated view (its neg bit set), as `z.conj().imag` is; not public."""
+    return torch._neg_view(x)
 
 
 def queue_engine_callback(fn: Callable[[], None]) -> None:

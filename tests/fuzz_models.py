@@ -12,7 +12,7 @@ results die, which the memory model does not describe: docs/profiler.md, Limits)
 The constructs cover what a memory model must account per storage: matmuls and convolutions on
 transposed views, split/chunk/slice, view/reshape/permute, contiguous copies, cat/stack,
 softmax, dropout, three norms, in-place and out-of-place activations, broadcasting adds and muls,
-and a Linear whose weight is used by two steps.
+a Linear whose weight is used by two steps, and complex views of float Values.
 
 `FUZZ_PROGRAMS` is a hypothesis strategy for programs; `build(program)` makes the module and its
 example batch.
@@ -43,6 +43,8 @@ CONSTRUCTS = (
     # their views, scans
     "detach_stat", "sigmoid_gate", "mul_inplace_scalar", "view_add_inplace", "cumsum",
     "log_softmax", "slice_broadcast", "read_then_inplace",
+    # complex numbers: views of float Values as another dtype, lazy conjugates (rotary embeddings)
+    "complex_mul",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -52,7 +54,7 @@ ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
               "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
               "sigmoid_inplace": 2, "add": 2, "mul": 2, "swiglu": 2, "masked_fill": 2,
               "argmax_gather": 2, "sigmoid_gate": 2, "view_add_inplace": 2,
-              "slice_broadcast": 2})
+              "slice_broadcast": 2, "complex_mul": 2})
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,12 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
     if k == "read_then_inplace":  # a statistic read from x before x is divided by it in place
         x = a * 1.0
         return x.div_(x.detach().abs().amax(dim=-1, keepdim=True) + 1)
+    if k == "complex_mul":  # a fresh float Value and a tanh read as complex pairs, one conjugated
+        # (contiguous first: an elementwise result keeps its input's strides, and a complex view
+        # needs the pairs adjacent)
+        za = torch.view_as_complex((a.contiguous() * 1.0).unflatten(-1, (-1, 2)))
+        zb = torch.view_as_complex(torch.tanh(b.contiguous()).unflatten(-1, (-1, 2)))
+        return torch.view_as_real(za * zb.conj()).flatten(-2)
     if k == "view_add_inplace":
         x = a * 1.0
         x[:, 0] += b[:, 0]

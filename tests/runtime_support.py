@@ -17,6 +17,7 @@ import copy
 import torch
 
 import monetlike
+from monetlike.torch_private import tensors_in
 from solver.graph import OpGraph
 from solver.schedule import Schedule, StageSchedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
@@ -135,7 +136,7 @@ def step(module, inputs, seed: int, loss_fn=None):
     torch.manual_seed(seed)
     xs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
     out = module(*xs)
-    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    leaves = tensors_in(out)
     if loss_fn is None:
         loss = sum((o.float() * torch.linspace(0.5, 1.5, o.numel()).view_as(o)).sum()
                    for o in leaves)

@@ -40,7 +40,7 @@ from ..allocator import AllocatorLog
 from ..impls.registry import observing_releases
 from ..runtime import recompute as rc
 from ..runtime.hooks import stage_roots
-from ..torch_private import tree_leaves, tree_map
+from ..torch_private import tensors_in, tree_leaves, tree_map
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
 from .safety import aten_unsafe_reason, module_hook_reason, written_tensors
@@ -191,8 +191,7 @@ def training_loss(out) -> "torch.Tensor | None":
         except MonetlikeError:
             raise
         except Exception as e:
-            devices = sorted({str(t.device) for t in tree_leaves(out)
-                              if isinstance(t, torch.Tensor)})
+            devices = sorted({str(t.device) for t in tensors_in(out)})
             raise ProfileError(
                 f"loss_fn failed on the model's output (on {', '.join(devices)}): "
                 f"{type(e).__name__}: {e}. It runs on the device of the profile; for analytical "
@@ -204,8 +203,7 @@ def training_loss(out) -> "torch.Tensor | None":
             raise ProfileError(f"loss_fn must return a scalar tensor that requires grad (the "
                                f"loss of the model's output); it returned {got}")
         return loss
-    grads = [t for t in tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    grads = [t for t in tensors_in(out) if t.requires_grad and t.is_floating_point()]
     return sum(t.float().sum() for t in grads) if grads else None
 
 
@@ -552,7 +550,7 @@ class ProfileRun(fx.Interpreter):
             with tr, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 out = self.run(*inputs)
             self.phase = "loss"
-            leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            leaves = tensors_in(out)
             for t in leaves:
                 tid = tr.tag_of(storage_of(t)._cdata) if storage_of(t) is not None else None
                 if tid is not None and tid not in self.output_tids and \

@@ -129,7 +129,7 @@ import torch.fx as fx
 from solver.errors import ScheduleError
 
 from ..impls.dropout import dropout_from_mask
-from ..torch_private import (current_graph_task_id, queue_engine_callback, tree_flatten,
+from ..torch_private import (current_graph_task_id, neg_view, queue_engine_callback, tree_flatten,
                              tree_leaves, tree_unflatten)
 from . import recompute as rc
 from .codegen import MISSING, attr_path, generated_forward, generated_recompute
@@ -144,8 +144,15 @@ NOT_STARTED, RUNNING, DONE = 0, 1, 2
 _CONST, _VALUE, _INPUT, _RERUN = 0, 1, 2, 3
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    # Looked up: str(dtype) costs a microsecond, and every recomputed Op's node asks.
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return name
 
 
 class StepState:
@@ -219,7 +226,7 @@ class StepState:
             key = t.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
             return h.keep()
-        v = self._match(op, key)
+        v = self._match(op, key) if key in self.key_values else None
         if v is None:
             if t.requires_grad and t.grad_fn is None:
                 return h.keep()  # a parameter or input, never the result of the node running
@@ -236,8 +243,10 @@ class StepState:
         return h.to_value(v)
 
     def resolve_pending(self, op: int | None) -> None:
+        key_values = self.key_values
         for h in self.pending:
-            v = self._match(op, h.tensor.untyped_storage()._cdata) if op is not None else None
+            key = h.tensor.untyped_storage()._cdata
+            v = self._match(op, key) if op is not None and key in key_values else None
             if v is not None and v in self.plan.scheduled:
                 self._to_value(h, v)
             else:
@@ -261,7 +270,7 @@ class StepState:
         base = h.base if h.base is not None else self.resident.get(h.vid)
         if base is None:
             raise RuntimeError(missing_value_message(self, h))
-        return torch.as_strided(base, h.size, h.stride, h.offset)
+        return _view_of(base, h)
 
     # -- backward stages (NOTE [Stage boundaries]) ------------------------------------------
     def on_stage(self, t: int, grad_outputs) -> None:
@@ -513,8 +522,9 @@ class StepState:
             flat, spec = tree_flatten(result)
         leaves = []
         values = self.plan.graph.values
-        candidates = set()
+        candidates = ()
         if op is None:
+            candidates = set()
             for a in node.all_input_nodes:
                 rec = self.node_meta.get(a.name)
                 if rec is not None:
@@ -523,6 +533,10 @@ class StepState:
         for x in flat:
             if not isinstance(x, torch.Tensor):
                 leaves.append((_CONST, x))
+                continue
+            if x.is_conj() or x.is_neg():
+                # A lazy conjugate or negation (c.conj()) is no geometry: run the view again.
+                leaves.append((_RERUN,))
                 continue
             key = x.untyped_storage()._cdata
             # requires_grad too: some kernels choose by it (NOTE [Recomputed layouts]).
@@ -837,6 +851,19 @@ def _node_info(plan: Plan, n: fx.Node) -> tuple:
             op in plan.hooked_ops, n.name == plan.graph.ops[op].name, n.name in plan.meta_nodes,
             stage if stage in plan.active_stages else None, ends,
             ends and op in plan.offload_after, n.name in plan.stats_nodes)
+
+
+def _view_of(base: torch.Tensor, h: Saved) -> torch.Tensor:
+    """The tensor a Value handle stands for: its geometry over the Value's storage, read as the
+    saved tensor's dtype, with its conjugate and negation bits."""
+    if base.dtype != h.dtype:
+        base = torch.empty(0, dtype=h.dtype, device=base.device).set_(base.untyped_storage())
+    x = torch.as_strided(base, h.size, h.stride, h.offset)
+    if x.is_conj() != h.conj:
+        x = x.conj()
+    if x.is_neg() != h.neg:
+        x = neg_view(x) if h.neg else x.resolve_neg()
+    return x
 
 
 def _flagged(x: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 class Saved:
     """What the pack hook returns: a Value handle, or a tensor kept as it is."""
 
-    __slots__ = ("tensor", "vid", "size", "stride", "offset", "version", "lost_graph", "op",
-                 "base", "__weakref__")
+    __slots__ = ("tensor", "vid", "size", "stride", "offset", "dtype", "conj", "neg", "version",
+                 "lost_graph", "op", "base", "__weakref__")
 
     def __init__(self, tensor: "torch.Tensor | None", op: int | None):
         self.tensor = tensor
@@ -52,6 +52,9 @@ class Saved:
         t = self.tensor
         self.vid = vid
         self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+        # A view may read the Value's storage as another dtype (view_as_complex) or carry a lazy
+        # conjugate or negation bit (c.conj(), c.conj().imag): the rebuilt view must too.
+        self.dtype, self.conj, self.neg = t.dtype, t.is_conj(), t.is_neg()
         self.lost_graph = t.requires_grad
         self.tensor = None
         return self
