@@ -50,8 +50,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
-from .trace import (TraceError, attributes_set, check_attributes_set, functions_applied,
-                    trace)
+from .trace import (TraceError, attributes_set, check_attributes_set,
+                    check_norms_under_checkpoint, functions_applied, norms_under_checkpoint, trace)
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
            "example_of", "export_graph", "split_example"]
@@ -251,7 +251,7 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     recorder = _RecordContiguous()
     try:
         with recorder, functions_applied(lambda cls, a, k: applied.append(cls)), \
-                attributes_set(model) as written:
+                attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _):
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
@@ -261,6 +261,7 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
     check_attributes_set(model, written, "torch.export.export(strict=False)")
+    check_norms_under_checkpoint(model, norms, "torch.export.export(strict=False)")
     if recorder.hooks:
         raise TraceError(
             f"torch.export.export(strict=False) could not capture {type(model).__name__} "

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 __all__ = [
     "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
+    "checkpoint_hook_class", "neg_view",
     "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tensors_in", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
@@ -121,6 +122,14 @@ def batch_norm_saved_stats(fn) -> "tuple[torch.Tensor, torch.Tensor] | None":
     if fn is None or type(fn).__name__ != "NativeBatchNormBackward0" or not fn._saved_training:
         return None
     return fn._saved_result1.detach(), fn._saved_result2.detach()
+
+
+def checkpoint_hook_class() -> type:
+    """The saved-tensor hooks torch.utils.checkpoint (use_reentrant=False) enters around the
+    function it checkpoints; not public."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint._checkpoint_hook
 
 
 def neg_view(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ import torch.fx as fx
 
 from solver.errors import MonetlikeError
 
-from .torch_private import tree_leaves
+from .torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
+                            tree_leaves)
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
@@ -74,6 +75,13 @@ class MonetTracer(fx.Tracer):
         if m._forward_hooks or m._forward_pre_hooks:
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    on_module_call: Callable[[torch.nn.Module], None] | None = None  # NOTE [Norms under checkpoint]
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.on_module_call is not None:
+            self.on_module_call(m)
+        return super().call_module(m, forward, args, kwargs)
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()  # the grad and autocast modes the forward starts in
@@ -218,6 +226,67 @@ def attributes_set(model: torch.nn.Module):
                 m.__dict__.pop(k, None)
 
 
+# NOTE [Norms under checkpoint]
+# torch.utils.checkpoint (use_reentrant=False) runs the function it checkpoints again in the
+# backward, so plain PyTorch updates a BatchNorm's running statistics there twice per step
+# (torchvision's DenseNet with memory_efficient=True does). A captured graph runs each module
+# once, so the wrapped model's statistics would not be plain PyTorch's, silently. While capturing,
+# the checkpoint's saved-tensor hooks are counted as they are entered and left, and every module
+# called meanwhile (MonetTracer.call_module under fx, a global forward pre-hook under export) that
+# updates running statistics is recorded; the capture is then refused with the way out.
+@contextlib.contextmanager
+def norms_under_checkpoint(model: torch.nn.Module):
+    """Yields (names of modules that update running statistics called inside a non-reentrant
+    torch.utils.checkpoint while capturing, the callback that records a module call)."""
+    hooks_cls = torch.autograd.graph.saved_tensors_hooks
+    checkpoint_cls = checkpoint_hook_class()
+    names = {id(m): n for n, m in model.named_modules()}
+    depth = [0]
+    found: list[str] = []
+    enter, leave = hooks_cls.__enter__, hooks_cls.__exit__
+
+    def entering(self):
+        if isinstance(self, checkpoint_cls):
+            depth[0] += 1
+        return enter(self)
+
+    def leaving(self, *exc):
+        if isinstance(self, checkpoint_cls):
+            depth[0] -= 1
+        return leave(self, *exc)
+
+    def called(mod: torch.nn.Module) -> None:
+        if depth[0] and isinstance(mod, (BatchNormBase, InstanceNormBase)) and mod.training \
+                and mod.track_running_stats and mod.running_mean is not None:
+            name = names.get(id(mod), type(mod).__name__)
+            if name not in found:
+                found.append(name)
+
+    hooks_cls.__enter__, hooks_cls.__exit__ = entering, leaving
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, args: called(mod))
+    try:
+        yield found, called
+    finally:
+        hooks_cls.__enter__, hooks_cls.__exit__ = enter, leave
+        handle.remove()
+
+
+def check_norms_under_checkpoint(model: torch.nn.Module, found: list, how: str) -> None:
+    """Refuse a capture that saw running statistics updated inside a checkpoint."""
+    if not found:
+        return
+    what = ", ".join(repr(n) for n in found[:3]) + (" and more" if len(found) > 3 else "")
+    raise TraceError(
+        f"{how} could not capture {type(model).__name__} faithfully: its forward runs "
+        f"{what} (updating running statistics) inside torch.utils.checkpoint, which runs them "
+        f"again in the backward, so plain PyTorch updates their statistics twice per step; a "
+        f"captured graph runs each module once, so the wrapped model's statistics would differ. "
+        f"monetlike's schedule takes the place of the model's own checkpointing: turn it off "
+        f"(torchvision's DenseNet: memory_efficient=False; Hugging Face: "
+        f"model.gradient_checkpointing_disable()) and profile again")
+
+
 def check_attributes_set(model: torch.nn.Module, written: list, how: str) -> None:
     """Refuse a capture during which the forward set Python attributes (attributes_set)."""
     if not written:
@@ -228,7 +297,8 @@ def check_attributes_set(model: torch.nn.Module, written: list, how: str) -> Non
         f"{how} could not capture {type(model).__name__} faithfully: its forward sets the "
         f"Python attribute{'s' if len(written) > 1 else ''} {what} (a call counter such as "
         f"`self.calls += 1`, a tensor kept for logging such as `self.last = h.detach()`). A "
-        f"captured graph runs no Python: the attribute was set once, while capturing (put back now), and would never be set at a "
+        f"captured graph runs no Python: the attribute was set once, while capturing (put "
+        f"back now), and would never be set at a "
         f"training step. Ways out: keep a counter in a buffer updated in place "
         f"(self.register_buffer('calls', torch.zeros((), dtype=torch.long)); `self.calls += 1`, "
         f"which torch.export records: capture='export'), set the attribute outside forward, or "
@@ -300,7 +370,8 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     before = _model_state(model)
     rng = save_rng()
     try:
-        with attributes_set(model) as written:
+        with attributes_set(model) as written, norms_under_checkpoint(model) as (norms, called):
+            tracer.on_module_call = called
             graph = tracer.trace(model)
     except Exception as e:
         restore_rng(rng)
@@ -337,6 +408,7 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"of capture='auto')") from e
     _check_state(model, before)
     check_attributes_set(model, written, "torch.fx.symbolic_trace")
+    check_norms_under_checkpoint(model, norms, "torch.fx.symbolic_trace")
     if restore_rng(rng):
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
