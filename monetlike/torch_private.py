@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 __all__ = [
     "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
-    "checkpoint_hook_class", "neg_view",
+    "checkpoint_hook_class", "neg_view", "parametrize_cache_on",
     "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tensors_in", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
@@ -130,6 +130,13 @@ def checkpoint_hook_class() -> type:
     import torch.utils.checkpoint
 
     return torch.utils.checkpoint._checkpoint_hook
+
+
+def parametrize_cache_on() -> bool:
+    """Whether a `torch.nn.utils.parametrize.cached()` block is running; no public getter."""
+    import torch.nn.utils.parametrize
+
+    return bool(torch.nn.utils.parametrize._cache_enabled)
 
 
 def neg_view(x: torch.Tensor) -> torch.Tensor:

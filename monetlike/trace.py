@@ -35,11 +35,12 @@ from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
+from torch.nn.utils.parametrize import is_parametrized
 
 from solver.errors import MonetlikeError
 
 from .torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
-                            tree_leaves)
+                            parametrize_cache_on, tree_leaves)
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
@@ -76,14 +77,20 @@ class MonetTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    on_module_call: Callable[[torch.nn.Module], None] | None = None  # NOTE [Norms under checkpoint]
+    # NOTE [Norms under checkpoint]: told of every module call while tracing.
+    on_module_call: Callable[[torch.nn.Module], None] | None = None
 
     def call_module(self, m, forward, args, kwargs):
         if self.on_module_call is not None:
             self.on_module_call(m)
+        if parametrize_cache_on() and is_parametrized(m) \
+                and self.is_leaf_module(m, self.path_of_module(m)):
+            # NOTE [Cached parametrizations]
+            self.cached_leaves.append(self.path_of_module(m))
         return super().call_module(m, forward, args, kwargs)
 
     def trace(self, root, concrete_args=None):
+        self.cached_leaves: list[str] = []
         self.modes = _modes()  # the grad and autocast modes the forward starts in
         with functions_applied(self._function_as_op):
             return super().trace(root, concrete_args)
@@ -225,6 +232,14 @@ def attributes_set(model: torch.nn.Module):
             else:
                 m.__dict__.pop(k, None)
 
+
+# NOTE [Cached parametrizations]
+# Inside `torch.nn.utils.parametrize.cached()` a parametrized weight (weight_norm, a custom
+# parametrization) is computed once and shared by every use in the block. A parametrized module
+# that fx keeps as a leaf (nn.Linear) computes its weight in its own forward at each call, so a
+# module called twice gives the weight's gradient as two sums where plain PyTorch has one, apart
+# by rounding that training steps grow. fx refuses such a call; torch.export traces the cached
+# weight as one computation.
 
 # NOTE [Norms under checkpoint]
 # torch.utils.checkpoint (use_reentrant=False) runs the function it checkpoints again in the
@@ -409,6 +424,16 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     _check_state(model, before)
     check_attributes_set(model, written, "torch.fx.symbolic_trace")
     check_norms_under_checkpoint(model, norms, "torch.fx.symbolic_trace")
+    if tracer.cached_leaves:
+        leaves = ", ".join(repr(n) for n in dict.fromkeys(tracer.cached_leaves))
+        raise TraceError(
+            f"torch.fx.symbolic_trace could not capture {type(model).__name__} faithfully: its "
+            f"forward calls the parametrized module{'s' if ',' in leaves else ''} {leaves} inside "
+            f"torch.nn.utils.parametrize.cached(), which computes a parametrized weight once for "
+            f"all its uses; an fx leaf module computes it at each call, so the gradients would "
+            f"be summed in another order than plain PyTorch's. Capture the model with "
+            f"torch.export (capture='export', the fallback of capture='auto'), which records the "
+            f"weight computed once")
     if restore_rng(rng):
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
