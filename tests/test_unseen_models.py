@@ -177,8 +177,9 @@ def _x() -> torch.Tensor:
     return torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
 
 
-def _as_plain_and_predicted(model, x, graph, name: str, schedule, *, exact: bool = False,
-                            given_graph: bool = True) -> None:
+def _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name: str, schedule, *,
+                                                   exact: bool = False,
+                                                   given_graph: bool = True) -> None:
     """Under `schedule`: two SGD steps as plain PyTorch's, the step's peak as predicted (the
     wrapper given the graph, or the schedule alone)."""
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
@@ -196,7 +197,7 @@ def _trains_like_pytorch(model, capture: str) -> None:
     assert graph.meta["capture"] == capture
     for name, schedule in three_schedules(graph).items():
         if name != "middle":
-            _as_plain_and_predicted(model, x, graph, name, schedule)
+            _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule)
 
 
 @pytest.mark.parametrize("cls, line, mode", [
@@ -443,7 +444,8 @@ def test_a_model_trained_in_eval_mode_runs_its_schedule():
     assert graph.summary()["training"] is False
     for name, schedule in three_schedules(graph).items():
         # the schedule alone says eval mode
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True, given_graph=False)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule,
+                                                       exact=True, given_graph=False)
     # Solved in train mode, an eval-mode call with grad enabled is an evaluation: the plain model.
     trained = copy.deepcopy(model).train()
     tight = three_schedules(monetlike.profile(trained, x, repeat=1))["tight"]
@@ -522,7 +524,7 @@ def test_an_in_place_dropout_recomputed_peaks_as_predicted():
     graph = monetlike.profile(model, x, repeat=1)
     for name, schedule in three_schedules(graph).items():
         # tight: 860,756 measured against 734,728 predicted before
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule, exact=True)
 
 
 class ComplexOfReal(nn.Module):
@@ -598,7 +600,7 @@ def test_complex_views_of_recomputed_values_are_rebuilt_as_saved(cls, shape):
     for name, schedule in three_schedules(graph).items():
         # Before: middle and tight input gradients off by up to 4.3 (ConjugateOfComplex), the
         # rotary stack failed in the backward ("setStorage: ... out of bounds").
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule, exact=True)
 
 
 @dataclasses.dataclass
@@ -660,7 +662,7 @@ def test_optional_arguments_left_out_are_captured_by_export():
     graph = monetlike.profile(model, x, repeat=1)  # before: AttributeError in the profiler
     assert graph.meta["capture"] == "export"
     for name, schedule in three_schedules(graph).items():
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule, exact=True)
 
 
 class CheckpointedBlock(nn.Module):
@@ -689,7 +691,7 @@ def test_a_checkpointed_block_without_running_statistics_trains_as_plain():
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
     graph = monetlike.profile(model, x, repeat=1)
     for name, schedule in three_schedules(graph).items():
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule, exact=True)
 
 
 class HalfAndTanh(nn.Module):
@@ -717,4 +719,4 @@ def test_a_parametrized_leaf_called_twice_under_a_cache_is_captured_by_export():
     graph = monetlike.profile(model, x, repeat=1)
     assert graph.meta["capture"] == "export"
     for name, schedule in three_schedules(graph).items():
-        _as_plain_and_predicted(model, x, graph, name, schedule, exact=True)
+        _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule, exact=True)
