@@ -95,6 +95,7 @@ class ScheduleWrapper(torch.nn.Module):
                  graph: OpGraph | None = None, leaf_modules: Iterable | None = None,
                  capture: str | None = None):
         super().__init__()
+        _disable_compile_of_the_step()
         if isinstance(model, ScheduleWrapper):
             raise TypeError("ScheduleWrapper: the model is already wrapped")
         if isinstance(model, (torch.nn.DataParallel,
@@ -259,9 +260,9 @@ class ScheduleWrapper(torch.nn.Module):
     # (dropout) draw inductor's random numbers while the recomputations in the backward run
     # eagerly and draw others (other masks: wrong gradients, silently), and its per-node
     # dispatch recompiles at every node. Under torch.compile(wrapper) the step runs eagerly,
-    # exactly; eval and no_grad calls (the plain model) still compile.
-    @torch.compiler.disable
-    def _scheduled_step(self, args: tuple, kwargs: dict):
+    # exactly; eval and no_grad calls (the plain model) still compile. `_scheduled_step` is
+    # this method under torch.compiler.disable (_disable_compile_of_the_step).
+    def _eager_scheduled_step(self, args: tuple, kwargs: dict):
         inputs = self._positional(args, kwargs)
         entry = self._entry_for(inputs)
         entry.runner.recompute_log = self._recompute_log
@@ -557,3 +558,12 @@ def _impl_target(cost_provenance: str) -> str:
     'measured:cuda:0' -> 'cuda', 'analytical:<GPU preset>' (or unknown) -> 'cuda'."""
     kind, _, rest = cost_provenance.partition(":")
     return rest.split(":")[0] if kind == "measured" and rest else "cuda"
+
+
+def _disable_compile_of_the_step() -> None:
+    """Give ScheduleWrapper its `_scheduled_step`: `_eager_scheduled_step` under
+    torch.compiler.disable. Done when the first wrapper is made, not at import: the decorator
+    imports torch._dynamo, 3 s that every `monetlike` command would pay (--help included)."""
+    if "_scheduled_step" not in ScheduleWrapper.__dict__:
+        ScheduleWrapper._scheduled_step = torch.compiler.disable(
+            ScheduleWrapper._eager_scheduled_step)
