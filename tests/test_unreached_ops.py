@@ -141,3 +141,43 @@ def test_a_value_an_unreached_op_saved_is_freed_as_in_a_plain_step():
         schedule = schedule_from_keep(graph, keep, retain="saved")
         wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
         assert measured_peak(graph, model, wrapped, (x,)) == simulate(graph, schedule).peak_bytes
+
+
+class ProbedGate(nn.Module):
+    """A probe whose output only makes a mask: no gradient reaches it under the loss of the
+    outputs, so the runtime runs it under no_grad (no model output derives from it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 64), nn.Linear(64, 4)
+        self.probe = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.l1(x)
+        gate = (self.probe(h) * 2.0) > 0
+        return self.l2(h.masked_fill(gate, 0.0))
+
+
+def test_an_op_run_under_no_grad_trains_as_plain_and_a_backward_through_it_says_why():
+    """A forward hook that keeps the probe's output (an auxiliary loss on a feature, as feature
+    losses do) gets the tensor the node made: it requires grad as in plain PyTorch, and a
+    backward from it raises and says why instead of leaving the probe's weights without their
+    gradient."""
+    torch.manual_seed(0)
+    model, x = ProbedGate().train(), torch.randn(8, 16, requires_grad=True)
+    captured = []
+    model.probe.register_forward_hook(lambda module, args, out: captured.append(out))
+    graph = monetlike.profile(model, x, repeat=1)
+    by_name = {op.name: op for op in graph.ops}
+    assert not by_name["probe"].has_backward and not by_name["mul"].has_backward
+    for keep in ({v.id for v in graph.values}, set()):
+        schedule = schedule_from_keep(graph, keep, retain="saved")
+        wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
+        assert measured_peak(graph, model, wrapped, (x,)) == simulate(graph, schedule).peak_bytes
+        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
+                     steps=2, exact=True)
+    captured.clear()
+    out = wrapped(x)
+    assert captured[-1].requires_grad and captured[-1].grad_fn is not None
+    with pytest.raises(RuntimeError, match=r"op \d+ \(probe\), which the profiled .*loss_fn="):
+        (out.sum() + captured[-1].sum()).backward()

@@ -259,7 +259,7 @@ class StepState:
         if h.vid is None:
             t = h.tensor
             if t is None:
-                raise RuntimeError(unreached_message(self, h))
+                raise RuntimeError(unreached_message(self.plan.graph, h.op))
             if t._version != h.version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by "
@@ -727,7 +727,7 @@ class ScheduledForward:
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
         try:
-            n, op, starts, rng, hooked, makes, meta, stage, ends, offloads, stats = \
+            n, op, starts, rng, hooked, makes, meta, stage, ends, offloads, stats, unreached = \
                 self._info[i]
             if self._store_all:
                 # NOTE [Where the hooks are]: nothing is recomputed, so nothing needs a handle, a
@@ -742,7 +742,10 @@ class ScheduledForward:
             if hooked:
                 self._hooks.__enter__()
             try:
-                result = self._call(n, args, kwargs)
+                if unreached is not None and not state.cached_casts:
+                    result = self._call_unreached(n, op, unreached, args, kwargs)
+                else:
+                    result = self._call(n, args, kwargs)
             finally:
                 if hooked:
                     self._hooks.__exit__(None, None, None)
@@ -778,6 +781,21 @@ class ScheduledForward:
                 e.add_note(f"While executing {self._nodes[i].format_node()} (ScheduleWrapper "
                            f"forward)")
             raise
+
+    def _call_unreached(self, n: fx.Node, op: int, values: tuple, args: tuple,
+                        kwargs: dict) -> Any:
+        """Node n of an Op no backward reaches, run under no_grad (NOTE [Ops no backward
+        reaches] in plan.py); `values`: (result index, requires grad) of the Values it makes."""
+        anchor = _requiring_grad((args, kwargs))
+        if anchor is None and n.op == "call_module":
+            anchor = next((p for p in self.fetch_attr(n.target).parameters()
+                           if p.requires_grad), None)
+        if anchor is None:  # nothing it reads requires grad: its results do not either
+            return self._call(n, args, kwargs)
+        with torch.no_grad():
+            result = self._call(n, args, kwargs)
+        return _unreached_results(result, values, anchor,
+                                  lambda: unreached_message(self.plan.graph, op))
 
     def _call(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
         if self.plan.impl_calls:
@@ -844,13 +862,17 @@ def _node_info(plan: Plan, n: fx.Node) -> tuple:
     op = plan.node_op.get(n.name)
     if op is None:
         return (n, None, False, False, False, False, n.name in plan.meta_nodes, None, False,
-                False, False)
+                False, False, None)
     stage = plan.stage_of_op.get(op)
     ends = plan.op_last_node.get(n.name) == op
+    unreached = None
+    if op in plan.no_grad_ops:
+        unreached = tuple((v.index, v.requires_grad) for v in plan.graph.values
+                          if v.producer == op and v.name == n.name)
     return (n, op, op in plan.recomputed_ops and plan.op_nodes[op][0] is n, op in plan.rng_ops,
             op in plan.hooked_ops, n.name == plan.graph.ops[op].name, n.name in plan.meta_nodes,
             stage if stage in plan.active_stages else None, ends,
-            ends and op in plan.offload_after, n.name in plan.stats_nodes)
+            ends and op in plan.offload_after, n.name in plan.stats_nodes, unreached)
 
 
 def _view_of(base: torch.Tensor, h: Saved) -> torch.Tensor:
@@ -918,6 +940,56 @@ class _PlainAlias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+def _requiring_grad(tree) -> torch.Tensor | None:
+    return next((t for t in tree_flatten(tree)[0]
+                 if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
+def _unreached_results(result: Any, values: tuple, anchor: torch.Tensor, message) -> Any:
+    """`result` (made under no_grad) with each tensor that is a Value requiring grad in the
+    model given a grad_fn that raises `message()`: it requires grad as in plain PyTorch, and a
+    backward that reaches it fails loudly instead of passing it by (NOTE [Ops no backward
+    reaches] in plan.py). A fresh tensor keeps its identity (marked dirty); a view, which
+    autograd forbids to mark, becomes a plain alias of its storage."""
+    single = isinstance(result, torch.Tensor)
+    leaves = [result] if single else list(result) if isinstance(result, (tuple, list)) else None
+    if leaves is None:
+        return result
+    for index, requires_grad in values:
+        i = 0 if index is None else index
+        t = leaves[i] if i < len(leaves) else None
+        if requires_grad and isinstance(t, torch.Tensor) and not t.requires_grad and (
+                t.is_floating_point() or t.is_complex()):
+            leaves[i] = (_UnreachedView if t._is_view() else _Unreached).apply(
+                anchor, message, t)
+    if single:
+        return leaves[0]
+    return type(result)(leaves) if isinstance(result, list) else tuple(leaves)
+
+
+class _Unreached(torch.autograd.Function):
+    """The result `t` of an Op no backward reaches, given a grad_fn that saves nothing and
+    raises when a backward reaches it; `anchor` (read by the Op, requires grad) makes it
+    require grad."""
+
+    @staticmethod
+    def forward(ctx, anchor, message, t):
+        ctx.message = message
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message())
+
+
+class _UnreachedView(_Unreached):
+    @staticmethod
+    def forward(ctx, anchor, message, t):
+        ctx.message = message
+        return torch.ops.aten._unsafe_view(t, t.size())
 
 
 def _forget(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:

@@ -88,8 +88,8 @@ CREATE_GRAPH_MESSAGE = (
     "without the schedule.")
 
 
-def unreached_message(state, h: Saved) -> str:
-    op = state.plan.graph.ops[h.op]
+def unreached_message(graph, op_id: int) -> str:
+    op = graph.ops[op_id]
     return (f"ScheduleWrapper: the backward reached op {op.id} ({op.name}), which the profiled "
             f"training step's backward never ran (its results did not lead to the loss), so "
             f"the schedule kept nothing it saved. Profile with the loss you train with "

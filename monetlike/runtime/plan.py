@@ -47,11 +47,18 @@ from solver.simulate import simulate
 # An Op whose results do not lead to the loss (`has_backward` False: `mask = (u * scale) > 0`)
 # still gets autograd nodes when its inputs require grad, and they keep what they save until the
 # tensors that reference them die: `u` lives on with `u * scale`'s MulBackward until the mask has
-# been computed, past its last use, where the model (simulator and MILP alike) frees it; they
-# hold nothing for such an Op. So the runtime packs whatever these nodes save as nothing at all:
-# no backward reads it. Should one run all the same (a loss other than the profiled one), the
-# unpack raises, saying so. The profile measures such an Op's forward as its no_grad run
-# (Group.forward_figures), which is what is left when nothing is saved.
+# been computed, past its last use, where the model (simulator and MILP alike) frees it; they hold
+# nothing for such an Op. So the runtime runs such an Op's nodes under no_grad, and gives each
+# result that requires grad in the model a grad_fn of its own that saves nothing and raises if a
+# backward ever reaches it (a loss other than the profiled one), saying so
+# (executor._unreached_results). Packing what the nodes save as nothing was not enough: autograd
+# keeps a Python number it wraps as a 0-dim tensor (`u * 1.5`'s 1.5) without the saved-tensor hooks
+# (8 B over the prediction in tests/test_fuzz_models.py). An unreached Op that a model output
+# derives from is the exception: its nodes live with the output, in the profiled step too, so it
+# runs as it did there. Under autocast with its weight-cast cache on, a cast made under no_grad
+# would be cached for the reached Ops that read the weight later, without a gradient: there the
+# nodes run with grad, and what they save is packed as nothing. The profile measures such an Op's
+# forward as its no_grad run (Group.forward_figures).
 
 # Functions whose recomputation would not reproduce the original result or would repeat a side
 # effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
@@ -119,6 +126,8 @@ class Plan:
     unreached_ops: frozenset[int]
     """Ops no backward runs through whose results require grad, so that autograd nodes made by
     them may save tensors all the same (NOTE [Ops no backward reaches])."""
+    no_grad_ops: frozenset[int]
+    """The unreached Ops no model output derives from: run under no_grad (the same NOTE)."""
     meta_nodes: frozenset[str]
     """fx nodes whose result geometry a recomputation may need to rebuild an argument."""
     stage_of_op: dict[int, int]
@@ -263,6 +272,19 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         if not op.has_backward and any(graph.values[v].requires_grad for v in op.outputs))
     hooked_ops = frozenset(op.id for op in graph.ops
                            if not scheduled.isdisjoint(op_values[op.id])) | unreached_ops
+    # An unreached Op a model output derives from (through Values that require grad) keeps its
+    # nodes, and what they hold outside the hooks, until the caller drops the output, in the
+    # profiled step as at run time: it runs as it did there.
+    feeds_output: set[int] = set()
+    stack = [graph.values[v].producer for v in graph.outputs if graph.values[v].requires_grad]
+    while stack:
+        j = stack.pop()
+        if j is None or j in feeds_output:
+            continue
+        feeds_output.add(j)
+        stack.extend(graph.values[v].producer for v in graph.ops[j].inputs
+                     if graph.values[v].requires_grad)
+    no_grad_ops = unreached_ops - feeds_output
     from .recompute import rng_free
 
     def kind(n: fx.Node) -> str:
@@ -339,7 +361,8 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 op_nodes=op_nodes, op_last_node=op_last_node, value_of=value_of,
                 placeholder_index=placeholder_index, op_values=op_values, scheduled=scheduled,
                 held=held, keep_from_forward=keep_from_forward, recomputed_ops=recomputed_ops,
-                hooked_ops=hooked_ops, unreached_ops=unreached_ops, rng_ops=rng_ops,
+                hooked_ops=hooked_ops, unreached_ops=unreached_ops, no_grad_ops=no_grad_ops,
+                rng_ops=rng_ops,
                 meta_nodes=frozenset(meta), stage_of_op=stage_of_op, releases=releases,
                 impl_saved=impl_saved, impl_calls=impl_calls, overwrites=overwrites,
                 overwritten_args=overwritten_args,
