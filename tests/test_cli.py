@@ -311,3 +311,11 @@ def test_profile_calibrate_refuses_analytical_costs(capsys, tmp_path):
     code, _, err = _run(["profile", "resnet18", "--batch", "2", "--cost", "analytical:A100-40GB",
                          "--calibrate"], capsys)
     assert code == 2 and "--calibrate fits measured costs" in err
+
+
+def test_the_command_line_does_not_import_torch_dynamo():
+    """torch._dynamo takes 3 s to import here; only a ScheduleWrapper needs it (its step runs
+    under torch.compiler.disable), so `import monetlike` and the CLI's modules leave it out."""
+    code = ("import sys, monetlike, monetlike.cli, monetlike.profile; "
+            "sys.exit('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
