@@ -181,3 +181,32 @@ def test_an_op_run_under_no_grad_trains_as_plain_and_a_backward_through_it_says_
     assert captured[-1].requires_grad and captured[-1].grad_fn is not None
     with pytest.raises(RuntimeError, match=r"op \d+ \(probe\), which the profiled .*loss_fn="):
         (out.sum() + captured[-1].sum()).backward()
+
+
+class MaxGate(nn.Module):
+    """A reduction with indices (torch.return_types.max) in the part no gradient reaches, read
+    by its field name."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.l1(x)
+        top = (h * 2.0).max(dim=1)
+        return self.l2(h.masked_fill(h > top.values.unsqueeze(1) * 0.5, 0.0))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_named_result_of_an_op_run_under_no_grad_keeps_its_type(capture):
+    """The result given its grad_fn was rebuilt as a plain tuple, and `top.values` failed under
+    fx ("'tuple' object has no attribute 'values'")."""
+    torch.manual_seed(0)
+    model, x = MaxGate().train(), torch.randn(16, 16, requires_grad=True)
+    graph = monetlike.profile(model, x, repeat=1, capture=capture)
+    assert not next(op for op in graph.ops if op.name.startswith("max")).has_backward
+    for keep in ({v.id for v in graph.values}, set()):
+        schedule = schedule_from_keep(graph, keep, retain="saved")
+        make = lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph, capture=capture)
+        assert measured_peak(graph, model, make(model), (x,)) == simulate(graph, schedule).peak_bytes
+        compare_step(model, make, (x,), steps=2, exact=True)

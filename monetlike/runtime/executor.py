@@ -957,6 +957,7 @@ def _unreached_results(result: Any, values: tuple, anchor: torch.Tensor, message
     leaves = [result] if single else list(result) if isinstance(result, (tuple, list)) else None
     if leaves is None:
         return result
+    changed = False
     for index, requires_grad in values:
         i = 0 if index is None else index
         t = leaves[i] if i < len(leaves) else None
@@ -964,9 +965,15 @@ def _unreached_results(result: Any, values: tuple, anchor: torch.Tensor, message
                 t.is_floating_point() or t.is_complex()):
             leaves[i] = (_UnreachedView if t._is_view() else _Unreached).apply(
                 anchor, message, t)
-    if single:
-        return leaves[0]
-    return type(result)(leaves) if isinstance(result, list) else tuple(leaves)
+            changed = True
+    if single or not changed:
+        return leaves[0] if single else result
+    kind = type(result)
+    if kind in (tuple, list):
+        return kind(leaves)
+    # a namedtuple takes its fields one by one; torch.return_types (max's values, indices), a
+    # sequence
+    return kind(*leaves) if hasattr(kind, "_fields") else kind(leaves)
 
 
 class _Unreached(torch.autograd.Function):
