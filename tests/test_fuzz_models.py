@@ -64,6 +64,12 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _assert_measured_as_predicted(graph, model, tokens, schedule) -> None:
+    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
+                             (tokens,))
+    assert measured == peak_of(graph, schedule), (measured, peak_of(graph, schedule))
+
+
 def _close(measured: int, predicted: int) -> bool:
     return abs(measured - predicted) <= predicted * PEAK_TOLERANCE
 
@@ -294,10 +300,7 @@ def test_batchnorm_recomputed_at_the_peak():
     assert {2, 3} <= set(stages[11]), stages  # recomputed before tanh_1's stage, at the peak
     point = simulate(graph, schedule).peak_point
     assert (point.phase, graph.ops[point.op].name) == ("recompute", "layers_1"), point
-    expected = peak_of(graph, schedule)
-    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
-                             (tokens,))
-    assert measured == expected
+    _assert_measured_as_predicted(graph, model, tokens, schedule)
     check_model(*BATCHNORM_RECOMPUTED)
 
 
@@ -319,10 +322,7 @@ def test_wrapped_number_held_by_a_backward():
     schedule = schedule_from_keep(graph, {v.id for v in graph.values} - {add}, retain="saved")
     point = simulate(graph, schedule).peak_point
     assert (point.phase, graph.ops[point.op].name) == ("forward", "scaled_dot_product_attention")
-    expected = peak_of(graph, schedule)
-    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
-                             (tokens,))
-    assert measured == expected
+    _assert_measured_as_predicted(graph, model, tokens, schedule)
 
 
 # `a * 1.0` whose result no gradient reaches (it feeds only a comparison's mask) kept its
@@ -342,7 +342,5 @@ def test_wrapped_number_held_by_an_op_no_gradient_reaches():
     model, tokens = build(*UNREACHED_WRAPPED_NUMBER)
     graph = monetlike.profile(model, tokens, repeat=1)
     schedule = store_all_schedule(graph)
-    measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
-                             (tokens,))
-    assert measured == peak_of(graph, schedule), (measured, peak_of(graph, schedule))
+    _assert_measured_as_predicted(graph, model, tokens, schedule)
     check_model(*UNREACHED_WRAPPED_NUMBER)

@@ -867,8 +867,8 @@ def _node_info(plan: Plan, n: fx.Node) -> tuple:
     ends = plan.op_last_node.get(n.name) == op
     unreached = None
     if op in plan.no_grad_ops:
-        unreached = tuple((v.index, v.requires_grad) for v in plan.graph.values
-                          if v.producer == op and v.name == n.name)
+        values = (plan.graph.values[v] for v in plan.graph.ops[op].outputs)
+        unreached = tuple((v.index, v.requires_grad) for v in values if v.name == n.name)
     return (n, op, op in plan.recomputed_ops and plan.op_nodes[op][0] is n, op in plan.rng_ops,
             op in plan.hooked_ops, n.name == plan.graph.ops[op].name, n.name in plan.meta_nodes,
             stage if stage in plan.active_stages else None, ends,
