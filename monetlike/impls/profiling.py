@@ -1,16 +1,18 @@
 """Measuring the registered Impls of every Op, the way the default Impl is measured.
 
-For each Op the registry lists the Impls that apply. They are measured in rounds: each round runs
-one more instrumented training step (and, for measured costs, timing steps) in which some Ops run
-one of their candidates and every other Op runs as written. What an Op's backward holds and its
-costs depend on its own nodes; its stage's workspace also depends on the gradients its neighbours'
+For each Op the registry lists the Impls that apply. Their memory is measured in rounds: each
+round runs one more instrumented training step in which some Ops run one of their candidates and
+every other Op runs as written. What an Op's backward holds and its costs depend on its own nodes; its stage's workspace also depends on the gradients its neighbours'
 backwards hand it: an Op reading its output makes its output gradient (a fresh tensor or a view),
 and an Op reading the same input adds into the same input gradient (in place into a fresh tensor,
 out of place into a view). So the Ops of one round are never neighbours (`_rounds`): each Impl is
 measured as the only change to the model around it, as the default's figures are. Found by
 tests/test_fuzz_models.py: a ReLU's mask Impl measured next to a split Linear (whose input half
 hands over a fresh gradient, which the ReLU's stage adds into in place) was 2,112 B short beside
-the default Linear (a view, added out of place).
+the default Linear (a view, added out of place). Measured costs are taken in timing steps per
+level instead (every Op running its r-th candidate at once, `_time_levels`): a kernel's time is
+its own, and a level spread over several memory rounds costs one set of timing steps, not one per
+round (ResNet-18: 4 rounds, 2 levels).
 
 The step is the profiler's own (ProfileRun, TimingRun) with the Op's fx nodes replaced: the saved
 set, internal bytes, workspace and stage gradient bytes come from the same saved-tensor and
@@ -73,8 +75,9 @@ def _parameters_read(gm, run: ProfileRun) -> dict[int, set[int]]:
     return out
 
 
-def _rounds(gm, run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple]]:
-    """Each Op's candidates, in registration order, spread over rounds ({group id: candidate})
+def _rounds(gm, run: ProfileRun, cands: dict[int, list]) -> list[tuple[int, dict[int, tuple]]]:
+    """Each Op's candidates, in registration order, spread over rounds ((level, {group id:
+    candidate}): level r holds each Op's r-th candidate)
     in which no two Ops are neighbours: one reads what the other makes, both read one Value, or
     both read one parameter (autograd sums a shared weight's gradients into the first that
     reaches it, and whether it keeps that tensor or copies it depends on the later call's layout:
@@ -97,7 +100,7 @@ def _rounds(gm, run: ProfileRun, cands: dict[int, list]) -> list[dict[int, tuple
             chosen, rest = [], []
             for gid in pending:
                 (rest if any(neighbours(gid, o) for o in chosen) else chosen).append(gid)
-            rounds.append({gid: cands[gid][r] for gid in chosen})
+            rounds.append((r, {gid: cands[gid][r] for gid in chosen}))
             pending = rest
     return rounds
 
@@ -119,18 +122,12 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
         if spec.warm is not None:
             spec.warm(torch.device(device))
     main_tid = {(v.name, v.index): v.tid for v in run.values}
-    result: dict[int, list[dict]] = {}
-    for chosen in _rounds(gm, run, cands):
+    profiled = []  # (level, chosen, the round's ProfileRun, its groups by name)
+    for level, chosen in _rounds(gm, run, cands):
         subs = {}
         for spec, repl in chosen.values():
             subs.update(repl)
-        # Each round starts as the main run did and as a training step does after
-        # zero_grad(set_to_none=True): no gradients yet. Left from the last step, they would be
-        # accumulated into in place, and every gradient the round makes would be freed at once
-        # (a split's weight gradient, held through its input half at run time, would not count).
-        for t in (*work.parameters(), *xs):
-            if isinstance(t, torch.Tensor):
-                t.grad = None
+        _no_grads(work, xs)
         try:
             with torch.enable_grad(), context():
                 sub = SubstitutingProfileRun(gm, work,
@@ -138,23 +135,17 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                                              device_note=note, device=device)
                 sub.impl_subs = subs
                 sub.profile_step(xs)
-                fwd_t: dict[int, list[float]] = {}
-                bwd_t: dict[int, list[float]] = {}
-                if measured:
-                    timing = SubstitutingTimingRun(gm, sub.node_gid, Timer(device, clock))
-                    timing.impl_subs = subs
-                    timing.step(xs)
-                    for _ in range(repeat):
-                        f, b = timing.step(xs)
-                        for gid in range(len(sub.groups)):
-                            fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
-                            bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
         except Exception as e:  # an Impl that cannot run on this model must not stop profiling
-            names = sorted({spec.name for spec, _ in chosen.values()})
-            warnings.warn(f"monetlike: operator implementations {names} could not be profiled "
-                          f"and are left out ({type(e).__name__}: {e})", RuntimeWarning)
+            _left_out(chosen, e)
             continue
-        by_name = {g.name: g for g in sub.groups}
+        profiled.append((level, chosen, sub, {g.name: g for g in sub.groups}))
+    times = _time_levels(gm, work, xs, run, profiled, device=device, repeat=repeat,
+                         context=context, clock=clock) if measured else {}
+    result: dict[int, list[dict]] = {}
+    for i, (level, chosen, sub, by_name) in enumerate(profiled):
+        if measured and i not in times:
+            continue  # its timing steps failed (warned)
+        fwd_t, bwd_t = times.get(i, ({}, {}))
         for gid, (spec, _) in chosen.items():
             g = run.groups[gid]
             sg = by_name.get(g.name)
@@ -176,7 +167,7 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                 if not set(saved) <= allowed:
                     continue
                 if measured:
-                    fwd, bwd = median(fwd_t.get(sg.gid, [])), median(bwd_t.get(sg.gid, []))
+                    fwd, bwd = median(fwd_t.get(gid, [])), median(bwd_t.get(gid, []))
                 else:
                     fwd, bwd = sg.fwd_cost, sg.bwd_cost
                 result.setdefault(gid, []).append(dict(
@@ -187,6 +178,80 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
                     early_release=tuple(sorted(set(early)))))
     # Rounds go through each Op's candidates in registration order: so are its Impls.
     return result
+
+
+def _no_grads(work, xs) -> None:
+    """Each round starts as the main run did and as a training step does after
+    zero_grad(set_to_none=True): no gradients yet. Left from the last step, they would be
+    accumulated into in place, and every gradient the round makes would be freed at once (a
+    split's weight gradient, held through its input half at run time, would not count)."""
+    for t in (*work.parameters(), *xs):
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+
+
+def _left_out(chosen: dict, e: Exception) -> None:
+    names = sorted({spec.name for spec, _ in chosen.values()})
+    warnings.warn(f"monetlike: operator implementations {names} could not be profiled and are "
+                  f"left out ({type(e).__name__}: {e})", RuntimeWarning)
+
+
+def _time_levels(gm, work, xs, run: ProfileRun, profiled: list, *, device, repeat: int,
+                 context, clock: str) -> dict[int, tuple[dict, dict]]:
+    """Index in `profiled` -> (forward, backward) times by main-run group id, of each round's
+    chosen Ops. Memory is measured round by round (`_rounds`: a neighbour's Impl changes the
+    gradients an Op's stage holds), but time is an Op's own kernels: all rounds of one level are
+    timed in the same steps, every Op running its candidate of that level, as the in-place
+    Impls are (`inplace_alternatives`). A level whose steps fail is timed round by round, so
+    that only the rounds that fail are left out."""
+    levels: dict[int, list[int]] = {}
+    for i, (level, *_) in enumerate(profiled):
+        levels.setdefault(level, []).append(i)
+    out = {}
+    for members in levels.values():
+        groups = [members] if len(members) > 1 else []
+        groups += [[i] for i in members]  # one round at a time, if the level's steps fail
+        for timed_together in groups:
+            if all(i in out for i in timed_together):
+                continue
+            try:
+                out.update(_timed(gm, work, xs, run, profiled, timed_together, device=device,
+                                  repeat=repeat, context=context, clock=clock))
+            except Exception as e:  # an Impl that cannot run on this model must not stop it
+                if len(timed_together) == 1:
+                    _left_out(profiled[timed_together[0]][1], e)
+    return out
+
+
+def _timed(gm, work, xs, run: ProfileRun, profiled: list, members: list[int], *, device,
+           repeat: int, context, clock: str) -> dict[int, tuple[dict, dict]]:
+    """Times of the rounds `members` (indices in `profiled`) run in the same steps."""
+    # Every node is timed (an Op's backward time is the autograd nodes it made that no earlier
+    # node made), a chosen Op's as the round grouped them, as its memory figures have it.
+    subs, node_gid, chosen_gids = {}, dict(run.node_gid), set()
+    for i in members:
+        _, chosen, _, by_name = profiled[i]
+        for gid, (_, repl) in chosen.items():
+            subs.update(repl)
+            chosen_gids.add(gid)
+            for name in run.groups[gid].nodes:
+                node_gid[name] = -1
+            sg = by_name.get(run.groups[gid].name)
+            for name in (sg.nodes if sg is not None else ()):
+                node_gid[name] = gid
+    _no_grads(work, xs)
+    fwd_t: dict[int, list[float]] = {}
+    bwd_t: dict[int, list[float]] = {}
+    with torch.enable_grad(), context():
+        timing = SubstitutingTimingRun(gm, node_gid, Timer(device, clock))
+        timing.impl_subs = subs
+        timing.step(xs)
+        for _ in range(repeat):
+            f, b = timing.step(xs)
+            for gid in chosen_gids:
+                fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
+                bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
+    return {i: (fwd_t, bwd_t) for i in members}
 
 
 def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, repeat: int,
