@@ -240,18 +240,27 @@ def _timed(gm, work, xs, run: ProfileRun, profiled: list, members: list[int], *,
             for name in (sg.nodes if sg is not None else ()):
                 node_gid[name] = gid
     _no_grads(work, xs)
+    with torch.enable_grad(), context():
+        times = _timing_steps(gm, node_gid, subs, xs, chosen_gids, device=device, clock=clock,
+                              repeat=repeat)
+    return {i: times for i in members}
+
+
+def _timing_steps(gm, node_gid: dict, subs: dict, xs, gids, *, device, clock: str,
+                  repeat: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Forward and backward times of the groups `gids` over `repeat` training steps with the
+    nodes `subs` replaced, after one warm-up step."""
     fwd_t: dict[int, list[float]] = {}
     bwd_t: dict[int, list[float]] = {}
-    with torch.enable_grad(), context():
-        timing = SubstitutingTimingRun(gm, node_gid, Timer(device, clock))
-        timing.impl_subs = subs
-        timing.step(xs)
-        for _ in range(repeat):
-            f, b = timing.step(xs)
-            for gid in chosen_gids:
-                fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
-                bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
-    return {i: (fwd_t, bwd_t) for i in members}
+    timing = SubstitutingTimingRun(gm, node_gid, Timer(device, clock))
+    timing.impl_subs = subs
+    timing.step(xs)
+    for _ in range(repeat):
+        f, b = timing.step(xs)
+        for gid in gids:
+            fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
+            bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
+    return fwd_t, bwd_t
 
 
 def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, repeat: int,
@@ -307,14 +316,8 @@ def inplace_alternatives(gm, xs, run: ProfileRun, *, measured: bool, device, rep
             subs.update(repl)
         try:
             with torch.enable_grad():
-                timing = SubstitutingTimingRun(gm, run.node_gid, Timer(device, clock))
-                timing.impl_subs = subs
-                timing.step(xs)
-                for _ in range(repeat):
-                    f, b = timing.step(xs)
-                    for gid in found:
-                        fwd_t.setdefault(gid, []).append(f.get(gid, 0.0))
-                        bwd_t.setdefault(gid, []).append(b.get(gid, 0.0))
+                fwd_t, bwd_t = _timing_steps(gm, run.node_gid, subs, xs, found, device=device,
+                                             clock=clock, repeat=repeat)
         except Exception as e:  # an Impl that cannot run on this model must not stop profiling
             names = sorted({spec.name for spec, _, _ in found.values()})
             warnings.warn(f"monetlike: in-place implementations {names} could not be timed and "
