@@ -2,8 +2,8 @@
 
 For each Op the registry lists the Impls that apply. Their memory is measured in rounds: each
 round runs one more instrumented training step in which some Ops run one of their candidates and
-every other Op runs as written. What an Op's backward holds and its costs depend on its own nodes; its stage's workspace also depends on the gradients its neighbours'
-backwards hand it: an Op reading its output makes its output gradient (a fresh tensor or a view),
+every other Op runs as written. What an Op's backward holds and its costs depend on its own
+nodes; its stage's workspace also depends on the gradients its neighbours' backwards hand it: an Op reading its output makes its output gradient (a fresh tensor or a view),
 and an Op reading the same input adds into the same input gradient (in place into a fresh tensor,
 out of place into a view). So the Ops of one round are never neighbours (`_rounds`): each Impl is
 measured as the only change to the model around it, as the default's figures are. Found by
@@ -122,7 +122,9 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
         if spec.warm is not None:
             spec.warm(torch.device(device))
     main_tid = {(v.name, v.index): v.tid for v in run.values}
-    profiled = []  # (level, chosen, the round's ProfileRun, its groups by name)
+    # (level, chosen, the round's Values as (creator node, index), its groups by name): the
+    # round's ProfileRun itself is let go before the timing steps
+    profiled = []
     for level, chosen in _rounds(gm, run, cands):
         subs = {}
         for spec, repl in chosen.values():
@@ -138,11 +140,12 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
         except Exception as e:  # an Impl that cannot run on this model must not stop profiling
             _left_out(chosen, e)
             continue
-        profiled.append((level, chosen, sub, {g.name: g for g in sub.groups}))
+        profiled.append((level, chosen, [(v.name, v.index) for v in sub.values],
+                         {g.name: g for g in sub.groups}))
     times = _time_levels(gm, work, xs, run, profiled, device=device, repeat=repeat,
                          context=context, clock=clock) if measured else {}
     result: dict[int, list[dict]] = {}
-    for i, (level, chosen, sub, by_name) in enumerate(profiled):
+    for i, (_, chosen, names, by_name) in enumerate(profiled):
         if measured and i not in times:
             continue  # its timing steps failed (warned)
         fwd_t, bwd_t = times.get(i, ({}, {}))
@@ -151,12 +154,12 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
             sg = by_name.get(g.name)
             if sg is None or not sg.ran_backward:
                 continue
-            outs = [(sub.values[t].name, sub.values[t].index) for t in sg.outputs]
+            outs = [names[t] for t in sg.outputs]
             if outs != [(run.values[t].name, run.values[t].index) for t in g.outputs]:
                 continue
             saved, early = [], []
             for t in sg.saved:
-                key = (sub.values[t].name, sub.values[t].index)
+                key = names[t]
                 if key not in main_tid:
                     break
                 saved.append(main_tid[key])
@@ -207,19 +210,23 @@ def _time_levels(gm, work, xs, run: ProfileRun, profiled: list, *, device, repea
     levels: dict[int, list[int]] = {}
     for i, (level, *_) in enumerate(profiled):
         levels.setdefault(level, []).append(i)
+    def timed(members):
+        return _timed(gm, work, xs, run, profiled, members, device=device, repeat=repeat,
+                      context=context, clock=clock)
+
     out = {}
     for members in levels.values():
-        groups = [members] if len(members) > 1 else []
-        groups += [[i] for i in members]  # one round at a time, if the level's steps fail
-        for timed_together in groups:
-            if all(i in out for i in timed_together):
-                continue
+        if len(members) > 1:
             try:
-                out.update(_timed(gm, work, xs, run, profiled, timed_together, device=device,
-                                  repeat=repeat, context=context, clock=clock))
+                out.update(timed(members))
+                continue
+            except Exception:  # noqa: BLE001 - timed again round by round below
+                pass
+        for i in members:
+            try:
+                out.update(timed([i]))
             except Exception as e:  # an Impl that cannot run on this model must not stop it
-                if len(timed_together) == 1:
-                    _left_out(profiled[timed_together[0]][1], e)
+                _left_out(profiled[i][1], e)
     return out
 
 
