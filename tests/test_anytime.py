@@ -139,6 +139,30 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     assert pipeline.MIN_SEARCH_S > limit
 
 
+def test_the_rules_stop_within_a_short_time_limit(monkeypatch):
+    """The rules run for 30% of the limit or RULES_MIN_S, whichever is longer, but never past
+    the limit itself: a 2 s solve of ResNet-18 took 8-10 s when the floor alone set their
+    deadline. Checked on the deadline the rules are given (the clock is not asserted)."""
+    import time
+
+    pipeline = importlib.import_module("solver.search.pipeline")
+    deadlines = []
+
+    def rules(*args, deadline=None, **kwargs):
+        deadlines.append((deadline, time.perf_counter()))  # called after solve started
+        return heuristic_schedules(*args, deadline=deadline, **kwargs)
+
+    heuristic_schedules = pipeline.heuristic_schedules
+    monkeypatch.setattr(pipeline, "heuristic_schedules", rules)
+    g = resnet_like()
+    budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.6)
+    limit = 2.0
+    assert limit < pipeline.RULES_MIN_S
+    r = solver.solve(g, budget, time_limit_s=limit)
+    assert r.predicted_peak_bytes <= budget
+    assert deadlines and all(d is not None and d <= called + limit for d, called in deadlines)
+
+
 def test_never_worse_than_the_plans_checkpointing_users_write():
     """Issue 21: per-block checkpointing (module paths and repeated blocks) and selective
     activation checkpointing (matmul and attention outputs kept in each block), translated into

@@ -59,8 +59,8 @@ LEAST_RULES_SHARE = 0.2
 fits on Impl 0 or the lean Impls."""
 RULES_SHARE = 0.3
 RULES_MIN_S = 10.0
-"""The simple rules may take this share of the time limit, and at least RULES_MIN_S, for a first
-incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
+"""The simple rules may take this share of the time limit, and at least RULES_MIN_S (but never
+more than the limit: `_rules_time`), for a first incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
 the clean-up passes, rules.keep_more, stop there). Without a limit they took 686 s of a 120 s
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
 seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
@@ -72,6 +72,12 @@ small LP per backward stage, dearest stage first) may take this share of the tim
 for all 817 stages of a 48-layer GPT. It is what proves the rules' schedules on the largest
 graphs, before the MILP is built, and what lets the costly rules be left out once a cheaper
 one is proven."""
+
+
+def _rules_time(time_limit_s: float) -> float:
+    """Seconds the simple rules may take: RULES_SHARE of the limit, at least RULES_MIN_S, never
+    more than the limit itself (with the floor alone, a 2 s solve of ResNet-18 took 8-10 s)."""
+    return min(time_limit_s, max(RULES_SHARE * time_limit_s, RULES_MIN_S))
 
 
 def _sharing(be) -> bool:
@@ -136,7 +142,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     started = time.perf_counter()
     be = get_backend(backend)
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
-    rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
+    rules_deadline = started + _rules_time(time_limit_s)
     name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts,
                                                                deadline=rules_deadline))
     # Full mode contains checkpoint mode (Impl 0 everywhere): a checkpoint answer already found
@@ -296,7 +302,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 
     starts, rules_s = [], None
     if warm_start:
-        rules_deadline = started + max(RULES_SHARE * time_limit_s, RULES_MIN_S)
+        rules_deadline = started + _rules_time(time_limit_s)
         timelines: dict = {}
         # the best time reported so far; when the first and the best fitting one came
         reported = [math.inf, None, None]
