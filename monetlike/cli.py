@@ -676,7 +676,7 @@ def cmd_maxbatch(args) -> int:
                           time_limit_s=args.time_limit, make_inputs=make,
                           loss_fn=load_loss(args.loss))
     base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
-    print(f"largest batch that fits: {found.batch}")
+    print(f"largest batch that fits: {found.batch} ({found.refusal()})")
     print(summary_table(found.graph, found.result, args.budget, base))
     if args.output:
         _save_schedule(found.result.schedule, found.graph, args)

@@ -38,7 +38,21 @@ class MaxBatchResult:
     graph: "solver.OpGraph"
     overhead: float
     tried: dict
-    """batch -> 'ok', 'infeasible' or 'overhead X%' for each batch planned."""
+    """batch -> 'ok', 'infeasible', 'overhead X%' or 'undecided: why' (no schedule found within
+    the time limit, not proven infeasible) for each batch planned."""
+
+    def refusal(self) -> str:
+        """Why the next batch was refused, in words (whether that is proven)."""
+        nxt = self.batch + 1
+        why = self.tried.get(nxt)
+        if why is None:
+            return f"batch {nxt} is past the limit"
+        if why == "infeasible":
+            return f"batch {nxt} does not fit (proven: no schedule fits the budget)"
+        if why.startswith("undecided"):
+            return (f"batch {nxt} was not planned: {why}; a longer time limit may fit it (or "
+                    f"larger batches)")
+        return f"batch {nxt} does not fit: {why}"
 
 
 def _example_batch(example) -> int:
@@ -118,7 +132,8 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = No
             tried[b] = "infeasible"
             return False
         if r.schedule is None:
-            tried[b] = r.status
+            # Not proven infeasible: the search assumes it is, so the answer may be low.
+            tried[b] = f"undecided: {r.message or r.status}"
             return False
         base = solver.simulate(graph, solver.store_all_schedule(graph)).total_time
         overhead = r.predicted_time / base - 1

@@ -41,3 +41,24 @@ def test_maxbatch_finds_the_boundary():
     assert found.result.predicted_peak_bytes <= budget
     assert found.tried[found.batch] == "ok"
     assert found.tried.get(found.batch + 1) not in (None, "ok")  # the next batch was refused
+    assert found.refusal().startswith(f"batch {found.batch + 1} ")
+
+
+def test_maxbatch_says_when_the_next_batch_was_only_undecided(monkeypatch):
+    """A solve that finds no schedule within its time limit proves nothing: the search treats
+    the batch as refused, and the answer says the next batch was undecided, not infeasible."""
+    real = solver.solve
+
+    def solve(graph, budget, **kwargs):
+        if graph.batch > 3:
+            return solver.SolveResult.failure(
+                status="error", backend="highs",
+                message="no schedule found within the time limit of 1 s; raise --time-limit")
+        return real(graph, budget, **kwargs)
+
+    monkeypatch.setattr(solver, "solve", solve)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    found = max_batch(model, "1GiB", (16,), limit=64, time_limit_s=5)
+    assert found.batch == 3 and found.tried[3] == "ok"
+    assert found.tried[4].startswith("undecided: no schedule found within the time limit")
+    assert "a longer time limit may fit it" in found.refusal()
