@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..torch_private import TorchDispatchMode, tree_leaves
+from . import meta_memo
 
 # Classes of storages the profiler distinguishes; the tracker itself only sums them.
 VALUE, INTERNAL, FIXED, INPUT, OTHER = "value", "internal", "fixed", "input", "other"
@@ -159,7 +160,7 @@ class StorageTracker(TorchDispatchMode):
     # -- the dispatch hook ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = meta_memo.call(func, args, kwargs)
         for t in tree_leaves(out):
             s = storage_of(t)
             if s is None:

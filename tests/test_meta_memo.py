@@ -1,0 +1,80 @@
+"""Meta kernels remembered (monetlike/profile/meta_memo.py): the same outputs as the kernel, as
+fresh storages, and only for ops whose outputs are certain to be fresh."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+
+import monetlike
+from monetlike.profile import meta_memo
+
+aten = torch.ops.aten
+
+
+def _meta(*shape, **kw):
+    return torch.empty(*shape, device="meta", **kw)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.untyped_storage().nbytes() == b.untyped_storage().nbytes())
+
+
+def test_a_repeated_call_gives_fresh_outputs_laid_out_as_the_kernels():
+    x = _meta(4, 8, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.nn.Parameter(_meta(16, 8, 3, 3))
+    calls = [(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+             (aten.native_batch_norm.default,
+              (x, None, None, _meta(8), _meta(8), True, 0.1, 1e-5)),
+             (aten.add.Tensor, (x, _meta(1, 8, 1, 1)))]
+    for func, args in calls:
+        first = meta_memo.call(func, args, {})
+        again = meta_memo.call(func, args, {})  # from the memo
+        assert (func, meta_memo._key((args, {}))) in meta_memo._memo
+        real = func(*args)
+        firsts, agains, reals = ((o,) if isinstance(o, torch.Tensor) else o
+                                 for o in (first, again, real))
+        assert len(agains) == len(reals)
+        keys = {t.untyped_storage()._cdata for t in (*firsts, *agains, *args)
+                if isinstance(t, torch.Tensor)}
+        assert len(keys) == len(firsts) + len(agains) + sum(isinstance(a, torch.Tensor)
+                                                              for a in args)
+        for a, r in zip(agains, reals):
+            assert _same_layout(a, r), func
+
+
+def test_views_in_place_ops_and_random_ops_run_their_kernel():
+    x = _meta(4, 6)
+    for func, args in [(aten.view.default, (x, [24])), (aten.add_.Tensor, (x, x)),
+                       (aten.bernoulli.default, (x,)), (aten.t.default, (x,))]:
+        out = meta_memo.call(func, args, {})
+        assert out is not None
+        assert not meta_memo._cacheable[func]
+    # an argument the memo cannot describe (a CPU tensor): the kernel runs, nothing is kept
+    size = len(meta_memo._memo)
+    meta_memo.call(aten.mul.Tensor, (torch.ones(3), torch.ones(3)), {})
+    assert len(meta_memo._memo) == size
+
+
+def test_floats_ints_and_bools_are_different_keys():
+    assert meta_memo._key(1.0) != meta_memo._key(1) != meta_memo._key(True)
+    assert meta_memo._key(0.0) != meta_memo._key(-0.0)
+    assert meta_memo._key(object()) is None
+
+
+def test_an_analytical_profile_is_the_same_with_and_without_the_memo(monkeypatch):
+    def graph():
+        with torch.device("meta"):
+            model = torchvision.models.resnet18()
+        g = monetlike.profile(model, _meta(8, 3, 64, 64), cost="analytical:A100-40GB")
+        d = g.to_dict()
+        d["meta"].pop("profile_seconds")
+        return d
+
+    monkeypatch.setattr(meta_memo, "_memo", {})
+    with_memo = graph()
+    assert len(meta_memo._memo) > 50  # the profile's meta calls went through the memo
+    monkeypatch.setattr(meta_memo, "_cacheable", {})
+    monkeypatch.setattr(meta_memo, "_is_cacheable", lambda func: False)
+    assert graph() == with_memo
