@@ -31,7 +31,7 @@ def test_a_repeated_call_gives_fresh_outputs_laid_out_as_the_kernels():
     for func, args in calls:
         first = meta_memo.call(func, args, {})
         again = meta_memo.call(func, args, {})  # from the memo
-        assert (func, meta_memo._key((args, {}))) in meta_memo._memo
+        assert (func, torch.float32, meta_memo._key((args, {}))) in meta_memo._memo
         real = func(*args)
         firsts, agains, reals = ((o,) if isinstance(o, torch.Tensor) else o
                                  for o in (first, again, real))
@@ -55,6 +55,21 @@ def test_views_in_place_ops_and_random_ops_run_their_kernel():
     size = len(meta_memo._memo)
     meta_memo.call(aten.mul.Tensor, (torch.ones(3), torch.ones(3)), {})
     assert len(meta_memo._memo) == size
+
+
+def test_a_factory_op_follows_the_default_dtype():
+    made = [meta_memo.call(aten.arange.default, (5,), {"device": torch.device("meta")})]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        made.append(meta_memo.call(aten.arange.start, (0.0, 5.0),
+                                   {"device": torch.device("meta")}))
+        made.append(meta_memo.call(aten.full.default, ([2], 1.5),
+                                   {"device": torch.device("meta")}))
+    finally:
+        torch.set_default_dtype(old)
+    made.append(meta_memo.call(aten.full.default, ([2], 1.5), {"device": torch.device("meta")}))
+    assert [t.dtype for t in made] == [torch.int64, torch.float64, torch.float64, torch.float32]
 
 
 def test_floats_ints_and_bools_are_different_keys():

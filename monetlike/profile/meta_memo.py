@@ -47,7 +47,8 @@ def call(func, args: tuple, kwargs: dict) -> Any:
     key = _key((args, kwargs))
     if key is None:
         return func(*args, **kwargs)
-    key = (func, key)
+    # A factory op without a dtype (arange, full) makes the default dtype, which can change.
+    key = (func, torch.get_default_dtype(), key)
     hit = _memo.get(key)
     if hit is not None:
         single, outs = hit
