@@ -19,7 +19,11 @@ attributes the forward sets are refused by both captures (NOTE [Python state set
   plain PyTorch does not;
 - in-place updates of the model's own buffers and parameters outside its leaf modules (a step
   counter, `self.steps += 1`): fx does not proxy buffers, so the update runs once, on the real
-  tensor, at trace time, and never again; the buffers are restored to their values before it.
+  tensor, at trace time, and never again; the buffers are restored to their values before it;
+- an augmented assignment (`h += y`) on a tensor another name still refers to (`r = h`, a view
+  `half = h[:, :8]`, a list `[h]`, a model input): fx's proxies have no `__iadd__`, so Python
+  computes `h + y` out of place and the other name keeps the old contents, where plain
+  PyTorch writes into the one tensor they share (NOTE [Augmented assignment]).
 
 When symbolic tracing fails we raise TraceError naming the module being traced, the user code line
 and the ways out. `monetlike.capture` falls back to torch.export (non-strict) in that case when
@@ -91,9 +95,13 @@ class MonetTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self.cached_leaves: list[str] = []
+        self.augmented: list[tuple[fx.Node, fx.Node, str]] = []  # (new node, target, operator)
         self.modes = _modes()  # the grad and autocast modes the forward starts in
         with functions_applied(self._function_as_op):
             return super().trace(root, concrete_args)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _AugmentedProxy(node, self)
 
     def _function_as_op(self, cls, args, kwargs):
         """NOTE [Custom autograd Functions]: a Function applied to proxies is one node."""
@@ -111,6 +119,92 @@ class MonetTracer(fx.Tracer):
                 f"no grad or autocast mode, so the graph would run that op as if the block were "
                 f"not there")
         return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+# NOTE [Augmented assignment]
+# `h += y` calls h.__iadd__(y) when h's type has one, else h = h + y. A tensor has one and adds in
+# place: every name for the tensor (`r = h`, a view `half = h[:, :8]`, a list `[h]`, the caller's
+# input) sees the sum. fx's Proxy has none, so the traced graph adds out of place and those names
+# keep the old contents: the graph computes another function than the model (wrong outputs and
+# gradients, silently, under every schedule). Where nothing else refers to h (torchvision's
+# ResNet: `out += identity`) the two agree, and fx's graph is kept. So the tracer's proxies
+# record each augmented assignment (`_AugmentedProxy`), still traced out of place, and `trace`
+# refuses the graph when the old tensor, or a view of it or a tensor it is a view of, is read
+# after the assignment, or is a model input; capture="auto" then takes torch.export, which
+# records the in-place op.
+_AUGMENTED = {"iadd": ("add", "+="), "isub": ("sub", "-="), "imul": ("mul", "*="),
+              "itruediv": ("truediv", "/="), "ifloordiv": ("floordiv", "//="),
+              "imod": ("mod", "%="), "ipow": ("pow", "**="), "imatmul": ("matmul", "@="),
+              "iand": ("and", "&="), "ior": ("or", "|="), "ixor": ("xor", "^="),
+              "ilshift": ("lshift", "<<="), "irshift": ("rshift", ">>=")}
+# Nodes whose result may share the storage of their first argument (views, and methods that
+# return the tensor itself when nothing needs to change).
+_ALIASING = {"view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims",
+             "permute", "t", "narrow", "select", "unsqueeze", "squeeze", "flatten",
+             "unflatten", "expand", "expand_as", "as_strided", "chunk", "split",
+             "tensor_split", "unbind", "movedim", "moveaxis", "diagonal", "unfold", "real",
+             "imag", "contiguous", "to", "type", "type_as", "float", "double", "half",
+             "bfloat16", "cpu", "cuda", "detach", "requires_grad_", "view_as_real",
+             "view_as_complex", "getitem", "__getitem__", "split_with_sizes", "hsplit",
+             "vsplit", "dsplit", "T", "mT", "H", "mH", "align_as", "rename", "refine_names"}
+
+
+class _AugmentedProxy(fx.Proxy):
+    """NOTE [Augmented assignment]: `h op= y` traced as `h op y`, and recorded."""
+
+
+def _augmented(op: str, method: str):
+    def apply(self, other):
+        out = getattr(self, f"__{method}__")(other)
+        if isinstance(out, fx.Proxy):
+            self.tracer.augmented.append((out.node, self.node, op))
+        return out
+    apply.__name__ = f"__{op}__"
+    return apply
+
+
+for _op, (_method, _) in _AUGMENTED.items():
+    setattr(_AugmentedProxy, f"__{_op}__", _augmented(_op, _method))
+
+
+def _aliasing(n: fx.Node) -> bool:
+    if n.op not in ("call_method", "call_function") or not n.args:
+        return False
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name in _ALIASING
+
+
+def _aliases(target: fx.Node) -> set[fx.Node]:
+    """The nodes that may share `target`'s storage: the tensors it is a view of, and every view
+    of those (through _ALIASING nodes)."""
+    base = target
+    while _aliasing(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    found, stack = {base}, [base]
+    while stack:
+        for u in stack.pop().users:
+            if u not in found and _aliasing(u) and u.args[0] in found:
+                found.add(u)
+                stack.append(u)
+    return found
+
+
+def _aliased_assignment(graph: fx.Graph, augmented: list) -> str | None:
+    """A description of the first augmented assignment whose old tensor is read afterwards
+    (NOTE [Augmented assignment]), or None."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for new, target, op in augmented:
+        what = f"`{target.name} {_AUGMENTED[op][1]} ...` (node {new.name})"
+        if target.op == "placeholder":
+            return (f"{what} writes into the model input {target.name!r} in plain PyTorch, "
+                    f"which the traced graph would leave unchanged")
+        for a in _aliases(target):
+            late = [u for u in a.users if u is not new and order[u] > order[new]]
+            if late:
+                via = "it" if a is target else f"{a.name}, which shares its storage,"
+                return (f"{what}: {via} is read afterwards by {late[0].name}, which in plain "
+                        f"PyTorch sees the updated contents and in the traced graph the old ones")
+    return None
 
 
 # NOTE [What fx does not record]
@@ -422,6 +516,16 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
+    aliased = _aliased_assignment(graph, tracer.augmented)
+    if aliased:
+        raise TraceError(
+            f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: an "
+            f"augmented assignment on a tensor another name still refers to: {aliased}. fx "
+            f"traces `h += y` as `h = h + y`, where PyTorch adds in place into the tensor both "
+            f"names share. Ways out: capture the model with torch.export (monetlike.profile(..., "
+            f"capture='export'), the fallback of capture='auto'), which records the in-place "
+            f"op, or write the update as the method (`h.add_(y)`), or out of place and use the "
+            f"new name everywhere (`h = h + y`)")
     check_attributes_set(model, written, "torch.fx.symbolic_trace")
     check_norms_under_checkpoint(model, norms, "torch.fx.symbolic_trace")
     if tracer.cached_leaves:
