@@ -51,7 +51,8 @@ from torch.overrides import TorchFunctionMode
 
 from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
 from .trace import (TraceError, attributes_set, check_attributes_set,
-                    check_norms_under_checkpoint, functions_applied, norms_under_checkpoint, trace)
+                    check_norms_under_checkpoint, functions_applied, norms_under_checkpoint,
+                    python_draw_error, python_draws, trace)
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
            "example_of", "export_graph", "split_example"]
@@ -251,7 +252,8 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     recorder = _RecordContiguous()
     try:
         with recorder, functions_applied(lambda cls, a, k: applied.append(cls)), \
-                attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _):
+                attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _), \
+                python_draws() as drawn:
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
     except TraceError:
@@ -260,6 +262,8 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
         raise _export_error(model, e) from e
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
+    if drawn:
+        raise python_draw_error(type(model).__name__, "torch.export.export(strict=False)", drawn)
     check_attributes_set(model, written, "torch.export.export(strict=False)")
     check_norms_under_checkpoint(model, norms, "torch.export.export(strict=False)")
     if recorder.hooks:

@@ -23,7 +23,9 @@ attributes the forward sets are refused by both captures (NOTE [Python state set
 - an augmented assignment (`h += y`) on a tensor another name still refers to (`r = h`, a view
   `half = h[:, :8]`, a list `[h]`, a model input): fx's proxies have no `__iadd__`, so Python
   computes `h + y` out of place and the other name keeps the old contents, where plain
-  PyTorch writes into the one tensor they share (NOTE [Augmented assignment]).
+  PyTorch writes into the one tensor they share (NOTE [Augmented assignment]);
+- a draw from Python's own generators (`random`, numpy's global one: LayerDrop's `if
+  random.random() < p`), refused by both captures (`python_draws`): its outcome would be kept.
 
 When symbolic tracing fails we raise TraceError naming the module being traced, the user code line
 and the ways out. `monetlike.capture` falls back to torch.export (non-strict) in that case when
@@ -438,6 +440,45 @@ def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> N
         f"submodule made a leaf (leaf_modules=[<its name or class>] in monetlike.profile)")
 
 
+@contextlib.contextmanager
+def python_draws():
+    """The block's draws from Python's own generators (the `random` module, numpy's global
+    one): yields a list that holds, after the block, the names of those it drew from, each put
+    back as it was (capturing must not move the user's random streams). A capture runs the
+    forward's Python once, so a draw there (LayerDrop's `if random.random() < p`) is taken once
+    and its outcome kept in the graph: every step would skip the same blocks."""
+    import random
+    import sys
+
+    np = sys.modules.get("numpy")
+    before = random.getstate()
+    np_before = np.random.get_state() if np is not None else None
+    drawn: list[str] = []
+    try:
+        yield drawn
+    finally:
+        if random.getstate() != before:
+            drawn.append("random")
+            random.setstate(before)
+        if np is not None:
+            now = np.random.get_state()
+            if now[0] != np_before[0] or not np.array_equal(now[1], np_before[1]) \
+                    or tuple(now[2:]) != tuple(np_before[2:]):
+                drawn.append("numpy.random")
+                np.random.set_state(np_before)
+
+
+def python_draw_error(name: str, how: str, drawn: list[str]) -> TraceError:
+    return TraceError(
+        f"{how} could not capture {name} faithfully: its forward draws from Python's "
+        f"{' and '.join(drawn)} generator (a random decision such as LayerDrop's `if "
+        f"random.random() < p`). A capture runs the forward's Python once and keeps the outcome "
+        f"of that draw: every step would take the same branch. Ways out: draw with torch on "
+        f"tensors and use the result without a Python branch (multiply by "
+        f"torch.bernoulli(...) or use torch.where), or make the decision outside the model's "
+        f"forward and profile each variant you train")
+
+
 def save_rng() -> dict:
     """The CPU generator's state, and each initialised CUDA device's."""
     state = {"cpu": torch.get_rng_state()}
@@ -479,7 +520,8 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     before = _model_state(model)
     rng = save_rng()
     try:
-        with attributes_set(model) as written, norms_under_checkpoint(model) as (norms, called):
+        with attributes_set(model) as written, norms_under_checkpoint(model) as (norms, called), \
+                python_draws() as drawn:
             tracer.on_module_call = called
             graph = tracer.trace(model)
     except Exception as e:
@@ -516,6 +558,9 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
+    if drawn:
+        restore_rng(rng)
+        raise python_draw_error(type(model).__name__, "torch.fx.symbolic_trace", drawn)
     aliased = _aliased_assignment(graph, tracer.augmented)
     if aliased:
         raise TraceError(

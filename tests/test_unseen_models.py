@@ -58,6 +58,9 @@ and the way out.
   the graph added out of place and the other name kept the old contents (wrong outputs and
   gradients under every schedule, store-all included). fx refuses it now when the old tensor is
   read afterwards (capture="auto" takes torch.export); `out += identity` alone keeps fx's graph.
+- A random decision drawn in Python (LayerDrop's `if random.random() < p`, or numpy's): both
+  captures ran it once and kept the blocks it chose (wrong outputs and gradients from the next
+  step on). Refused by both now, the generators put back.
 """
 
 from __future__ import annotations
@@ -834,3 +837,42 @@ def test_an_augmented_assignment_on_a_model_input_is_captured_by_export():
     x1 = torch.randn(4, 16)
     x2 = x1.clone()
     assert torch.equal(model(x1), wrapped(x2)) and torch.equal(x1, x2)
+
+
+class LayerDrop(nn.Module):
+    """fairseq-style LayerDrop: each block skipped at random, decided in Python."""
+
+    def __init__(self, generator: str):
+        super().__init__()
+        self.numpy = generator == "numpy.random"
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.o = nn.Linear(16, 4)
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        for block in self.blocks:
+            if (np.random.rand() if self.numpy else random.random()) > 0.3:
+                x = x + torch.tanh(block(x))
+        return self.o(x)
+
+
+@pytest.mark.parametrize("generator", ["random", "numpy.random"])
+@pytest.mark.parametrize("capture", ["fx", "export", "auto"])
+def test_a_random_python_decision_in_forward_is_refused(generator, capture):
+    """Both captures run the forward's Python once: the blocks skipped then would be skipped at
+    every step (max abs output difference 1.1 from the next step on, found by a hunt)."""
+    import random
+
+    import numpy as np
+
+    model = LayerDrop(generator)
+    random.seed(5)
+    np.random.seed(5)
+    before = (random.getstate(), np.random.get_state()[1].copy())
+    with pytest.raises(TraceError, match=f"draws from Python's {generator} generator"):
+        monetlike.profile(model, torch.randn(8, 16), repeat=1, capture=capture)
+    # the capture's draws were put back: the user's streams did not move
+    assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1])
