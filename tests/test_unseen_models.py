@@ -61,6 +61,10 @@ and the way out.
 - A random decision drawn in Python (LayerDrop's `if random.random() < p`, or numpy's): both
   captures ran it once and kept the blocks it chose (wrong outputs and gradients from the next
   step on). Refused by both now, the generators put back.
+- A plain Python attribute read in forward (`h * self.scale`, a dropout rate, a flag) and changed
+  by the training loop: the wrapper's capture kept the value of its first call (the old scale,
+  silently). Such attributes are now part of the call's signature: captured again when one
+  changes; a changed structure is a clear mismatch.
 """
 
 from __future__ import annotations
@@ -876,3 +880,47 @@ def test_a_random_python_decision_in_forward_is_refused(generator, capture):
         monetlike.profile(model, torch.randn(8, 16), repeat=1, capture=capture)
     # the capture's draws were put back: the user's streams did not move
     assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1])
+
+
+class ReadsItsAttributes(nn.Module):
+    """A scale, a dropout rate and a flag read in forward, which a training loop may change."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.extra = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(32, 32)
+        self.p, self.scale, self.use_extra = 0.3, 1.0, False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) * self.scale
+        h = F.dropout(h, p=self.p, training=self.training)
+        if self.use_extra:
+            h = h + self.extra(h)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_python_attributes_changed_between_steps_are_read_again(capture):
+    """The wrapper's capture baked `self.scale` in at its first call: after the loop changed it,
+    the steps ran the old value, silently (max abs output difference 0.56, found by a hunt).
+    Now a changed attribute is captured again; one that changes the structure (a flag that adds
+    a branch) is a clear mismatch."""
+    import solver
+
+    torch.manual_seed(0)
+    model = ReadsItsAttributes().train()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1, capture=capture)
+    ref = copy.deepcopy(model)
+    wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), solver.store_all_schedule(graph),
+                                        graph=graph)
+    for step, scale in enumerate((1.0, 1.0, 0.5, 0.5, 2.0)):
+        ref.scale = wrapped.model.scale = scale
+        torch.manual_seed(step)
+        expected = ref(x)
+        torch.manual_seed(step)
+        got = wrapped(x)
+        assert torch.equal(got, expected), (step, scale)
+    assert len(wrapped._entries) == 3  # one per value, none per step
+    ref.use_extra = wrapped.model.use_extra = True
+    with pytest.raises(solver.ScheduleMismatchError, match="the Python attributes the forward"):
+        wrapped(x)

@@ -149,6 +149,8 @@ class ScheduleWrapper(torch.nn.Module):
         self._structure_impls = graph is None or any(len(op.impls) > 1 for op in graph.ops)
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
+        self._gm_state = None  # the Python attributes `_gm` was traced with
+        self._watched = None  # NOTE [Python attributes read in forward]
         self._placeholders = None
         self._plain = 0
         self._recompute_log = None  # (times, clock) inside timing_recomputations()
@@ -310,7 +312,22 @@ class ScheduleWrapper(torch.nn.Module):
         training: list = []
         grads: list = []
         _module_flags(self._model, training, grads)
-        return (tuple(parts), tuple(autocast), tuple(grads), tuple(training))
+        return (tuple(parts), tuple(autocast), tuple(grads), tuple(training),
+                self._python_state())
+
+    def _python_state(self) -> tuple:
+        """NOTE [Python attributes read in forward]: the values of the modules' plain Python
+        attributes."""
+        watched = self._watched
+        if watched is None or watched[0] != self._capture:
+            run_whole = None
+            if self._capture != "export":  # an fx leaf runs its own forward, reading them live
+                from ..trace import MonetTracer
+
+                run_whole = MonetTracer(self._leaf_modules).is_leaf_module
+            watched = self._watched = (self._capture,
+                                       _python_attributes(self._model, run_whole))
+        return tuple(getattr(m, name, None) for m, name in watched[1])
 
     def _entry_for(self, inputs: tuple) -> _Entry:
         sig = self._signature(inputs)
@@ -353,7 +370,8 @@ class ScheduleWrapper(torch.nn.Module):
                 f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
                 f"{schedule.fingerprint}, this model and input {graph.fingerprint}; besides the "
                 f"model, batch and shapes, the structure depends on which inputs and parameters "
-                f"require grad, train/eval mode, autocast and leaf_modules)"
+                f"require grad, train/eval mode, autocast, leaf_modules and the values of the "
+                f"Python attributes the forward reads, such as a flag or a dropout rate)"
                 f"{_smaller_note(graph, schedule)}; solve a schedule for this model, batch and "
                 f"input shape (monetlike.optimize does it in one call)")
         plan = build_plan(graph, schedule, self._traced(inputs))
@@ -390,12 +408,14 @@ class ScheduleWrapper(torch.nn.Module):
             # Specialised to these shapes and constants: captured per input signature (the
             # plan built on it is cached with the signature).
             return export_graph(self._model, inputs)
-        if self._gm is None:
+        state = self._python_state()
+        if self._gm is None or state != self._gm_state:
             from ..trace import trace
 
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
             object.__setattr__(self, "_gm", trace(self._model, self._leaf_modules))
+            self._gm_state = state
         return self._gm
 
     def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:
@@ -421,6 +441,40 @@ class ScheduleWrapper(torch.nn.Module):
         return profile(self._model, tensors, cost="measured", repeat=1,
                        leaf_modules=self._leaf_modules, impl_target=target,
                        capture=self._capture, impls=self._structure_impls)
+
+
+# NOTE [Python attributes read in forward]
+# A capture runs the forward's Python once: a plain attribute it reads (`h * self.scale`,
+# `F.dropout(h, self.p)`, `if self.use_extra:`) is baked into the graph as the value it had then.
+# A training loop that changes one between steps (scheduled dropout, a warm-up flag) would run
+# the old value, silently. So the modules' attributes of plain immutable types are part of the
+# call's signature: when one changes, the model is captured and matched to the schedule again
+# (a new branch taken is another structure: a clear ScheduleMismatchError). Listed once (what a
+# forward sets is refused at capture, NOTE [Python state set in forward] in trace.py), read at
+# each call: a few getattr per module.
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
+def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
+    """(module, name) of every plain attribute (bool, int, float, str, None, or a tuple of
+    them) of the model's modules, `training` and private names left out; not those of the
+    modules `run_whole(module, qualified name)` says run as a whole (fx leaves), nor inside
+    them."""
+    out = []
+    stack = [("", model)]
+    while stack:
+        path, mod = stack.pop()
+        if run_whole is not None and path and run_whole(mod, path):
+            continue
+        stack.extend((f"{path}.{n}" if path else n, child)
+                     for n, child in mod._modules.items() if child is not None)
+        for name, value in vars(mod).items():
+            if name.startswith("_") or name == "training":
+                continue
+            if isinstance(value, _PLAIN_VALUES) or (
+                    isinstance(value, tuple) and all(isinstance(v, _PLAIN_VALUES) for v in value)):
+                out.append((mod, name))
+    return out
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
