@@ -191,6 +191,25 @@ def _aliases(target: fx.Node) -> set[fx.Node]:
     return found
 
 
+def _written_constant(graph: fx.Graph) -> str | None:
+    """A description of the first tensor fx made a graph constant (made in forward from
+    constant sizes: `torch.zeros(4, 32)`) that the graph writes in place, or None. fx runs the
+    factory once, at trace time, so every step would write into the same tensor (a segment-sum
+    accumulator summing over all the steps); torch.export makes it afresh per call."""
+    for n in graph.nodes:
+        if n.op != "get_attr" or not str(n.target).startswith("_tensor_constant"):
+            continue
+        for a in _aliases(n):
+            for u in a.users:
+                name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+                writes = (u.op in ("call_method", "call_function") and u.args and u.args[0] is a
+                          and (name == "setitem" or (name.endswith("_")
+                                                     and not name.endswith("__"))))
+                if writes:
+                    return f"node {u.name} ({name}) writes into it in place"
+    return None
+
+
 def _aliased_assignment(graph: fx.Graph, augmented: list) -> str | None:
     """A description of the first augmented assignment whose old tensor is read afterwards
     (NOTE [Augmented assignment]), or None."""
@@ -561,6 +580,17 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     if drawn:
         restore_rng(rng)
         raise python_draw_error(type(model).__name__, "torch.fx.symbolic_trace", drawn)
+    written = _written_constant(graph)
+    if written:
+        raise TraceError(
+            f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
+            f"forward makes a tensor from constant sizes (torch.zeros(4, 32), an accumulator) "
+            f"and {written}. fx runs such a call once, while tracing, and keeps the tensor: every "
+            f"step would write into the same one. Ways out: capture the model with torch.export "
+            f"(monetlike.profile(..., capture='export'), the fallback of capture='auto'), which "
+            f"makes it at each call, or make it from a traced tensor (x.new_zeros(4, 32), "
+            f"torch.zeros_like(h)), or use the out-of-place op (index_add in place of "
+            f"index_add_)")
     aliased = _aliased_assignment(graph, tracer.augmented)
     if aliased:
         raise TraceError(

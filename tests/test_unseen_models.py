@@ -924,3 +924,39 @@ def test_python_attributes_changed_between_steps_are_read_again(capture):
     ref.use_extra = wrapped.model.use_extra = True
     with pytest.raises(solver.ScheduleMismatchError, match="the Python attributes the forward"):
         wrapped(x)
+
+
+class SegmentSums(nn.Module):
+    """A segment sum into zeros made in forward from constant sizes, written in place (one sum
+    with autograd history, one count without)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.register_buffer("idx", torch.tensor([0, 1, 1, 2, 3, 3, 3, 0]))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        counts = torch.zeros(4)
+        counts.index_add_(0, self.idx, x.detach().abs().sum(1))
+        sums = torch.zeros(4, 32)
+        sums.index_add_(0, self.idx, h)
+        return self.c(sums / counts[:, None])
+
+
+def test_constant_sized_zeros_written_in_place_are_captured_by_export():
+    """fx kept `torch.zeros(4)` as a graph constant, so the counts summed over every step
+    (max abs output difference 0.04 from the second step on) and the sums' in-place write with
+    history failed the profile's second step (found by a hunt)."""
+    import solver
+
+    torch.manual_seed(0)
+    model = SegmentSums().train()
+    with pytest.raises(TraceError, match=r"node index_add__?\d* \(index_add_\) writes into it"):
+        trace(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    graph = monetlike.profile(model, x, repeat=1)
+    assert graph.meta["capture"] == "export"
+    for schedule in (solver.store_all_schedule(graph), three_schedules(graph)["tight"]):
+        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph), (x,),
+                     steps=3, exact=True)
