@@ -346,6 +346,37 @@ def test_second_backward_store_all_works_tight_is_a_clear_error():
         loss.backward()
 
 
+class TwoLosses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc, self.aux = nn.Linear(8 * 8 * 8, 10), nn.Linear(8 * 8 * 8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.c1(x)))
+        h = torch.nn.functional.softplus(self.c2(h)).flatten(1)
+        return self.fc(h), self.aux(torch.sigmoid(h))
+
+
+def test_a_second_backward_needing_a_released_value_says_why_in_the_recomputation_too():
+    """Two losses of one forward backwarded one after the other: where the second backward's
+    recomputation (not its backward) reads a Value the first released, the message said only
+    "(second backward?)" (found by a hunt); it now says why and the ways out, as the backward's."""
+    torch.manual_seed(0)
+    model = TwoLosses().train()
+    x = torch.randn(4, 3, 8, 8).requires_grad_()
+    graph = monetlike.profile(model, x, repeat=1)
+    w = ScheduleWrapper(copy.deepcopy(model), three_schedules(graph)["middle"], graph=graph)
+    a, b = w(x)
+    a.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as e:
+        b.sum().backward()
+    msg = str(e.value)
+    assert "reads value" in msg and "retain_graph=True" in msg
+    assert "run the forward again for each backward" in msg
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory comes back after every step, with the garbage collector off (no reference cycles).
 # ----------------------------------------------------------------------------------------------

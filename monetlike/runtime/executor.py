@@ -474,8 +474,12 @@ class StepState:
             v = self.plan.graph.values[vid]
             raise RuntimeError(
                 f"ScheduleWrapper: recomputation before stage {t} reads value {vid} ({v.name}) "
-                f"through node {m.name}, which is not resident; the schedule is not valid for "
-                f"this run (second backward?)")
+                f"through node {m.name}, which the schedule does not hold at this point. This "
+                f"happens on a second backward through the same forward (retain_graph=True) "
+                f"after the schedule released it: run the forward again for each backward, or "
+                f"use a schedule without recomputation (or `with wrapped.plain():` for that "
+                f"step). Otherwise the schedule does not match what the model saves: re-profile "
+                f"and solve again.")
         return _flagged(torch.as_strided(base, size, stride, offset), grad)
 
     # -- forward bookkeeping ----------------------------------------------------------------
