@@ -600,3 +600,17 @@ def test_parameters_replaced_after_the_first_call_are_used():
         torch.manual_seed(0)
         torch.testing.assert_close(out, fresh(x))
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_graph_of_another_model_is_named_as_a_possible_cause():
+    """The wrapper given the graph of another model with the same inputs: the message blamed
+    only leaf_modules and forward hooks (found by a hunt)."""
+    from collections import OrderedDict
+
+    x = torch.randn(4, 16)
+    first = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    other = nn.Sequential(OrderedDict(a=nn.Linear(16, 16), b=nn.Tanh(), c=nn.Linear(16, 4)))
+    graph = monetlike.profile(first, x, repeat=1)
+    w = ScheduleWrapper(other, store_all_schedule(graph), graph=graph)
+    with pytest.raises(ScheduleError, match="the graph was profiled from another model"):
+        w(x)

@@ -203,10 +203,11 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
             if name not in nodes:
                 raise ScheduleError(
                     f"op {op.id} ({op.name}) names fx node {name!r}, which the traced model does "
-                    f"not have; the graph was profiled from another trace of this model: "
-                    f"other leaf_modules, or a forward hook registered on a submodule since it was "
-                    f"profiled (a module with forward hooks is traced whole, as one op). Profile "
-                    f"and solve again with the hooks in place")
+                    f"not have; the graph was profiled from another model, or from another "
+                    f"trace of this one: other leaf_modules, or a forward hook registered on a "
+                    f"submodule since it was profiled (a module with forward hooks is traced "
+                    f"whole, as one op). Profile this model and solve again (with the hooks in "
+                    f"place)")
             node_op[name] = op.id
             group.append(nodes[name])
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
