@@ -580,12 +580,12 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
     if drawn:
         restore_rng(rng)
         raise python_draw_error(type(model).__name__, "torch.fx.symbolic_trace", drawn)
-    written = _written_constant(graph)
-    if written:
+    constant = _written_constant(graph)
+    if constant:
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
             f"forward makes a tensor from constant sizes (torch.zeros(4, 32), an accumulator) "
-            f"and {written}. fx runs such a call once, while tracing, and keeps the tensor: every "
+            f"and {constant}. fx runs such a call once, while tracing, and keeps the tensor: every "
             f"step would write into the same one. Ways out: capture the model with torch.export "
             f"(monetlike.profile(..., capture='export'), the fallback of capture='auto'), which "
             f"makes it at each call, or make it from a traced tensor (x.new_zeros(4, 32), "
