@@ -577,8 +577,8 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"model with torch.export (monetlike.profile(..., capture='export'), the fallback "
             f"of capture='auto')") from e
     _check_state(model, before)
+    moved = restore_rng(rng)  # before any refusal: capturing must not move the user's stream
     if drawn:
-        restore_rng(rng)
         raise python_draw_error(type(model).__name__, "torch.fx.symbolic_trace", drawn)
     constant = _written_constant(graph)
     if constant:
@@ -613,7 +613,7 @@ def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule
             f"be summed in another order than plain PyTorch's. Capture the model with "
             f"torch.export (capture='export', the fallback of capture='auto'), which records the "
             f"weight computed once")
-    if restore_rng(rng):
+    if moved:
         raise TraceError(
             f"torch.fx.symbolic_trace could not trace {type(model).__name__} faithfully: its "
             f"forward draws random numbers outside the traced ops (a random tensor made from "
