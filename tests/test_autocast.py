@@ -185,3 +185,43 @@ def test_peak_as_predicted_with_the_backward_outside_the_autocast_block(backward
         step(wrapped)
     for (n, p), (_, q) in zip(ref.named_parameters(), wrapped.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=n)
+
+
+@pytest.mark.parametrize("profiled_under_autocast", [False, True])
+def test_a_given_graph_is_trusted_only_under_its_own_autocast_state(profiled_under_autocast):
+    """A graph given to the wrapper was trusted for the first call whatever its autocast state:
+    profiled without autocast and called under it, a recomputing schedule failed in the
+    backward with an internal "this is a bug" error (found by a hunt). Now the call's own
+    structure is profiled and matched: another autocast state is a clear mismatch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 10))
+    x = torch.randn(4, 3, 8, 8)
+    if profiled_under_autocast:
+        with _autocast(cache_enabled=False):
+            graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
+    else:
+        graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
+    assert graph.meta["autocast"] is profiled_under_autocast
+    schedule = keep_schedule(graph, every(0), "tight", hold="stage")
+    assert recomputed_op_count(schedule) > 0
+    wrapped = ScheduleWrapper(copy.deepcopy(model), schedule, graph=graph)
+    with pytest.raises(ScheduleMismatchError):
+        if profiled_under_autocast:
+            wrapped(x).sum().backward()
+        else:
+            with _autocast():
+                out = wrapped(x)
+            out.float().sum().backward()
+
+
+def test_an_analytical_profile_under_autocast_is_refused():
+    """Meta tensors are not autocast: the graph held float32 Values for a bfloat16 step, and
+    monetlike.optimize's plan peaked 28% over its prediction and over the budget (found by a
+    hunt)."""
+    from monetlike.profile.interpreter import ProfileError
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    with _autocast(), pytest.raises(ProfileError, match="torch.autocast does not apply"):
+        monetlike.profile(model, torch.randn(4, 16), cost="analytical:A100-40GB")

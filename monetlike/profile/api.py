@@ -186,6 +186,15 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         call_args, call_kwargs = inputs, {}
     if kind == "measured" and (not isinstance(repeat, int) or repeat < 1):
         raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
+    autocast = any(enabled for _, enabled, _ in rc.autocast_state())
+    if kind == "analytical" and autocast:
+        # Meta tensors are not autocast: the graph would hold float32 Values where the step
+        # runs bfloat16 or float16 ones (a hunted model's step peaked 28% over such a plan).
+        raise ProfileError(
+            f"cost={cost!r}: an analytical profile runs on the meta device, where "
+            f"torch.autocast does not apply, so its graph would not be the autocast step's. "
+            f"Profile under autocast with cost='measured' (on the device it trains on), or call "
+            f"profile outside the autocast block if the model trains without it")
     leaf_modules = list(leaf_modules)
     t_start = time.perf_counter()
     batch = int(inputs[0].shape[0])
@@ -287,6 +296,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                                   f"{m.__module__}.{m.__qualname__}"
                                                   for m in leaf_modules],
                                  "training": bool(model.training),
+                                 # the wrapper trusts a given graph only under the same state
+                                 "autocast": autocast,
                                  "capture": gm.meta["capture"],
                                  # the peaks predicted hold for a step ending with this loss
                                  "loss": "sum of the outputs" if loss_fn is None else

@@ -585,8 +585,8 @@ def _rebind(graph: OpGraph, schedule: Schedule,
 def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
                 given_training: list | None) -> bool:
     """Whether the graph given to the wrapper is this call's: the same input shapes, dtypes and
-    requires_grad, the same parameters requiring grad, and the train/eval flags the model had
-    when it was wrapped (a parameter frozen, an input requiring grad or a submodule put in eval
+    requires_grad, the same parameters requiring grad, autocast on or off as when it was
+    profiled, and the train/eval flags the model had when it was wrapped (a parameter frozen, an input requiring grad or a submodule put in eval
     mode in between change the structure: profiled again, then matched or refused)."""
     summary = graph.summary()
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
@@ -597,6 +597,11 @@ def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
         return False
     requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
     if any(n in requires_grad and requires_grad[n] != bool(rg) for n, _, _, rg in graph.params):
+        return False
+    # Autocast changes the Values' dtypes (a graph profiled without it, given to a call under
+    # it, made a recomputation look for nodes the traced step does not have).
+    if bool(graph.meta.get("autocast", False)) != any(
+            enabled for _, enabled, _ in rc.autocast_state()):
         return False
     return given_training is None or given_training == _training_flags(model)
 
