@@ -169,11 +169,15 @@ for _op, (_method, _) in _AUGMENTED.items():
     setattr(_AugmentedProxy, f"__{_op}__", _augmented(_op, _method))
 
 
+def _target_name(n: fx.Node) -> str:
+    """A call node's method or function name ('view', 'getitem', 'index_add_')."""
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
 def _aliasing(n: fx.Node) -> bool:
     if n.op not in ("call_method", "call_function") or not n.args:
         return False
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    return name in _ALIASING
+    return _target_name(n) in _ALIASING
 
 
 def _aliases(target: fx.Node) -> set[fx.Node]:
@@ -201,7 +205,7 @@ def _written_constant(graph: fx.Graph) -> str | None:
             continue
         for a in _aliases(n):
             for u in a.users:
-                name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+                name = _target_name(u)
                 writes = (u.op in ("call_method", "call_function") and u.args and u.args[0] is a
                           and (name == "setitem" or (name.endswith("_")
                                                      and not name.endswith("__"))))

@@ -811,9 +811,13 @@ def test_augmented_assignment_on_an_aliased_tensor_is_captured_by_export(cls, wh
 
 
 def test_an_augmented_assignment_nothing_else_reads_keeps_the_fx_graph():
+    import operator
+
     torch.manual_seed(0)
-    trace(ResidualAddInPlace())  # not refused
-    _trains_like_pytorch(ResidualAddInPlace().train(), "fx")
+    gm = trace(ResidualAddInPlace())  # not refused: traced out of place, as the model computes
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [operator.add,
+                                                                              torch.relu]
+    _trains_like_pytorch(ResidualAddInPlace().train(), "fx")  # captured by fx, exact
 
 
 class AddIntoTheInput(nn.Module):

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..torch_private import tree_leaves
+
 MAX_ENTRIES = 200_000
 """Entries kept at most (then the memo is cleared): a few hundred bytes each."""
 
@@ -104,7 +106,8 @@ def _describe(out: Any, args: tuple, kwargs: dict) -> tuple | None:
     outs = (out,) if single else out
     if not isinstance(outs, tuple) or not outs:
         return None
-    taken = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+    taken = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+             if isinstance(t, torch.Tensor)}
     described = []
     for t in outs:
         if (not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor
@@ -120,14 +123,3 @@ def _describe(out: Any, args: tuple, kwargs: dict) -> tuple | None:
             return None
         described.append((tuple(t.shape), t.stride(), t.dtype))
     return single, tuple(described)
-
-
-def _tensors(x: Any):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for a in x:
-            yield from _tensors(a)
-    elif isinstance(x, dict):
-        for a in x.values():
-            yield from _tensors(a)
