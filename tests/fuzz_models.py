@@ -12,7 +12,8 @@ results die, which the memory model does not describe: docs/profiler.md, Limits)
 The constructs cover what a memory model must account per storage: matmuls and convolutions on
 transposed views, split/chunk/slice, view/reshape/permute, contiguous copies, cat/stack,
 softmax, dropout, three norms, in-place and out-of-place activations, broadcasting adds and muls,
-a Linear whose weight is used by two steps, and complex views of float Values.
+a Linear whose weight is used by two steps, complex views of float Values, and an in-place add
+into an activation written in place with another Op computed in between.
 
 `FUZZ_PROGRAMS` is a hypothesis strategy for programs; `build(program)` makes the module and its
 example batch.
@@ -45,6 +46,9 @@ CONSTRUCTS = (
     "log_softmax", "slice_broadcast", "read_then_inplace",
     # complex numbers: views of float Values as another dtype, lazy conjugates (rotary embeddings)
     "complex_mul",
+    # an in-place add into an Op's result with another Op computed in between: one Op whose
+    # backward autograd leaves and comes back to (NOTE [Interleaved stages] in the profiler)
+    "act_then_add_",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -54,7 +58,7 @@ ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
               "slice_cat": 2, "reshape_permute": 2, "stack_mean": 3, "relu_inplace": 2,
               "sigmoid_inplace": 2, "add": 2, "mul": 2, "swiglu": 2, "masked_fill": 2,
               "argmax_gather": 2, "sigmoid_gate": 2, "view_add_inplace": 2,
-              "slice_broadcast": 2, "complex_mul": 2})
+              "slice_broadcast": 2, "complex_mul": 2, "act_then_add_": 2})
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,9 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         x = a * 1.0
         x[:, 0] += b[:, 0]
         return x
+    if k == "act_then_add_":  # SiLU in place saves a copy of its input until its backward
+        h = F.silu(a * 1.5, inplace=True)
+        return h.add_(torch.tanh(b))
     if k == "cumsum":
         return a.cumsum(dim=1)
     if k == "log_softmax":

@@ -116,6 +116,19 @@ class Group:
             self.unsafe.append(reason)
 
 
+def _last_windows(windows: list[tuple]) -> dict[int, int]:
+    """group -> the index of its last backward interval among `windows` (group first)."""
+    return {w[0]: k for k, w in enumerate(windows)}
+
+
+def _still_held(held: tuple, last: dict[int, int], gone_at: dict[tuple, int]) -> int:
+    """Bytes of `held` (_held_elsewhere at the start of an interval) that die by the last
+    interval of a group holding them: kept for a later interval of that group (NOTE [Interleaved
+    stages]). What outlives its groups' backward is held for another reason, not this one."""
+    return sum(n for key, groups, n in held
+               if key in gone_at and gone_at[key] <= max(last[g] for g in groups))
+
+
 def _early_releases(levels: list[int], frees: list[tuple[int, int, int]]) -> list[int]:
     """The Values among `frees` ((position in `levels`, tag, bytes), in time order) that a stage
     must count as early releases, given the allocator's `levels` over the stage.
@@ -269,8 +282,21 @@ class ProfileRun(fx.Interpreter):
         self._marks = 0
         # (gid, marks, persistent, nograd marks, addresses of the storages the node left)
         self._fwd_windows: list[tuple] = []
-        # (gid, start mark, Value bytes at start, first interval of the stage?, end mark)
+        # (gid, start mark, Value bytes at start, the stage the simulator is in, first interval
+        # of the stage?, what other stages hold then (_held_elsewhere), end mark)
         self._bwd_windows: list[tuple] = []
+        # The same without the allocator's count: (gid, the simulator's stage, first?, held
+        # elsewhere, the tracker's peak of non-Value bytes)
+        self._tracked_windows: list[tuple] = []
+        # Started stages that may still hold internals, and Values all of whose savers started:
+        # what a stage autograd comes back to later keeps while others run (_held_elsewhere).
+        self._holding_groups: set[int] = set()
+        self._holding_values: dict[int, tuple[int, ...]] = {}  # tid -> the groups that saved it
+        self._savers: dict[int, list[int]] | None = None
+        self._window: tuple | None = None  # (the simulator's stage, first?, held elsewhere)
+        self._windows_opened = 0
+        # (class, tag) of a held thing -> the interval its last byte died in (_held_elsewhere)
+        self._gone_at: dict[tuple, int] = {}
         self._bwd_open: tuple | None = None
         self._end: tuple[int, int] | None = None  # (mark, Value bytes) after the backward
         # Values freed inside a backward stage (autograd drops a saved Value once its node ran):
@@ -350,6 +376,9 @@ class ProfileRun(fx.Interpreter):
         return self._marks
 
     def _on_free(self, nbytes: int, cls: str, tag) -> None:
+        if (self.phase == "backward" and cls in (VALUE, INTERNAL)
+                and (cls, tag) not in self.tracker.live_by_tag):
+            self._gone_at[(cls, tag)] = self._windows_opened - 1
         if self.phase != "backward" or cls != VALUE or self.bcur is None:
             return
         if self.alloc is not None:
@@ -378,37 +407,39 @@ class ProfileRun(fx.Interpreter):
             self._meta_release = (self.bcur, tag, nbytes, self.tracker.window_class_peak)
             self.tracker.reset_window()
 
-    def _close_meta_release(self) -> None:
+    def _close_meta_release(self) -> int:
         """The meta device's stage peak with a declared release: levels (gradients and other
         non-Value bytes) peaked at `before` with the Value resident and at `after` without it.
-        Same rule as `_early_releases` on these two levels."""
+        Same rule as `_early_releases` on these two levels. Returns the peak charged."""
         gid, tag, nbytes, before = self._meta_release
         self._meta_release = None
         after = self.tracker.window_class_peak
         g = self.groups[gid]
-        g.bwd_peak = max(g.bwd_peak, before, after - nbytes)
+        peak = max(before, after - nbytes)
+        g.bwd_peak = max(g.bwd_peak, peak)
         if after > before:  # holding the Value past the release would raise the peak
             g.early_release.add(tag)
         self.tracker.reset_window()
+        return peak
 
     def _apply_allocator_windows(self) -> None:
         """Each Op's workspaces and each stage's gradient memory from what the allocator saw
         between the marks (the tracker's figures miss kernel scratch)."""
         a = self.alloc
         spans: dict[int, list[tuple[int, int]]] = {}  # group -> its backward intervals
-        for gid, s, _, _, e in self._bwd_windows:
+        for gid, s, *_, e in self._bwd_windows:
             spans.setdefault(gid, []).append((a.position(s), a.position(e)))
         # Blocks a node allocated that outlive it, are none of the storages it left (Values,
         # hooked internals) and die in its Op's backward: autograd keeps them for it without the
-        # hooks (Group.unhooked_bytes). (position allocated, position freed, bytes)
-        unhooked: list[tuple[int, int, int]] = []
+        # hooks (Group.unhooked_bytes). (position allocated, position freed, bytes, group)
+        unhooked: list[tuple[int, int, int, int]] = []
         for gid, (s, e), persistent, nograd, left in self._fwd_windows:
             g = self.groups[gid]
             held = [b for b in a.blocks_left(s, e) if b[0] not in left and b[3] is not None
                     and any(bs < b[3] < be for bs, be in spans.get(gid, ()))]
             g.unhooked_bytes += sum(b[1] for b in held)
             persistent += sum(b[1] for b in held)
-            unhooked.extend((b[2], b[3], b[1]) for b in held)
+            unhooked.extend((b[2], b[3], b[1], gid) for b in held)
             workspace = a.peak_between(s, e) - a.level(s) - persistent
             g.fwd_workspace = max(g.fwd_workspace, workspace)
             if nograd is None:
@@ -433,7 +464,8 @@ class ProfileRun(fx.Interpreter):
         # before the stage's peak are not in it (the tracker's figure, which holds them to the
         # stage's end, is not used); those Values are the Op's early releases.
         # A group's later interval (autograd came back to one of its nodes after other stages
-        # ran) happens while the simulator is in the latest stage started: it counts there.
+        # ran) happens while the simulator is in the latest stage started: it counts there, and
+        # so does what the group still holds for it meanwhile (NOTE [Interleaved stages]).
         def by_group(marked):  # mark -> (group, tag, bytes) as group -> [(position, tag, bytes)]
             out: dict[int, list[tuple[int, int, int]]] = {}
             for m, (fg, tag, nbytes) in marked.items():
@@ -441,14 +473,20 @@ class ProfileRun(fx.Interpreter):
             return out
         frees, declared = by_group(self._value_frees), by_group(self._declared)
         first_other: dict[int, int] = {}
+        # stage -> the level its point's Values, internals and unhooked blocks make at its start:
+        # every interval counting in the stage is read against it, so what autograd freed since
+        # (the stage's own saved Values, which the stage's point still holds) cancels out
+        reference: dict[int, int] = {}
         top: dict[int, int] = {}
-        current = None
-        for gid, s, values0, first, e in self._bwd_windows:
-            other0 = a.level(s) - values0 - self._unhooked_at(unhooked, s)
-            if first or current is None:
-                current = gid
+        last = _last_windows(self._bwd_windows)
+        for gid, s, values0, owner, first, held, e in self._bwd_windows:
             if first:
+                # the unhooked blocks of a stage already passed are not the simulator's either
+                other0 = (a.level(s) - values0 + _still_held(held, last, self._gone_at)
+                          - self._unhooked_at(unhooked, s, lambda fg: fg == gid
+                                              or fg not in first_other))
                 first_other[gid] = other0
+                reference[gid] = a.level(s) - other0
                 start, end = a.position(s), a.position(e)
                 levels = [a.level_at(i) for i in range(start, end + 1)]
                 freed = [(i - start, tag, n) for i, tag, n in frees.get(gid, ())
@@ -461,11 +499,11 @@ class ProfileRun(fx.Interpreter):
                         freed.append((i - start, tag, n))
                         for q in range(i - start + 1, len(levels)):
                             levels[q] -= n
-                peak = other0 + max(levels) - a.level(s)
+                peak = max(levels) - reference[gid]
                 self.groups[gid].early_release.update(_early_releases(levels, freed))
             else:
-                peak = other0 + a.peak_between(s, e) - a.level(s)
-            top[current] = max(top.get(current, peak), peak)
+                peak = a.peak_between(s, e) - reference[owner]
+            top[owner] = max(top.get(owner, peak), peak)
         for gid, other0 in first_other.items():
             g = self.groups[gid]
             g.stage_start = max(g.stage_start, other0)
@@ -475,13 +513,15 @@ class ProfileRun(fx.Interpreter):
             end, values = self._end
             self.final_grad_bytes = max(self.final_grad_bytes, a.level(end) - values)
 
-    def _unhooked_at(self, unhooked: list[tuple[int, int, int]], mark) -> int:
-        """Bytes of `unhooked` blocks ((allocated, freed, bytes) positions) alive at `mark`:
-        held like internals, so not part of the "other" bytes there."""
+    def _unhooked_at(self, unhooked: list[tuple[int, int, int, int]], mark,
+                     counted=lambda gid: True) -> int:
+        """Bytes of `unhooked` blocks ((allocated, freed, bytes, group) positions) alive at
+        `mark` whose group is `counted`: held like internals, so not part of the "other" bytes
+        there."""
         i = self.alloc.position(mark)
-        return sum(n for s, e, n in unhooked if s < i < e)
+        return sum(n for s, e, n, gid in unhooked if s < i < e and counted(gid))
 
-    def _charge_loss(self, unhooked: list[tuple[int, int, int]]) -> None:
+    def _charge_loss(self, unhooked: list[tuple[int, int, int, int]]) -> None:
         """A user's loss runs its own kernels between the model's forward and its first stage:
         their peak, forward and backward, is charged to the first stage, whose backward point
         holds at least what the step held then (every Value kept or output at the end of the
@@ -527,7 +567,8 @@ class ProfileRun(fx.Interpreter):
     # -- the run ----------------------------------------------------------------------------
     def profile_step(self, inputs: tuple) -> None:
         if self.alloc is None:
-            return self._profile_step(inputs)
+            self._profile_step(inputs)
+            return self._apply_tracked_windows()
         with self.alloc:
             self._profile_step(inputs)
         self._apply_allocator_windows()
@@ -836,7 +877,7 @@ class ProfileRun(fx.Interpreter):
                     self._add_input(g, tid, rec.pos)
                 g.saved.add(tid)
             elif cls == OTHER:
-                tr.set_class(key, INTERNAL)
+                tr.set_class(key, INTERNAL, g.gid)
                 g.internal_bytes += nbytes
                 if key in rec.created:
                     persistent += nbytes
@@ -882,14 +923,16 @@ class ProfileRun(fx.Interpreter):
         if self._bwd_open is not None:
             self._bwd_windows.append((*self._bwd_open, self._mark()))
             self._bwd_open = None
+        if self.bcur is None:
+            return
         if self._meta_release is not None:
-            self._close_meta_release()
-        elif self.bcur is not None:
-            g = self.groups[self.bcur]
-            g.bwd_peak = max(g.bwd_peak, self.tracker.window_class_peak)
+            peak = self._close_meta_release()
+        else:
+            peak = self.tracker.window_class_peak
             if self.cuda is not None:  # pragma: no cover - no GPU in CI
-                g.bwd_peak = max(g.bwd_peak, self._other0 + torch.cuda.max_memory_allocated(
-                    self.cuda) - self._alloc0)
+                peak = max(peak, self._other0 + torch.cuda.max_memory_allocated(self.cuda)
+                           - self._alloc0)
+        self._tracked_windows.append((self.bcur, *self._window, peak))
 
     def _bwd_pre(self, gid: int, root: bool) -> None:
         if gid == self.bcur:
@@ -915,16 +958,75 @@ class ProfileRun(fx.Interpreter):
             g.stage_start = self.tracker.live_by_class[OTHER]
             # The first stage is charged the loss's peaks as well (_charge_loss says why).
             g.bwd_peak = max((g.stage_start, *loss_peaks))
+            self._start_holding(g)
+        owner = self.backward_order[-1]
+        self._window = (owner, first, self._held_elsewhere(owner))
+        self._windows_opened += 1
         self.tracker.reset_window()
         if self.alloc is not None:
             tr = self.tracker
             self._bwd_open = (gid, self._mark(), tr.live_by_class[VALUE]
-                              + tr.live_by_class[INTERNAL], first)
+                              + tr.live_by_class[INTERNAL], *self._window)
         if self.cuda is not None:  # pragma: no cover - no GPU in CI
             torch.cuda.reset_peak_memory_stats(self.cuda)
             self._alloc0 = torch.cuda.memory_allocated(self.cuda)
             self._other0 = self.tracker.live_by_class[OTHER]
         return None
+
+    # NOTE [Interleaved stages]: autograd may leave an Op's backward after some of its nodes, run
+    # another Op's nodes, and come back (an Op whose nodes are not contiguous in the forward:
+    # `h = act_(a(x)); h += b(x)` under export is one Op, a, act_ and add_, with b's node between
+    # them). The simulator runs each stage whole, in the order the stages started, and the later
+    # interval counts in the stage under way then. So what such an Op still holds for its later
+    # nodes while another stage runs (its internals, the Values only started stages saved, when
+    # they die in that later interval) is not among the simulator's resident bytes: it counts as
+    # the running stage's own bytes, as its gradients do. And the later interval is read against
+    # the level at the running stage's start, as the stage's own first interval is: the stage's
+    # point still holds the saved Values autograd has freed since.
+    def _start_holding(self, g: Group) -> None:
+        """Stage `g` starts: its internals, and the Values whose savers have all started, may
+        now be held for a stage the simulator has left."""
+        if self._savers is None:
+            self._savers = {}
+            for other in self.groups:
+                for tid in other.saved:
+                    self._savers.setdefault(tid, []).append(other.gid)
+        self._holding_groups.add(g.gid)
+        for tid in g.saved:
+            savers = self._savers[tid]
+            if all(self.groups[s].ran_backward for s in savers):
+                self._holding_values[tid] = tuple(savers)
+
+    def _held_elsewhere(self, owner: int) -> tuple[tuple[tuple, tuple[int, ...], int], ...]:
+        """What started stages other than `owner` hold now, as ((class, tag), the groups
+        holding it, bytes): it counts for `owner` if it dies in a later interval of one of those
+        groups (_still_held)."""
+        live = self.tracker.live_by_tag
+        held = []
+        for gid in list(self._holding_groups):
+            n = live.get((INTERNAL, gid), 0)
+            if not n:  # freed: internals are made in the forward only
+                self._holding_groups.discard(gid)
+            elif gid != owner:
+                held.append(((INTERNAL, gid), (gid,), n))
+        for tid, savers in list(self._holding_values.items()):
+            n = live.get((VALUE, tid), 0)
+            if not n:
+                del self._holding_values[tid]
+            elif owner not in savers:
+                held.append(((VALUE, tid), savers, n))
+        return tuple(held)
+
+    def _apply_tracked_windows(self) -> None:
+        """Each stage's peak of non-Value bytes from the tracker's windows (no allocator's
+        count): a later interval and what is held for one counts in the stage under way."""
+        last = _last_windows(self._tracked_windows)
+        for k, (gid, owner, first, held, peak) in enumerate(self._tracked_windows):
+            g = self.groups[owner]
+            extra = _still_held(held, last, self._gone_at)
+            if first:
+                g.stage_start += extra
+            g.bwd_peak = max(g.bwd_peak, peak + extra)
 
     # -- the order of Ops -------------------------------------------------------------------
     def topological_order(self) -> list[int]:

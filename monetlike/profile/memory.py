@@ -58,7 +58,8 @@ class _Entry:
 class StorageTracker(TorchDispatchMode):
     """Track live storages created by aten ops (plus any registered with `track`).
 
-    Counters: `live` (all tracked bytes), `live_by_class[cls]`, `peak` (since construction) and a
+    Counters: `live` (all tracked bytes), `live_by_class[cls]`, `live_by_tag[(cls, tag)]` (storages
+    registered with a tag), `peak` (since construction) and a
     resettable window (`reset_window`, `window_peak`, `window_class_peak`) so a caller can ask
     "what was the peak during this node / this backward stage".
 
@@ -72,6 +73,7 @@ class StorageTracker(TorchDispatchMode):
         self.entries: dict[int, _Entry] = {}
         self.live = 0
         self.live_by_class: dict[str, int] = defaultdict(int)
+        self.live_by_tag: dict[tuple, int] = defaultdict(int)  # (class, tag) -> bytes, tagged only
         self.peak = 0
         self.default_class = default_class
         self.window_class = window_class
@@ -89,6 +91,7 @@ class StorageTracker(TorchDispatchMode):
                 del self.entries[key]
                 self.live -= e.nbytes
                 self.live_by_class[e.cls] -= e.nbytes
+                self._count_tagged(e, -e.nbytes)
                 if self.on_free is not None:
                     self.on_free(e.nbytes, e.cls, e.tag)
         return cb
@@ -104,6 +107,7 @@ class StorageTracker(TorchDispatchMode):
         self.entries[key] = _Entry(n, cls, tag, weakref.ref(storage, self._freed_cb(key)))
         self.live += n
         self.live_by_class[cls] += n
+        self._count_tagged(self.entries[key], n)
         self._bump()
         if self.on_create is not None:
             self.on_create(key, n)
@@ -114,6 +118,13 @@ class StorageTracker(TorchDispatchMode):
             s = storage_of(t)
             if s is not None:
                 self.track(s, cls)
+
+    def _count_tagged(self, e: _Entry, nbytes: int) -> None:
+        if e.tag is not None:
+            key = (e.cls, e.tag)
+            self.live_by_tag[key] += nbytes
+            if not self.live_by_tag[key]:
+                del self.live_by_tag[key]
 
     def _bump(self) -> None:
         if self.live > self.peak:
@@ -127,8 +138,10 @@ class StorageTracker(TorchDispatchMode):
     def set_class(self, key: int, cls: str, tag: Any = None) -> None:
         e = self.entries[key]
         self.live_by_class[e.cls] -= e.nbytes
+        self._count_tagged(e, -e.nbytes)
         e.cls, e.tag = cls, tag
         self.live_by_class[cls] += e.nbytes
+        self._count_tagged(e, e.nbytes)
 
     def class_of(self, key: int | None) -> str | None:
         e = self.entries.get(key) if key is not None else None
@@ -173,6 +186,7 @@ class StorageTracker(TorchDispatchMode):
                 e.nbytes += d
                 self.live += d
                 self.live_by_class[e.cls] += d
+                self._count_tagged(e, d)
                 self._bump()
         for obs in self.observers:
             obs(func, args, kwargs, out)
