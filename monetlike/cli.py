@@ -638,6 +638,7 @@ def cmd_pareto(args) -> int:
     graph = _profile_args(args)
     with interruptible("monetlike pareto"):
         df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
+    print(f"{graph.model} batch {graph.batch}, figures: {graph.cost_provenance}")
     print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
     if df["overhead_pct"].isna().all():
         print(f"monetlike pareto: error: no method fits any of the budgets "

@@ -35,6 +35,9 @@ class Explanation:
     optimizer_step_bytes: int
     verdict: str
     timeline: list[int] = field(repr=False, default_factory=list)
+    cost_provenance: str = ""
+    """Where the figures come from ('measured:cpu', 'analytical:A100-40GB'): a budget read
+    off them holds for a solve of a graph profiled the same way."""
 
     @property
     def saving_bytes(self) -> int:
@@ -52,6 +55,8 @@ class Explanation:
         lines = [
             f"{self.model} batch {self.batch}: store-all peak {format_bytes(self.store_all_peak_bytes)} "
             f"in the {self.peak_phase}{' at ' + self.peak_where if self.peak_where else ''}",
+            *([f"figures: {self.cost_provenance} (plan with the same --cost for these budgets to "
+               f"hold)"] if self.cost_provenance else []),
             "",
             self.table().drop(columns=["bytes"]).to_string(index=False),
             "",
@@ -171,7 +176,7 @@ def explain_graph(graph: solver.OpGraph, model=None, *, time_limit_s: float = 60
         activations_by_module=dict(by_module), min_budget_bytes=max(floor, optimizer_step),
         optimizer_step_bytes=optimizer_step,
         verdict=_verdict(store_all, max(floor, optimizer_step), breakdown, activations + internals),
-        timeline=[p.bytes for p in tl.points])
+        timeline=[p.bytes for p in tl.points], cost_provenance=graph.cost_provenance)
 
 
 def _verdict(peak: int, floor: int, breakdown: dict[str, int], activation_bytes: int) -> str:

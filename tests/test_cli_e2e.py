@@ -53,11 +53,14 @@ def test_explain_and_pareto_write_pngs(tmp_path, capsys):
     code, out, _ = _run(["explain", "resnet18", "--batch", "64", "--input-shape", "3,128,128",
                          "--plot", str(png)], capsys)
     assert code == 0 and "verdict: scheduling can help" in out and png.stat().st_size > 10_000
+    # explain and pareto default to a roofline, solve to measuring here: they say which it is
+    assert "figures: analytical:A100-40GB (plan with the same --cost" in out
     png = tmp_path / "p.png"
     code, out, _ = _run(["pareto", "resnet18", "--batch", "64", "--input-shape", "3,128,128",
                          "--budgets", "400MiB,600MiB", "--time-limit", "10", "--plot", str(png)],
                         capsys)
     assert code == 0 and "chen_sqrt_n" in out and png.stat().st_size > 10_000
+    assert "figures: analytical:A100-40GB" in out
 
 
 def test_backends(capsys):
