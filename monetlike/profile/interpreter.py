@@ -472,42 +472,39 @@ class ProfileRun(fx.Interpreter):
                 out.setdefault(fg, []).append((a.position(m), tag, nbytes))
             return out
         frees, declared = by_group(self._value_frees), by_group(self._declared)
-        first_other: dict[int, int] = {}
-        # stage -> the level its point's Values, internals and unhooked blocks make at its start:
-        # every interval counting in the stage is read against it, so what autograd freed since
-        # (the stage's own saved Values, which the stage's point still holds) cancels out
-        reference: dict[int, int] = {}
-        top: dict[int, int] = {}
-        last = _last_windows(self._bwd_windows)
+        # Each stage's span: from its first interval to the end of the last one counting in it
+        # (later intervals of earlier stages run in it: NOTE [Interleaved stages]).
+        stages: dict[int, list] = {}  # group -> [start mark, end mark, Value bytes, held]
         for gid, s, values0, owner, first, held, e in self._bwd_windows:
             if first:
-                # the unhooked blocks of a stage already passed are not the simulator's either
-                other0 = (a.level(s) - values0 + _still_held(held, last, self._gone_at)
-                          - self._unhooked_at(unhooked, s, lambda fg: fg == gid
-                                              or fg not in first_other))
-                first_other[gid] = other0
-                reference[gid] = a.level(s) - other0
-                start, end = a.position(s), a.position(e)
-                levels = [a.level_at(i) for i in range(start, end + 1)]
-                freed = [(i - start, tag, n) for i, tag, n in frees.get(gid, ())
-                         if start <= i <= end]
-                # A declared release whose Value stayed alive in this step (another Op saved it
-                # too): the levels after it, as in a schedule where it goes there.
-                really = {tag for _, tag, _ in freed}
-                for i, tag, n in declared.get(gid, ()):
-                    if start <= i <= end and tag not in really:
-                        freed.append((i - start, tag, n))
-                        for q in range(i - start + 1, len(levels)):
-                            levels[q] -= n
-                peak = max(levels) - reference[gid]
-                self.groups[gid].early_release.update(_early_releases(levels, freed))
+                stages[gid] = [s, e, values0, held]
             else:
-                peak = a.peak_between(s, e) - reference[owner]
-            top[owner] = max(top.get(owner, peak), peak)
-        for gid, other0 in first_other.items():
+                stages[owner][1] = e
+        last = _last_windows(self._bwd_windows)
+        started: set[int] = set()
+        for gid, (s, e, values0, held) in stages.items():
+            # "other" bytes at the stage's start; the unhooked blocks of a stage already passed
+            # are not the simulator's either
+            other0 = (a.level(s) - values0 + _still_held(held, last, self._gone_at)
+                      - self._unhooked_at(unhooked, s, lambda fg: fg == gid or fg not in started))
+            started.add(gid)
+            start, end = a.position(s), a.position(e)
+            levels = [a.level_at(i) for i in range(start, end + 1)]
+            freed = [(i - start, tag, n) for i, tag, n in frees.get(gid, ()) if start <= i <= end]
+            # A declared release whose Value stayed alive in this step (another Op saved it
+            # too): the levels after it, as in a schedule where it goes there.
+            really = {tag for _, tag, _ in freed}
+            for i, tag, n in declared.get(gid, ()):
+                if start <= i <= end and tag not in really:
+                    freed.append((i - start, tag, n))
+                    for q in range(i - start + 1, len(levels)):
+                        levels[q] -= n
+            # Levels are read against the stage's start: what autograd freed since (the
+            # stage's own saved Values, which the stage's point still holds) cancels out.
             g = self.groups[gid]
+            g.early_release.update(_early_releases(levels, freed))
             g.stage_start = max(g.stage_start, other0)
-            g.bwd_peak = g.stage_start + max(0, top[gid] - other0)
+            g.bwd_peak = g.stage_start + max(0, max(levels) - a.level(s))
         self._charge_loss(unhooked)
         if self._end is not None:
             end, values = self._end
@@ -980,9 +977,10 @@ class ProfileRun(fx.Interpreter):
     # interval counts in the stage under way then. So what such an Op still holds for its later
     # nodes while another stage runs (its internals, the Values only started stages saved, when
     # they die in that later interval) is not among the simulator's resident bytes: it counts as
-    # the running stage's own bytes, as its gradients do. And the later interval is read against
-    # the level at the running stage's start, as the stage's own first interval is: the stage's
-    # point still holds the saved Values autograd has freed since.
+    # the running stage's own bytes, as its gradients do. And the stage's levels run on through
+    # the later interval, read against the level at the stage's start: the stage's point still
+    # holds the saved Values autograd has freed since, and a release the stage declared holds
+    # there too (_apply_allocator_windows).
     def _start_holding(self, g: Group) -> None:
         """Stage `g` starts: its internals, and the Values whose savers have all started, may
         now be held for a stage the simulator has left."""
