@@ -437,7 +437,10 @@ def check_attributes_set(model: torch.nn.Module, written: list, how: str) -> Non
         f"(self.register_buffer('calls', torch.zeros((), dtype=torch.long)); `self.calls += 1`, "
         f"which torch.export records: capture='export'), set the attribute outside forward, or "
         f"move that code into a submodule made a leaf (leaf_modules=[<its name or class>]), which "
-        f"runs its forward for real at every step (again when the schedule recomputes it)")
+        f"runs its forward for real at every step (again when the schedule recomputes it). If "
+        f"the forward sets it on its first call only (lazy set-up: transformers installs its "
+        f"output-capturing hooks and sets _output_capturing_hooks_installed when hidden states "
+        f"are asked for), run the model once before profiling and wrapping it")
 
 
 def _check_state(model: torch.nn.Module, before: list, refuse: bool = True) -> None:

@@ -527,6 +527,31 @@ def test_python_attributes_set_in_forward_are_refused_and_put_back(mode):
     assert model.calls == 0 and model.last is None  # not an fx Proxy left behind
 
 
+class LazySetUp(nn.Module):
+    """Sets a flag on its first call only, as transformers does when it installs its
+    output-capturing hooks (Hugging Face DPT asks for its backbone's hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        if not getattr(self, "_set_up", False):
+            self._set_up = True
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_state_set_on_the_first_call_only_is_refused_until_the_model_ran_once():
+    torch.manual_seed(0)
+    model = LazySetUp().train()
+    with pytest.raises(TraceError) as e:
+        monetlike.profile(model, _x(), repeat=1)
+    assert "run the model once before profiling and wrapping it" in str(e.value)
+    assert not hasattr(model, "_set_up")
+    model(_x())  # the way out the message gives
+    _trains_like_pytorch(model, "fx")
+
+
 def test_an_in_place_dropout_recomputed_peaks_as_predicted():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.3, inplace=True), nn.ReLU(),
