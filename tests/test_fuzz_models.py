@@ -75,10 +75,12 @@ def _close(measured: int, predicted: int) -> bool:
     return abs(measured - predicted) <= predicted * PEAK_TOLERANCE
 
 
-def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
+def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
+                capture: str = "auto") -> None:
     _freeze_heap()
     model, tokens = build(program, n_outputs, seed)
-    graph = monetlike.profile(model, tokens, repeat=1)
+    graph = monetlike.profile(model, tokens, repeat=1, capture=capture)
+    assert capture == "auto" or graph.meta["capture"] == capture
     store_all = store_all_schedule(graph)
     predicted = peak_of(graph, store_all)
     wrapped = monetlike.ScheduleWrapper(model, store_all, graph=graph)
@@ -279,6 +281,16 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int) -> None:
            Step("relu_inplace", (53, 0, 0), 0.1), Step("complex_mul", (0, 2, 0), 0.1)), 1, 0))
 def test_fuzzed_models(case):
     check_model(*case)
+
+
+# torch.export's graphs are ATen-level and keep `+=` in place: other Ops, other groupings.
+@pytest.mark.slow
+@settings(max_examples=max(1, EXAMPLES // 8), deadline=None, derandomize=True,
+          print_blob=True, suppress_health_check=[HealthCheck.too_slow,
+                                                  HealthCheck.data_too_large])
+@given(FUZZ_PROGRAMS)
+def test_fuzzed_models_under_export(case):
+    check_model(*case, capture="export")
 
 
 # Over the budget by 116 B in the suite's worker (not alone): there, the solver returned another
