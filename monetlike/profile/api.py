@@ -186,7 +186,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         call_args, call_kwargs = inputs, {}
     if kind == "measured" and (not isinstance(repeat, int) or repeat < 1):
         raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
-    autocast = any(enabled for _, enabled, _ in rc.autocast_state())
+    autocast = rc.autocast_on()
     if kind == "analytical" and autocast:
         # Meta tensors are not autocast: the graph would hold float32 Values where the step
         # runs bfloat16 or float16 ones (a hunted model's step peaked 28% over such a plan).

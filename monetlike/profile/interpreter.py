@@ -1019,7 +1019,7 @@ class ProfileRun(fx.Interpreter):
         """Each stage's peak of non-Value bytes from the tracker's windows (no allocator's
         count): a later interval and what is held for one counts in the stage under way."""
         last = _last_windows(self._tracked_windows)
-        for k, (gid, owner, first, held, peak) in enumerate(self._tracked_windows):
+        for _, owner, first, held, peak in self._tracked_windows:
             g = self.groups[owner]
             extra = _still_held(held, last, self._gone_at)
             if first:

@@ -144,6 +144,11 @@ def autocast_state() -> tuple[tuple[str, bool, Any], ...]:
     return _autocast_state(torch.cuda.is_available())
 
 
+def autocast_on() -> bool:
+    """Whether autocast is on for some device now."""
+    return any(enabled for _, enabled, _ in autocast_state())
+
+
 def replay_needed(ctx: ForwardContext, autocast: tuple) -> bool:
     """Whether `replay(ctx)` would change anything when the autocast state is `autocast`
     (autocast_state()): an Op that drew random numbers, or whose autocast state differs."""
@@ -170,8 +175,7 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 # (executor.AUTOCAST_CACHE_MESSAGE), with the ways out.
 def casts_cached() -> bool:
     """Whether autocast is on for some device with its weight-cast cache on."""
-    return torch.is_autocast_cache_enabled() and any(
-        enabled for _, enabled, _ in autocast_state())
+    return torch.is_autocast_cache_enabled() and autocast_on()
 
 
 @contextlib.contextmanager

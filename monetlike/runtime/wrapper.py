@@ -586,8 +586,9 @@ def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
                 given_training: list | None) -> bool:
     """Whether the graph given to the wrapper is this call's: the same input shapes, dtypes and
     requires_grad, the same parameters requiring grad, autocast on or off as when it was
-    profiled, and the train/eval flags the model had when it was wrapped (a parameter frozen, an input requiring grad or a submodule put in eval
-    mode in between change the structure: profiled again, then matched or refused)."""
+    profiled, and the train/eval flags the model had when it was wrapped (a parameter frozen, an
+    input requiring grad or a submodule put in eval mode in between change the structure:
+    profiled again, then matched or refused)."""
     summary = graph.summary()
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if summary["input_shapes"] != [list(x.shape) for x in tensors] \
@@ -600,8 +601,7 @@ def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
         return False
     # Autocast changes the Values' dtypes (a graph profiled without it, given to a call under
     # it, made a recomputation look for nodes the traced step does not have).
-    if bool(graph.meta.get("autocast", False)) != any(
-            enabled for _, enabled, _ in rc.autocast_state()):
+    if bool(graph.meta.get("autocast", False)) != rc.autocast_on():
         return False
     return given_training is None or given_training == _training_flags(model)
 
