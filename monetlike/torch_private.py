@@ -132,6 +132,16 @@ def checkpoint_hook_class() -> type:
     return torch.utils.checkpoint._checkpoint_hook
 
 
+def derived_from_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """Attributes a torch module's forward sets from its own parameters, a cache that follows
+    them: an RNN's forward rebuilds `_flat_weights` (and their weak references) when its
+    parameters are other tensors than last time, as they are while torch.export traces it. Not
+    public."""
+    if isinstance(module, torch.nn.RNNBase):
+        return frozenset({"_flat_weights", "_flat_weight_refs"})
+    return frozenset()
+
+
 def parametrize_cache_on() -> bool:
     """Whether a `torch.nn.utils.parametrize.cached()` block is running; no public getter."""
     import torch.nn.utils.parametrize

@@ -46,7 +46,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from solver.errors import MonetlikeError
 
 from .torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
-                            parametrize_cache_on, tree_leaves)
+                            derived_from_parameters, parametrize_cache_on, tree_leaves)
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
@@ -335,7 +335,8 @@ def attributes_set(model: torch.nn.Module):
         # in-place update is what _check_state sees), nor a constant fx keeps on the root.
         if prefix is not None and (prefix, name) not in written \
                 and name not in self._parameters and name not in self._buffers \
-                and name not in self._modules and not name.startswith("_tensor_constant"):
+                and name not in self._modules and not name.startswith("_tensor_constant") \
+                and name not in derived_from_parameters(self):
             written.append((prefix, name))
         setattr_(self, name, value)
 

@@ -65,6 +65,10 @@ and the way out.
   by the training loop: the wrapper's capture kept the value of its first call (the old scale,
   silently). Such attributes are now part of the call's signature: captured again when one
   changes; a changed structure is a clear mismatch.
+- An RNN as the whole model (`nn.LSTM(...)` profiled bare) or inside a model only torch.export
+  captures: refused by both captures (fx cannot follow its forward's control flow; export saw
+  the forward rebuild its `_flat_weights` cache and took it for Python state). That cache follows
+  the parameters: captured by torch.export now.
 """
 
 from __future__ import annotations
@@ -341,6 +345,58 @@ def test_rnn_with_measured_costs_wraps_without_its_graph():
     schedule = three_schedules(graph)["tight"]
     assert any(s.recompute for s in schedule.stages)
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule), (ids,), steps=2)
+
+
+class RnnTagger(nn.Module):
+    """A bidirectional LSTM between two Linears, its input scaled inside a no_grad block (which
+    fx refuses to trace: captured by torch.export)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 12)
+        self.rnn = nn.LSTM(12, 12, num_layers=2, batch_first=True, dropout=0.3,
+                           bidirectional=True)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = self.emb(x)
+        with torch.no_grad():
+            scale = h.abs().amax() + 1.0
+        h, _ = self.rnn(torch.tanh(h / scale))
+        return self.out(torch.relu(h))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(8, 12, num_layers=2, batch_first=True, dropout=0.3),
+    lambda: nn.GRU(8, 12, batch_first=True),
+    lambda: nn.RNN(8, 12, batch_first=True, nonlinearity="relu"),
+    RnnTagger,
+], ids=["lstm", "gru", "rnn", "lstm-in-export"])
+def test_an_rnn_captured_by_export_trains_as_plain(make):
+    """A bare nn.LSTM/GRU/RNN as the model (fx traces its forward, whose control flow it cannot
+    follow), or one inside a model that only torch.export captures: the export was refused as
+    setting Python attributes, because an RNN's forward rebuilds its `_flat_weights` cache when
+    its parameters are other tensors (torch.export swaps them while tracing). That cache follows
+    the parameters and is not forward state: now captured, trained as plain PyTorch (dropout
+    between layers included), peaked as predicted."""
+    torch.manual_seed(0)
+    model = make().train()
+    x = torch.randn(4, 10, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    inputs = (x,)
+
+    def loss_fn(out):
+        return (out if isinstance(model, RnnTagger) else out[0]).float().sum()
+    graph = monetlike.profile(model, x, repeat=1, loss_fn=loss_fn)
+    assert graph.meta["capture"] == "export"
+    for name, schedule in three_schedules(graph).items():
+        compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
+                     inputs, steps=2, loss_fn=loss_fn, exact=True)
+        tst = copy.deepcopy(model)
+        wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
+        measured = measured_peak(graph, tst, wrapped, inputs, loss_fn=loss_fn)
+        predicted = peak_of(graph, schedule)
+        assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (name, measured,
+                                                                          predicted)
 
 
 class BiasAttention(nn.Module):
