@@ -12,8 +12,8 @@ results die, which the memory model does not describe: docs/profiler.md, Limits)
 The constructs cover what a memory model must account per storage: matmuls and convolutions on
 transposed views, split/chunk/slice, view/reshape/permute, contiguous copies, cat/stack,
 softmax, dropout, three norms, in-place and out-of-place activations, broadcasting adds and muls,
-a Linear whose weight is used by two steps, complex views of float Values, and an in-place add
-into an activation written in place with another Op computed in between.
+a Linear whose weight is used by two steps, complex views of float Values, an in-place add
+into an activation written in place with another Op computed in between, and recurrent layers.
 
 `FUZZ_PROGRAMS` is a hypothesis strategy for programs; `build(program)` makes the module and its
 example batch.
@@ -49,6 +49,9 @@ CONSTRUCTS = (
     # an in-place add into an Op's result with another Op computed in between: one Op whose
     # backward autograd leaves and comes back to (NOTE [Interleaved stages] in the profiler)
     "act_then_add_",
+    # recurrent layers: one fx leaf each (oneDNN's kernel on the CPU, its workspace saved), an
+    # ATen op each under torch.export
+    "gru", "lstm_bi",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -96,6 +99,10 @@ class FuzzNet(nn.Module):
             return nn.BatchNorm1d(D)
         if construct == "group_norm":
             return nn.GroupNorm(4, D)
+        if construct == "gru":
+            return nn.GRU(D, D, batch_first=True)
+        if construct == "lstm_bi":
+            return nn.LSTM(D, D // 2, batch_first=True, bidirectional=True)
         return nn.Identity()
 
     def forward(self, tokens: torch.Tensor):
@@ -237,6 +244,8 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return F.log_softmax(a, dim=-1)
     if k == "slice_broadcast":
         return a[:, :1] * b
+    if k in ("gru", "lstm_bi"):
+        return layer(a)[0]
     raise ValueError(f"unknown construct {k!r}")
 
 

@@ -279,6 +279,11 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 # refuses (the pairs must be adjacent): it now makes the operands contiguous first.
 @example(((Step("linear", (0, 0, 0), 0.1), Step("batch_norm", (0, 0, 0), 0.1),
            Step("relu_inplace", (53, 0, 0), 0.1), Step("complex_mul", (0, 2, 0), 0.1)), 1, 0))
+# A GRU no backward reaches (its result only gates through a comparison) runs under no_grad; the
+# profile measured that run inside its dispatch mode, where the GRU's intermediates live longer:
+# store-all predicted 26,208 B against 24,936 measured (NOTE [No-grad runs outside the tracker]).
+@example(((Step("gru", (0, 0, 0), 0.25), Step("linear", (0, 0, 0), 0.1),
+           Step("sigmoid_gate", (0, 1, 0), 0.1)), 1, 0))
 def test_fuzzed_models(case):
     check_model(*case)
 
