@@ -316,16 +316,29 @@ def _model_state(model: torch.nn.Module) -> list:
     return out
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hook_dicts(m: torch.nn.Module) -> list[dict]:
+    return [d for d in (m.__dict__.get(name) for name in _HOOK_DICTS) if isinstance(d, dict)]
+
+
 @contextlib.contextmanager
 def attributes_set(model: torch.nn.Module):
     """NOTE [Python state set in forward]: a capture runs the forward's Python once, so an
     attribute the forward sets (a call counter, `self.last = h.detach()` kept for logging) is set
     once, at capture time (to a tracer's proxy under fx; torch.export puts it back), and never at
     a training step. Yields the (module name, attribute) pairs set on the model's modules while
-    capturing (Module.__setattr__, which `self.calls += 1` calls), and puts them back after."""
+    capturing (Module.__setattr__, which `self.calls += 1` calls), and puts them back after,
+    with the modules' hooks as they were."""
     modules = dict(model.named_modules(remove_duplicate=True))
     names = {id(m): prefix for prefix, m in modules.items()}
     before = {(prefix, k): v for prefix, m in modules.items() for k, v in vars(m).items()}
+    # Hooks a first call registers (transformers' output-capturing hooks) go with the flag it
+    # sets: a failed fx attempt that kept them made the export attempt register them twice.
+    hooks = [(d, dict(d)) for m in modules.values() for d in _hook_dicts(m)]
     written: list = []
     setattr_ = torch.nn.Module.__setattr__
 
@@ -345,6 +358,10 @@ def attributes_set(model: torch.nn.Module):
         yield written
     finally:
         torch.nn.Module.__setattr__ = setattr_
+        for d, kept in hooks:
+            if d.keys() != kept.keys():
+                d.clear()
+                d.update(kept)
         for prefix, k in written:
             m = modules[prefix]
             if (prefix, k) in before:

@@ -69,6 +69,10 @@ and the way out.
   captures: refused by both captures (fx cannot follow its forward's control flow; export saw
   the forward rebuild its `_flat_weights` cache and took it for Python state). That cache follows
   the parameters: captured by torch.export now.
+- Hooks a first call registers with its flag (transformers' output-capturing hooks, Hugging Face
+  Segformer): a failed fx attempt kept the hooks and put back only the flag, so the export
+  attempt registered them twice and failed on a shape error inside the model. Every capture
+  now puts the modules' hooks back with their attributes, and the refusal names the way out.
 """
 
 from __future__ import annotations
@@ -606,6 +610,51 @@ def test_state_set_on_the_first_call_only_is_refused_until_the_model_ran_once():
     assert not hasattr(model, "_set_up")
     model(_x())  # the way out the message gives
     _trains_like_pytorch(model, "fx")
+
+
+_COLLECTED: list[list] = []  # per call, what LazyHooks' hook collects
+
+
+class LazyHooks(nn.Module):
+    """Registers a hook collecting its first layer's output on its first call, and sets a flag,
+    as transformers installs its output-capturing hooks (Hugging Face Segformer, whose head reads
+    the hidden states they collect); a no_grad block fx refuses, so capture='auto' tries fx,
+    then export."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(64, 8)
+
+    def forward(self, x):
+        if not getattr(self, "_hooked", False):
+            self.a.register_forward_hook(lambda m, args, out: _COLLECTED[-1].append(out))
+            self._hooked = True
+        _COLLECTED.append([])
+        try:
+            h = torch.tanh(self.a(x))
+            with torch.no_grad():
+                scale = h.abs().amax() + 1.0
+            seen = _COLLECTED[-1]
+        finally:
+            _COLLECTED.pop()
+        return self.b(torch.cat([h / scale, *seen], dim=-1))
+
+
+def test_hooks_registered_on_the_first_call_are_put_back_with_its_flag():
+    """The fx attempt registered the hook and failed; only its flag was put back, so the export
+    attempt registered the hook a second time and failed on the doubled outputs with a shape
+    error from inside the model (Hugging Face Segformer), instead of the refusal and its way
+    out."""
+    torch.manual_seed(0)
+    model = LazyHooks().train()
+    with pytest.raises(TraceError) as e:
+        monetlike.profile(model, _x(), repeat=1)
+    assert "'_hooked'" in str(e.value)
+    assert "run the model once before profiling and wrapping it" in str(e.value)
+    assert not model.a._forward_hooks and not hasattr(model, "_hooked")
+    model(_x())  # the way out the message gives
+    assert len(model.a._forward_hooks) == 1
+    _trains_like_pytorch(model, "export")
 
 
 def test_an_in_place_dropout_recomputed_peaks_as_predicted():
