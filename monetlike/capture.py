@@ -150,12 +150,16 @@ def example_of(inputs: tuple) -> Any:
     if not isinstance(inputs, FlatInputs):
         return tuple(inputs)
     args, kwargs = inputs.spec.rebuild(inputs)
-    if args:
-        raise NotImplementedError(
-            "monetlike.capture: a call with positional-only or *args inputs cannot be profiled "
-            "again from the runtime's inputs yet; pass graph= to ScheduleWrapper (monetlike."
-            "optimize does)")
-    return kwargs
+    if not args:
+        return kwargs
+    if not kwargs:
+        return tuple(args)
+    raise NotImplementedError(
+        f"monetlike.capture: the wrapper profiles the model's structure again for a call with "
+        f"new shapes or constants, from the call's own inputs; this call passes some by "
+        f"position ({len(args)}, e.g. *args) and some by name ({', '.join(sorted(kwargs))}), "
+        f"which monetlike.profile cannot take together yet. Call the model with its inputs all "
+        f"by position or all by name")
 
 
 def split_example(model: torch.nn.Module, example_inputs: Any) -> tuple[tuple, dict]:

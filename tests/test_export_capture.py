@@ -363,3 +363,28 @@ def test_sdpa_backend_is_cudas_choice(cc, dtype, mask, head_dim, expected):
     # torch's own switches are honoured: with flash and memory-efficient off, CUDA runs math.
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
         assert sdpa_backend(cc, q, q, q, m) == "math"
+
+
+class StarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, *args):
+        x, y = args
+        return (self.b(torch.relu(self.a(x))) * y).sum(-1)
+
+
+def test_a_star_args_forward_runs_a_smaller_batch():
+    """A new batch size is profiled again from the call's own inputs; for a `forward(*args)`
+    model captured by export that raised NotImplementedError saying to pass graph=, which had
+    been passed."""
+    from runtime_support import compare_step, three_schedules
+
+    torch.manual_seed(0)
+    model = StarArgs().train()
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    graph = monetlike.profile(model, (x, y), repeat=1, capture="export")
+    schedule = three_schedules(graph)["tight"]
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
+                 (x[:2], y[:2]), steps=2, exact=True)
