@@ -395,9 +395,10 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
         else:
             fwd, bwd = g.fwd_cost, (g.bwd_cost if g.ran_backward else 0.0)
         internal_bytes, fwd_workspace = g.forward_figures()
+        cached = g.cached_casts_before or 0  # NOTE [Cached casts] in interpreter.py
         impl = Impl(name="default", saved=tuple(sorted(new_tid[t] for t in g.saved)),
                     internal_bytes=int(internal_bytes), fwd_time=float(fwd),
-                    bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace)),
+                    bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace)) + cached,
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0,
                     recompute_workspace=int(max(0, g.recompute_workspace)),
@@ -417,7 +418,8 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                 return mask_recompute_scratch(tuple(outs[0].shape), outs[0].dtype)
             return impl.recompute_workspace
 
-        extra = tuple(Impl(**{**alt, "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
+        extra = tuple(Impl(**{**alt, "fwd_workspace": int(alt["fwd_workspace"]) + cached,
+                              "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
                               "early_release": tuple(sorted(
                                   new_tid[t] for t in alt.get("early_release", ()))),
                               **({"overwrites": new_tid[alt["overwrites"]]}

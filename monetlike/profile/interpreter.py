@@ -95,6 +95,8 @@ class Group:
     stage_start: int = 0
     bwd_peak: int = 0
     early_release: set = field(default_factory=set)  # Value tags autograd freed before the peak
+    # Bytes the step's autocast cache holds when the Op starts (NOTE [Cached casts]).
+    cached_casts_before: int | None = None
 
     def forward_figures(self) -> tuple[int, int]:
         """(internal_bytes, fwd_workspace) of the Op's default Impl. An Op no backward reaches
@@ -156,7 +158,8 @@ def _early_releases(levels: list[int], frees: list[tuple[int, int, int]]) -> lis
 
 class _NodeRec:
     __slots__ = ("node", "pos", "created", "writes", "spared", "reads", "saved", "unsafe", "cost",
-                 "start_live", "peak", "nograd_transient", "marks", "nograd_marks", "random")
+                 "start_live", "peak", "nograd_transient", "marks", "nograd_marks", "random",
+                 "casts")
 
     def __init__(self, node: fx.Node, pos: int):
         self.node, self.pos = node, pos
@@ -173,6 +176,32 @@ class _NodeRec:
         self.marks: tuple | None = None  # allocator marks around the node (CPU runs)
         self.nograd_marks: tuple | None = None  # and around its no_grad rerun
         self.random = False
+        # Autocast's casts of leaf tensors: (id of the leaf, storage key of the cast, bytes)
+        self.casts: list[tuple[int, int, int]] = []
+
+
+# NOTE [Cached casts]
+# Autocast casts a float32 leaf that requires grad (a parameter) to its lower precision once per
+# autocast block when its cache is on (the default), and keeps the cast until the block exits.
+# The profile runs with the cache off (NOTE [Autocast cache] in runtime/recompute.py): a cast
+# the backward saves (a Linear's weight) lives as long either way, but one it does not save (a
+# Linear's bias) dies with its op there, while a cached step keeps it to the end of the forward
+# (a two-layer ViT under bfloat16: 960 B over the predicted forward peak, and a schedule over its
+# budget). So, when the caller's autocast caches, each leaf's first cast that died with its node
+# is counted held from then to the end of the forward: every later Op's `fwd_workspace` carries
+# the bytes held so far (`Group.cached_casts_before`; the forward is the same for every schedule
+# and Impl). The backward and its recomputations run after the block, with the cache empty.
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _autocast_cast(x: Any, kwargs: dict, cast_to: dict) -> bool:
+    """Whether `_to_copy(x, **kwargs)` is a cast autocast caches: a float32 leaf that requires
+    grad, not a view, to the dtype autocast casts to on its device (`cast_to`; read outside
+    the dispatch, where autocast shows as off)."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_leaf \
+            or not x.requires_grad or x._is_view():
+        return False
+    return kwargs.get("dtype") == cast_to.get(x.device.type)
 
 
 # The user's loss, while `profile(..., loss_fn=...)` runs: every run of the profile (the
@@ -335,6 +364,11 @@ class ProfileRun(fx.Interpreter):
         # peak. The CPU allocator's count is charged after the run (_charge_loss), the
         # tracker's and CUDA's when the first stage starts (_bwd_pre).
         self._loss: tuple | None = None
+        # NOTE [Cached casts]: device type -> the dtype its autocast casts to, where cached
+        self.cast_cache = {device: dtype for device, enabled, dtype in rc.autocast_state()
+                           if enabled} if rc.step_caches_casts() else {}
+        self._cast_leaves: set[int] = set()  # leaves whose cast the cache holds already
+        self._cast_cache_bytes = 0
 
     # -- dispatch-level observers -----------------------------------------------------------
     def _on_create(self, key: int, nbytes: int) -> None:
@@ -353,6 +387,11 @@ class ProfileRun(fx.Interpreter):
                 s = storage_of(t)
                 if s is not None and s._cdata not in rec.created and s._cdata not in rec.writes:
                     rec.writes.append(s._cdata)
+            if self.cast_cache and func is _TO_COPY and _autocast_cast(args[0], kwargs,
+                                                                       self.cast_cache):
+                s = storage_of(out)
+                if s is not None:
+                    rec.casts.append((id(args[0]), s._cdata, int(s.nbytes())))
             if self.roofline is not None:
                 rec.cost += self.roofline.op_time(func, args, kwargs, out)
         elif self.phase == "backward" and self.bcur is not None and self.roofline is not None:
@@ -753,6 +792,17 @@ class ProfileRun(fx.Interpreter):
         return max(0, peak - left)
 
     # -- grouping ---------------------------------------------------------------------------
+    def _newly_cached(self, rec: _NodeRec) -> int:
+        """NOTE [Cached casts]: bytes of the first casts of leaf tensors this node made that died
+        with it here, and that the step's cache keeps to the end of its autocast block."""
+        n = 0
+        for leaf, key, nbytes in rec.casts:
+            if leaf not in self._cast_leaves:
+                self._cast_leaves.add(leaf)
+                if key not in self.tracker.entries:
+                    n += nbytes
+        return n
+
     def _new_value(self, name, index, t: torch.Tensor, nbytes, producer) -> int:
         tid = len(self.values)
         self.values.append(TmpValue(tid, name, index, tuple(t.shape), _dtype_name(t.dtype),
@@ -839,6 +889,9 @@ class ProfileRun(fx.Interpreter):
                 if s is not None and tr.tag_of(s._cdata) == target and t.requires_grad:
                     v = self.values[target]
                     self.values[target] = TmpValue(**{**v.__dict__, "requires_grad": True})
+        if g is not None and g.cached_casts_before is None:
+            g.cached_casts_before = self._cast_cache_bytes
+        self._cast_cache_bytes += self._newly_cached(rec)
         if g is None:
             if reasons:
                 self.taint[n.name] = reasons

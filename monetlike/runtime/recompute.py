@@ -19,6 +19,7 @@ recompute; `check_side_effects` refuses them at the first step instead of replay
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -168,26 +169,43 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 # Linear-GELU-Linear measured 21% over the prediction that way). The profiler's steps would also
 # share one cache. So the profile runs with the cache off (`uncached_autocast`): each op casts the
 # weight it reads and the cast lives as its backward holds it, which is what a step with the
-# backward outside the block (PyTorch's recipe) measures, cache or not. The wrapped step keeps the
-# user's cache, because the cache changes values too: inside one block, a weight updated in place
-# (an optimizer step) is still read through its stale cached cast, in plain PyTorch and so in
-# the wrapped model alike. A backward inside the block is warned about at its start
+# backward outside the block (PyTorch's recipe) measures, cache or not (but for the casts no
+# backward saves, a bias's, which the cache keeps to the end of the forward: NOTE [Cached casts]
+# in profile/interpreter.py). The wrapped step keeps the user's cache, because the cache changes
+# values too: inside one block, a weight updated in place (an optimizer step) is still read
+# through its stale cached cast, in plain PyTorch and so in the wrapped model alike. A backward inside the block is warned about at its start
 # (executor.AUTOCAST_CACHE_MESSAGE), with the ways out.
 def casts_cached() -> bool:
     """Whether autocast is on for some device with its weight-cast cache on."""
     return torch.is_autocast_cache_enabled() and autocast_on()
 
 
+# Whether the caller's autocast, which `uncached_autocast` turned off, caches casts.
+_STEP_CACHES_CASTS: contextvars.ContextVar = contextvars.ContextVar("monetlike_step_caches_casts",
+                                                                    default=False)
+
+
 @contextlib.contextmanager
 def uncached_autocast():
-    """The current autocast state, with the weight-cast cache off (NOTE [Autocast cache])."""
-    with contextlib.ExitStack() as stack:
-        if casts_cached():
-            for device_type, enabled, dtype in autocast_state():
-                if enabled:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype,
-                                                       cache_enabled=False))
-        yield
+    """The current autocast state, with the weight-cast cache off (NOTE [Autocast cache]);
+    `step_caches_casts()` tells inside whether the caller's cached them."""
+    token = _STEP_CACHES_CASTS.set(casts_cached() or _STEP_CACHES_CASTS.get())
+    try:
+        with contextlib.ExitStack() as stack:
+            if casts_cached():
+                for device_type, enabled, dtype in autocast_state():
+                    if enabled:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype,
+                                                           cache_enabled=False))
+            yield
+    finally:
+        _STEP_CACHES_CASTS.reset(token)
+
+
+def step_caches_casts() -> bool:
+    """Inside `uncached_autocast`: whether the step being profiled caches its casts (NOTE
+    [Cached casts] in profile/interpreter.py)."""
+    return _STEP_CACHES_CASTS.get()
 
 
 @contextlib.contextmanager
