@@ -293,6 +293,25 @@ def test_a_budget_store_all_fits_is_answered_without_a_search():
     assert r.objective == pytest.approx(6.2)
 
 
+def test_an_unproven_least_budget_is_searched_again_with_a_longer_limit():
+    """The cache returned an answer found in a short time limit, unproven, to a call with a
+    longer limit, at once (hunt52)."""
+    pipeline = importlib.import_module("solver.search.pipeline")
+    pipeline._MIN_BUDGET_CACHE.clear()
+    g = resnet_like(blocks=(1, 1), batch=8)
+    real = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
+    assert real[2]  # proven on this small graph
+    store = store_all_schedule(g)
+    unproven = (simulate(g, store).peak_bytes, 0, False, store)
+    assert unproven[0] > real[0]
+    pipeline._MIN_BUDGET_CACHE[pipeline._min_budget_key(g, "checkpoint", False)] = (unproven, 1.0)
+    assert pipeline.min_budget_details(g, "checkpoint", time_limit_s=1.0) == unproven
+    again = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
+    assert again[0] == real[0] and again[2]
+    assert pipeline.min_budget_details(g, "checkpoint", time_limit_s=1.0) == again  # proven
+    pipeline._MIN_BUDGET_CACHE.clear()
+
+
 def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
     """Full mode contains checkpoint mode, so its least budget must never be reported above
     checkpoint's: a checkpoint answer already found is full mode's start. Here full mode's own

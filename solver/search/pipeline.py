@@ -115,7 +115,9 @@ def _lower_peak(form: Formulation, pool: Pool) -> int:
 # ----------------------------------------------------------------------------------------------
 # Min budget
 # ----------------------------------------------------------------------------------------------
-_MIN_BUDGET_CACHE: dict[tuple, tuple[int, int, bool, Schedule]] = {}
+# key -> (the answer, the time limit it was found in): an unproven answer is found again when a
+# longer limit is asked for.
+_MIN_BUDGET_CACHE: dict[tuple, tuple[tuple[int, int, bool, Schedule], float]] = {}
 
 
 def _min_budget_key(graph: OpGraph, mode: str, offload: bool) -> tuple:
@@ -135,10 +137,12 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
 
     An exact min-peak MILP (the same model with the peak as objective), started from the
     least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
-    bound). Cached per graph and mode."""
+    bound). Cached per graph and mode, until a longer time limit is asked for an
+    unproven answer."""
     key = _min_budget_key(graph, mode, offload)
-    if key in _MIN_BUDGET_CACHE:
-        return _MIN_BUDGET_CACHE[key]
+    hit = _MIN_BUDGET_CACHE.get(key)
+    if hit is not None and (hit[0][2] or hit[1] >= time_limit_s):
+        return hit[0]
     started = time.perf_counter()
     be = get_backend(backend)
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
@@ -149,8 +153,10 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     # is a start, so full's least budget is never reported above checkpoint's.
     done = (_MIN_BUDGET_CACHE.get(_min_budget_key(graph, "checkpoint", offload))
             if mode == "full" else None)
-    if done is not None and done[0] < peak0:
-        name, s0, peak0 = "checkpoint", done[3], done[0]
+    if done is not None and done[0][0] < peak0:
+        name, s0, peak0 = "checkpoint", done[0][3], done[0][0]
+    if hit is not None and hit[0][0] < peak0:  # what a shorter solve found: the start
+        name, s0, peak0 = "cached", hit[0][3], hit[0][0]
     form_bb = branch_and_bound_form(form) if _sharing(be) else form
     pool = Pool([form, form_bb])
     least = stage_least_peak(form.facts, offload)  # exact bytes, no LP tolerance
@@ -174,7 +180,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                                     and ctx.bb_result.status == B_OPTIMAL)
     lower = min(lower, best_peak)
     out = (best_peak, lower, proven, best_s)
-    _MIN_BUDGET_CACHE[key] = out
+    _MIN_BUDGET_CACHE[key] = (out, time_limit_s)
     return out
 
 
