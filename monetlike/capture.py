@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
 from .trace import (TraceError, attributes_set, check_attributes_set,
                     check_norms_under_checkpoint, functions_applied, norms_under_checkpoint,
-                    python_draw_error, python_draws, trace)
+                    python_draw_error, python_draws, trace, user_frame_of)
 
 __all__ = ["CAPTURES", "CallSpec", "FlatInputs", "call_spec", "capture", "check_capture",
            "example_of", "export_graph", "split_example"]
@@ -204,7 +204,9 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
         what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
         fix = ("write it without the branch (torch.where, masks of fixed shape), or mark the "
-               "value with torch._check, or profile with capture='fx' if fx can trace the model")
+               "value with torch._check, or profile with capture='fx' if fx can trace the "
+               "model; where that line is a library's (a model's own loss), leave out the input "
+               "that leads there (labels) and compute that part outside the model")
     elif "use_cache" in low or "cache_utils" in low or "cache" in name.lower():
         what = "a key-value cache object in the outputs"
         fix = "call the model with use_cache=False (training does not need the cache)"
@@ -212,8 +214,10 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
         what = "a construct torch.export cannot capture"
         fix = ("see the torch.export message above; models of torch.nn modules may trace with "
                "capture='fx' (make the offending module a leaf with leaf_modules=[...])")
-    return TraceError(f"torch.export.export(strict=False) could not capture {name}: {first}. "
-                      f"The construct: {what}. Way out: {fix}")
+    where = user_frame_of(e)
+    at = f" At {where}." if where else ""
+    return TraceError(f"torch.export.export(strict=False) could not capture {name}: {first}."
+                      f"{at} The construct: {what}. Way out: {fix}")
 
 
 # NOTE [Custom autograd Functions under export]

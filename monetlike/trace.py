@@ -51,6 +51,7 @@ from .torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_cla
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class TraceError(MonetlikeError, RuntimeError):
@@ -544,16 +545,27 @@ def restore_rng(state: dict) -> bool:
 
 
 def _user_frame(tb) -> str | None:
-    """The innermost traceback frame outside torch itself: the line of the user's model."""
+    """The innermost traceback frame outside torch and monetlike: the line of the user's model."""
     best = None
     for fr in traceback.extract_tb(tb):
         path = os.path.abspath(fr.filename)
-        if not path.startswith(_TORCH_DIR) and path != os.path.abspath(__file__):
+        if not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIR):
             best = fr
     if best is None:
         return None
     line = (best.line or "").strip()
     return f"{best.filename}:{best.lineno} in {best.name}" + (f": `{line}`" if line else "")
+
+
+def user_frame_of(e: BaseException) -> str | None:
+    """`_user_frame` of the innermost exception in `e`'s chain that passed through the user's
+    code (torch.export raises its own error from the one the model's line met)."""
+    found, seen = None, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found = _user_frame(e.__traceback__) or found
+        e = e.__cause__ or e.__context__
+    return found
 
 
 def trace(model: torch.nn.Module, leaf_modules: Iterable = ()) -> fx.GraphModule:

@@ -128,6 +128,9 @@ def test_uncapturable_model_names_the_construct_and_the_way_out():
     assert "torch.export.export(strict=False) could not capture DataDependent" in msg
     assert "The construct: Python control flow or a shape that depends on tensor values" in msg
     assert "Way out: write it without the branch (torch.where" in msg
+    # The line, found in the error torch.export raised it from (it was only in that chained
+    # exception: Hugging Face DeBERTa-v2's own loss, `if label_index.size(0) > 0`).
+    assert f"At {__file__}:" in msg and "in forward: `if y.sum() > 0:" in msg
 
 
 def test_leaf_modules_with_export_is_refused():
