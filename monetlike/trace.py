@@ -326,6 +326,18 @@ def _hook_dicts(m: torch.nn.Module) -> list[dict]:
     return [d for d in (m.__dict__.get(name) for name in _HOOK_DICTS) if isinstance(d, dict)]
 
 
+_UNSET = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _same_plain_value(old, new) -> bool:
+    """A plain value set again to what it was (Hugging Face Swin clamps its window size on every
+    call, to the same numbers): no state the capture leaves out."""
+    if isinstance(old, tuple) and isinstance(new, tuple):
+        return len(old) == len(new) and all(map(_same_plain_value, old, new))
+    return type(old) is type(new) and isinstance(new, _PLAIN) and old == new
+
+
 @contextlib.contextmanager
 def attributes_set(model: torch.nn.Module):
     """NOTE [Python state set in forward]: a capture runs the forward's Python once, so an
@@ -350,7 +362,8 @@ def attributes_set(model: torch.nn.Module):
         if prefix is not None and (prefix, name) not in written \
                 and name not in self._parameters and name not in self._buffers \
                 and name not in self._modules and not name.startswith("_tensor_constant") \
-                and name not in derived_from_parameters(self):
+                and name not in derived_from_parameters(self) \
+                and not _same_plain_value(before.get((prefix, name), _UNSET), value):
             written.append((prefix, name))
         setattr_(self, name, value)
 

@@ -73,6 +73,8 @@ and the way out.
   Segformer): a failed fx attempt kept the hooks and put back only the flag, so the export
   attempt registered them twice and failed on a shape error inside the model. Every capture
   now puts the modules' hooks back with their attributes, and the refusal names the way out.
+- A plain attribute set in every forward to the value it already has (Hugging Face Swin clamps
+  its window size): refused as Python state, even after a warm-up call. Captured now.
 """
 
 from __future__ import annotations
@@ -610,6 +612,29 @@ def test_state_set_on_the_first_call_only_is_refused_until_the_model_ran_once():
     assert not hasattr(model, "_set_up")
     model(_x())  # the way out the message gives
     _trains_like_pytorch(model, "fx")
+
+
+class ClampedWindow(nn.Module):
+    """Sets a plain attribute in every forward, to the value it already has, as Hugging Face
+    Swin clamps its window and shift sizes to a small last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.window = 4
+
+    def forward(self, x):
+        self.window = min(self.window, x.shape[-1])
+        h = torch.tanh(self.a(x))
+        return self.b(h.unflatten(-1, (-1, self.window)).flip(-1).flatten(-2))
+
+
+def test_an_attribute_set_again_to_its_value_is_captured():
+    """Refused as Python state set in forward, although the forward sets it to what it was:
+    Hugging Face Swin at its default geometry (224 px, window 7) could not be profiled, even
+    after the warm-up call the refusal advised (hunt53)."""
+    torch.manual_seed(0)
+    _trains_like_pytorch(ClampedWindow().train(), "export")
 
 
 _COLLECTED: list[list] = []  # per call, what LazyHooks' hook collects
