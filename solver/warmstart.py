@@ -224,10 +224,14 @@ def least_memory(graph: OpGraph, candidates) -> tuple[str, Schedule, int]:
 
 def low_memory_schedules(graph: OpGraph, facts: GraphFacts,
                          deadline: float | None = None) -> list[tuple[str, Schedule]]:
-    """Candidates for the least peak: keeping nothing (which is not always the least: long
-    recomputation chains hold their branch points), Chen's segments, segments at narrow cuts,
-    and the greedy rule pushed towards ever smaller budgets (left out past `deadline`)."""
-    out = [("keep_nothing", schedule_from_keep(graph, (), retain="none", facts=facts))]
+    """Candidates for the least peak: storing all, keeping nothing (which is not always the
+    least: long recomputation chains hold their branch points), Chen's segments, segments at
+    narrow cuts, and the greedy rule pushed towards ever smaller budgets (left out past
+    `deadline`)."""
+    # Store-all too: where every recomputation costs more scratch than the Values it frees (a
+    # graph profiled under autocast), it is the least, and min_budget must not report above it.
+    out = [("store_all", store_all_schedule(graph)),
+           ("keep_nothing", schedule_from_keep(graph, (), retain="none", facts=facts))]
     n = len(graph.ops)
     for length in sorted({1, 2, 3, max(1, round(n ** 0.5 / 2)), max(1, round(n ** 0.5))}):
         out.append((f"chen/{length}", chen_schedule(graph, facts, length)))
