@@ -330,12 +330,19 @@ _UNSET = object()
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def is_plain_value(value) -> bool:
+    """A bool, int, float, str or None, or a tuple of them: a module's Python state that a
+    captured graph bakes in (NOTE [Python attributes read in forward] in runtime/wrapper.py)."""
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                         and all(isinstance(v, _PLAIN) for v in value))
+
+
 def _same_plain_value(old, new) -> bool:
     """A plain value set again to what it was (Hugging Face Swin clamps its window size on every
     call, to the same numbers): no state the capture leaves out."""
-    if isinstance(old, tuple) and isinstance(new, tuple):
-        return len(old) == len(new) and all(map(_same_plain_value, old, new))
-    return type(old) is type(new) and isinstance(new, _PLAIN) and old == new
+    if not is_plain_value(new) or type(old) is not type(new) or old != new:
+        return False
+    return not isinstance(new, tuple) or all(type(a) is type(b) for a, b in zip(old, new))
 
 
 @contextlib.contextmanager

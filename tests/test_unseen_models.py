@@ -634,7 +634,16 @@ def test_an_attribute_set_again_to_its_value_is_captured():
     Hugging Face Swin at its default geometry (224 px, window 7) could not be profiled, even
     after the warm-up call the refusal advised (hunt53)."""
     torch.manual_seed(0)
-    _trains_like_pytorch(ClampedWindow().train(), "export")
+    model = ClampedWindow().train()
+    graph = monetlike.profile(model, _x(), repeat=1)  # refused before
+    assert graph.meta["capture"] == "export" and model.window == 4
+    # A value that changes is still refused (clamped from 32 to the input's 16 features).
+    model.window = 32
+    with pytest.raises(TraceError, match="'window'"):
+        monetlike.profile(model, _x(), repeat=1)
+    assert model.window == 32  # put back
+    model.window = 4
+    _trains_like_pytorch(model, "export")  # asserts gradients and peaks
 
 
 _COLLECTED: list[list] = []  # per call, what LazyHooks' hook collects

@@ -173,8 +173,9 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 # backward saves, a bias's, which the cache keeps to the end of the forward: NOTE [Cached casts]
 # in profile/interpreter.py). The wrapped step keeps the user's cache, because the cache changes
 # values too: inside one block, a weight updated in place (an optimizer step) is still read
-# through its stale cached cast, in plain PyTorch and so in the wrapped model alike. A backward inside the block is warned about at its start
-# (executor.AUTOCAST_CACHE_MESSAGE), with the ways out.
+# through its stale cached cast, in plain PyTorch and so in the wrapped model alike. A backward
+# inside the block is warned about at its start (executor.AUTOCAST_CACHE_MESSAGE), with the ways
+# out.
 def casts_cached() -> bool:
     """Whether autocast is on for some device with its weight-cast cache on."""
     return torch.is_autocast_cache_enabled() and autocast_on()

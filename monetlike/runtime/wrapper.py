@@ -58,6 +58,7 @@ from solver.schedule import Schedule
 from ..capture import (FlatInputs, call_spec, check_capture, example_of, export_graph,
                        flat_fx_inputs)
 from . import recompute as rc
+from ..trace import is_plain_value
 from .executor import ScheduledForward, StepState
 from .offload import check_cuda_available, check_offload_devices
 from .plan import Plan, build_plan
@@ -452,7 +453,6 @@ class ScheduleWrapper(torch.nn.Module):
 # (a new branch taken is another structure: a clear ScheduleMismatchError). Listed once (what a
 # forward sets is refused at capture, NOTE [Python state set in forward] in trace.py), read at
 # each call: a few getattr per module.
-_PLAIN_VALUES = (bool, int, float, str, type(None))
 
 
 def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
@@ -471,8 +471,7 @@ def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
         for name, value in vars(mod).items():
             if name.startswith("_") or name == "training":
                 continue
-            if isinstance(value, _PLAIN_VALUES) or (
-                    isinstance(value, tuple) and all(isinstance(v, _PLAIN_VALUES) for v in value)):
+            if is_plain_value(value):
                 out.append((mod, name))
     return out
 
