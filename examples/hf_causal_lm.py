@@ -7,7 +7,7 @@
 The model is one of the named transformers shapes (monetlike.hf_models) (random init from its config,
 nothing downloaded) with overrides; the batch is in the Hugging Face calling convention
 (input_ids, attention_mask, labels, use_cache=False), so the loss is computed inside the model
-and is part of the captured graph (torch.export; monetlike/capture.py). Three runs from the same
+and is part of the captured graph (torch.export; monetlike/capture/api.py). Three runs from the same
 initial weights, each an AdamW loop (optionally under bf16 autocast):
 - plain PyTorch;
 - Hugging Face's own `gradient_checkpointing_enable()` (every decoder layer recomputed; called

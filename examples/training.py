@@ -6,7 +6,7 @@
 The schedule comes from the zoo (`--zoo NAME`, checked against the model) or is solved here with
 measured costs (`--budget`) for the full batch. The data loader keeps its last, smaller batch
 (no drop_last, as a real epoch does): the wrapper runs it with the same decisions, proven within
-the budget by the simulator at that batch (NOTE [Smaller shapes] in monetlike/runtime/wrapper.py).
+the budget by the simulator at that batch (NOTE [Smaller shapes] in monetlike/wrapper.py).
 Each step prints its batch, loss, the measured peak of the step and the simulator's prediction.
 """
 

@@ -1,19 +1,16 @@
 """monetlike: a MONeT-style memory-schedule optimizer for PyTorch training (the torch side).
 
 `profile(model, x)` turns a model into a `solver.OpGraph`; `measure_step(fn)` measures the peak
-memory and time of a training step. Other entry points (`ScheduleWrapper`, `optimize`) are added
-by their own modules below.
+memory and time of a training step; `ScheduleWrapper` runs a schedule; `optimize` does all three
+in one line; `check_schedule` runs a schedule here against plain PyTorch.
 """
 
+from .capture.trace import TraceError
+from .check import CheckReport, check_schedule
 from .measure import Measurement, measure_step
+from .optimize import optimize
 from .profile import profile
-from .trace import TraceError
+from .wrapper import ScheduleWrapper
 
-__all__ = ["profile", "measure_step", "Measurement", "TraceError"]
-
-# The runtime (ScheduleWrapper), the one-line entry point and the check behind `monetlike check`.
-from .check import CheckReport, check_schedule  # noqa: E402
-from .optimize import optimize  # noqa: E402
-from .runtime import ScheduleWrapper  # noqa: E402
-
-__all__ += ["ScheduleWrapper", "optimize", "check_schedule", "CheckReport"]
+__all__ = ["profile", "measure_step", "Measurement", "TraceError", "ScheduleWrapper", "optimize",
+           "check_schedule", "CheckReport"]

@@ -42,10 +42,11 @@ from solver.graph import OpGraph
 from solver.rules import schedule_from_keep
 from solver.simulate import simulate
 
-from .capture import split_example
+from .capture.api import split_example
 from .profile.costs import Timer, check_clock
 from .profile.interpreter import loss_fn_in_use, training_loss
-from .torch_private import tree_leaves
+from .core.torch_private import tree_leaves
+from .wrapper import ScheduleWrapper
 
 __all__ = ["calibrate", "CalibrationError"]
 
@@ -105,7 +106,6 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
     if not model.training:
         raise CalibrationError("calibrate: the model is in eval mode; a training step is timed, "
                                "call model.train() first")
-    from .runtime import ScheduleWrapper  # the runtime imports the profiler: import late
 
     args, kwargs = split_example(model, example_inputs)
     device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),

@@ -29,11 +29,13 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 from solver.units import format_bytes
 
-from .capture import split_example
+from .capture.api import split_example
 from .measure import measure_step
 from .profile.interpreter import training_loss
-from .runtime import ScheduleWrapper
-from .torch_private import tensors_in
+from .wrapper import ScheduleWrapper
+from .core.torch_private import tensors_in
+from .measure import Measurement
+from .profile.api import profile
 
 __all__ = ["CheckReport", "check_schedule"]
 
@@ -151,7 +153,6 @@ def _measure(module, model, args, kwargs, repeat, loss_fn=_loss):
     """Peak of one step of `module` counted like the simulator: this model's parameters,
     buffers and inputs plus what the step allocates (other copies alive in this process, such as
     the plain model, are not counted), and its median time."""
-    from .measure import Measurement
 
     def step():
         out = module(*args, **kwargs)
@@ -171,7 +172,6 @@ def _predicted_here(model, example_inputs, schedule: Schedule, loss_fn, fallback
     profile of the model measured here, by the allocator, under the loss the peaks are measured
     with. `fallback`, the wrapper's own graph (a structure profile on the meta device, where no
     kernel allocates scratch), only when the measured profile is of another graph."""
-    from .profile.api import profile
 
     graph = profile(copy.deepcopy(model).train(), example_inputs, repeat=1, loss_fn=loss_fn)
     try:

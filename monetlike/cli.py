@@ -24,11 +24,24 @@ import sys
 import time
 from typing import Sequence
 
+import solver
+from solver import backends, simulate, store_all_schedule
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
                            InfeasibleBudgetError, MonetlikeError, ScheduleMismatchError)
+from solver.simulate import with_predictions
 from solver.units import format_bytes, parse_bytes
 
-from .modelspec import ModelSpecError, build_model, load_loss
+from . import zoo
+from .calibrate import calibrate
+from .check import check_schedule
+from .core.torch_private import tree_leaves
+from .explain import explain
+from .maxbatch import max_batch, model_batch_maker
+from .modelspec import LOSSES, ModelSpecError, build_model, load_loss
+from .pareto import pareto, plot_pareto
+from .profile import profile
+from .profile.costs import parse_cost
+from .profile.interpreter import ProfileError
 from .zoo import ZooError
 
 # Errors that mean "you asked for something malformed": exit code 2.
@@ -72,7 +85,6 @@ def _seconds(text: str) -> float:
 def _cost(text: str) -> str:
     """'measured' or 'analytical:DEVICE', checked now and spelled canonically, so every later
     test of the kind (the meta device for analytical profiles) sees one spelling."""
-    from .profile.costs import parse_cost
 
     try:
         kind, preset = parse_cost(text)
@@ -171,7 +183,6 @@ def _fed_by_the_cli(args, model, shape: Sequence):
     """Errors of a model that fails on the input the command line made for it (one float tensor
     of --batch x --input-shape; `shape` its shape, the batch as a name where it varies) say so,
     and how to give it its own."""
-    from .profile.interpreter import ProfileError
 
     try:
         yield
@@ -190,7 +201,6 @@ def _fed_by_the_cli(args, model, shape: Sequence):
 def _profile_args(args):
     """Build MODEL and profile it at --batch/--input-shape with --cost, --optimizer and
     --host-bandwidth (commands without that flag: the profiler's own figure)."""
-    from .profile import profile
 
     model = build_model(args.model)
     loss_fn = load_loss(args.loss)
@@ -199,7 +209,6 @@ def _profile_args(args):
         graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
                         host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
     if getattr(args, "calibrate", False):
-        from .calibrate import calibrate
 
         graph = calibrate(model, x, graph)
     return graph
@@ -214,7 +223,6 @@ def cmd_profile(args) -> int:
     start = time.perf_counter()
     graph = _profile_args(args)
     seconds = time.perf_counter() - start
-    from solver import simulate, store_all_schedule
 
     peak = simulate(graph, store_all_schedule(graph)).peak_bytes
     print(f"profiled {args.model} batch {args.batch}: {len(graph.ops)} ops, "
@@ -246,7 +254,6 @@ _NO_LINK = ("--offload needs the bandwidth of the device<->host link, and this g
 
 
 def cmd_solve(args) -> int:
-    import solver
 
     _check_writable(args.output, args.graph, _model_file(args.model))
     if args.offload and args.mode != "full":
@@ -313,8 +320,6 @@ class _BestSoFar:
         self.bound = None
 
     def offer(self, schedule, bound) -> None:
-        from solver.simulate import with_predictions
-        from solver.units import parse_bytes
 
         s = with_predictions(self.graph, schedule,
                                     budget_bytes=parse_bytes(self.args.budget))
@@ -453,7 +458,6 @@ def summary_table(graph, result, budget: int, base) -> str:
 
 
 def cmd_backends(args) -> int:
-    from solver import backends
 
     names = backends.available()
     for name in backends.known():
@@ -486,9 +490,7 @@ def _schedule_input_shape(sched, path: str) -> tuple[int, ...]:
 
 
 def cmd_check(args) -> int:
-    import solver
 
-    from .check import check_schedule
 
     sched = solver.Schedule.load(args.schedule)
     if not args.model:
@@ -520,7 +522,6 @@ def cmd_check(args) -> int:
 def _recorded_loss(sched, path: str) -> str:
     """The loss a schedule was solved with (`solve --loss`), when it is one of the built-in
     names; a function is only named back as a hint (a file never chooses the code to run)."""
-    from .modelspec import LOSSES
 
     recorded = sched.meta.get("loss", "sum")
     if not isinstance(recorded, str):
@@ -552,7 +553,6 @@ def _check_inputs(model, sched, args, batch: int, shape: tuple[int, ...]):
     """The batch `check` runs: the schedule's recorded batch and shapes (or --batch and
     --input-shape), made by the model's example_inputs(batch, seq_len) when it has one (a
     keyword batch: input_ids, attention_mask, labels), else one float tensor."""
-    from .maxbatch import model_batch_maker
 
     summary = sched.graph_summary
     shapes = summary.get("input_shapes")
@@ -584,7 +584,6 @@ def _check_inputs(model, sched, args, batch: int, shape: tuple[int, ...]):
     if not given and not args.batch and isinstance(shapes, list):
         import torch
 
-        from .torch_private import tree_leaves
 
         made = [list(t.shape) for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
         if sorted(made) != sorted(s for s in shapes if isinstance(s, list)) \
@@ -597,7 +596,6 @@ def _check_inputs(model, sched, args, batch: int, shape: tuple[int, ...]):
 
 
 def cmd_zoo(args) -> int:
-    from . import zoo
 
     if args.zoo_command == "list":
         print(zoo.table().to_string(index=False))
@@ -616,7 +614,6 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from .explain import explain
 
     _check_writable(args.plot)
     model = build_model(args.model)
@@ -632,7 +629,6 @@ def cmd_explain(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from .pareto import pareto, plot_pareto
 
     _check_writable(args.plot)
     graph = _profile_args(args)
@@ -652,16 +648,13 @@ def cmd_pareto(args) -> int:
 
 
 def cmd_maxbatch(args) -> int:
-    import solver
 
-    from .maxbatch import max_batch
 
     _check_writable(args.output, _model_file(args.model))
     model = build_model(args.model)
     if callable(getattr(model, "example_inputs", None)):
         # A model that makes its own batch (a named transformers shape: input_ids,
         # attention_mask, labels): every batched tensor scaled, --input-shape SEQ kept.
-        from .maxbatch import model_batch_maker
 
         try:
             make = model_batch_maker(model, args.input_shape, _profile_device(args.cost))

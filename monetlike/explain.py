@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import solver
 from solver.units import format_bytes
+from .plotting import save_figure
+from .profile import profile
 
 # Below this fraction of the store-all peak, a saving is not worth scheduling for.
 NEGLIGIBLE_SAVING = 0.10
@@ -102,7 +104,6 @@ class Explanation:
         ax2.set_ylabel("GiB at the peak")
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
-        from .plotting import save_figure
 
         save_figure(fig, path)
         plt.close(fig)
@@ -208,7 +209,6 @@ def explain(model, example_inputs, *, optimizer: str | None = None,
             loss_fn=None) -> Explanation:
     """Profile `model` (analytical costs on the meta device by default, with `loss_fn` as
     monetlike.profile takes it) and explain its memory."""
-    from .profile import profile
 
     graph = profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn)
     return explain_graph(graph, model, time_limit_s=time_limit_s)

@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import solver
 from solver.units import format_bytes, parse_bytes
+from .core.torch_private import tree_leaves, tree_map
+from .profile import profile
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,6 @@ def _example_batch(example) -> int:
     """The batch of an example: the first dimension of its first tensor."""
     import torch
 
-    from .torch_private import tree_leaves
 
     for t in tree_leaves(example):
         if isinstance(t, torch.Tensor):
@@ -79,7 +80,6 @@ def scale_batch(example, batch: int, device=None):
     repeated in turn; everything else is kept. On `device` when given."""
     import torch
 
-    from .torch_private import tree_map
 
     if isinstance(example, (tuple, list)) and not example or \
             not isinstance(example, (torch.Tensor, tuple, list, Mapping)):
@@ -116,7 +116,6 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = No
     `example_inputs` scaled to b (keyword batches too), else the model's `example_inputs(b,
     seq_len)`, else a float tensor (b, *input_shape). `loss_fn`: the training loss of the
     model's output, as monetlike.profile takes it."""
-    from .profile import profile
 
     budget = parse_bytes(budget)
     device = "meta" if str(cost).strip().lower().startswith("analytical:") else "cpu"
@@ -194,7 +193,6 @@ def _batch_maker(model, input_shape, example_inputs, device) -> Callable:
 def _first_tensor(batch):
     import torch
 
-    from .torch_private import tree_leaves
 
     return next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), None)
 

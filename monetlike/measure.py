@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .allocator import AllocatorLog
+from .core.allocator import AllocatorLog
 from .profile.memory import StorageTracker, storage_of
 
 __all__ = ["Measurement", "measure_step", "live_cpu_storages", "storage_peak"]

@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 from solver.errors import MonetlikeError
+from .core.torch_private import tensors_in
 
 
 class ModelSpecError(MonetlikeError, ValueError):
@@ -80,7 +81,6 @@ def cross_entropy_loss(out):
     import torch
     import torch.nn.functional as F
 
-    from .torch_private import tensors_in
 
     logits = out.get("logits") if isinstance(out, dict) else None
     if logits is None:
@@ -95,7 +95,6 @@ def cross_entropy_loss(out):
 
 def mean_square_loss(out):
     """The mean of the squares of every floating output that requires grad, summed."""
-    from .torch_private import tensors_in
 
     leaves = [t for t in tensors_in(out) if t.is_floating_point() and t.requires_grad]
     if not leaves:
@@ -105,7 +104,6 @@ def mean_square_loss(out):
 
 
 def _outputs(out) -> str:
-    from .torch_private import tensors_in
 
     shapes = [tuple(t.shape) for t in tensors_in(out)]
     return f"outputs of shapes {shapes}" if shapes else f"an output of type {type(out).__name__}"

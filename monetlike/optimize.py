@@ -29,7 +29,9 @@ from solver.graph import OpGraph
 from solver.schedule import Schedule, SolveResult
 from solver.units import format_bytes, parse_bytes
 
-from .runtime import ScheduleWrapper
+from .wrapper import ScheduleWrapper
+from .profile import profile
+from solver import solve
 
 __all__ = ["optimize", "solve_cached", "default_cache_dir"]
 
@@ -68,7 +70,6 @@ def _memory_figures(graph: OpGraph) -> str:
 
 
 def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
-    from solver import solve
     return solve(graph, budget, **kwargs)
 
 
@@ -124,7 +125,6 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
         the step's peak. None: the sum of the outputs.
     solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
     """
-    from .profile import profile
 
     budget_bytes = parse_bytes(budget)
     leaf_modules = list(leaf_modules)

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import solver
 from solver.units import format_bytes, parse_bytes
+from .plotting import save_figure
+from solver import baselines
 
 METHODS = ("full", "checkpoint", "chen_sqrt_n", "greedy")
 
@@ -19,7 +21,6 @@ def pareto(graph: solver.OpGraph, budgets: Sequence["int | str"], *,
            time_limit_s: float = 120.0):
     """One row per (budget, method): status, predicted peak and overhead (a pandas DataFrame)."""
     import pandas as pd
-    from solver import baselines
 
     base = solver.simulate(graph, solver.store_all_schedule(graph))
     rows = []
@@ -54,7 +55,6 @@ def plot_pareto(df, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plotting import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, part in df.groupby("method", sort=False):

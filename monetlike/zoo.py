@@ -23,6 +23,8 @@ from solver.errors import FormatError, MonetlikeError, ScheduleMismatchError
 from solver.graph import _get, _int, _ints, _str
 from solver.schedule import Schedule
 from solver.units import format_bytes, parse_bytes
+from .maxbatch import model_batch_maker
+from .profile import structure_fingerprint
 
 INDEX = "index.json"
 
@@ -142,7 +144,6 @@ def example_batch(entry: ZooEntry, model, device="meta"):
     import torch
 
     if callable(getattr(model, "example_inputs", None)):
-        from .maxbatch import model_batch_maker
 
         try:
             return model_batch_maker(model, entry.input_shape, device)(entry.batch)
@@ -158,7 +159,6 @@ def load(name: str, model) -> Schedule:
     """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint).
     The check profiles on the meta device: `model` may itself live there (build it under
     `torch.device("meta")`; a 1B-parameter model then allocates nothing)."""
-    from .profile import structure_fingerprint
 
     entry = get(name)
     sched = schedule(name)

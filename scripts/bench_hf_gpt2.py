@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import monetlike  # noqa: E402
 import monetlike.hf_models as hf  # noqa: E402
 import solver  # noqa: E402
-from monetlike.capture import capture  # noqa: E402
+from monetlike.capture.api import capture  # noqa: E402
 from runtime_support import keep_schedule  # noqa: E402
 from solver.baselines import store_all  # noqa: E402
 from solver.simulate import simulate  # noqa: E402

@@ -449,7 +449,7 @@ class OpGraph:
         """The fingerprint without the batch and the Values' shapes and bytes: equal for the same
         model run at another batch or sequence length, where each Op, Value and backward stage
         corresponds one to one (the runtime runs a schedule at such smaller shapes; see NOTE
-        [Smaller shapes] in monetlike/runtime/wrapper.py)."""
+        [Smaller shapes] in monetlike/wrapper.py)."""
         structure = self.fingerprint_structure()
         del structure["batch"]
         structure["values"] = [[v.name, v.index, v.dtype, v.producer, v.requires_grad]

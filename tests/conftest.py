@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     """Move everything imported so far (torch, transformers, the test modules: no activations)
     out of the garbage collector's view. Measurements and profiles run a full collection each
-    (monetlike.measure, monetlike.allocator), whose cost grows with every object the process has:
+    (monetlike.measure, monetlike.core.allocator), whose cost grows with every object the process has:
     0.26 s each with these imports, most of the fuzzer's time. Tensors made by the tests are
     still seen (gc.get_objects, used to find the storages alive at a step's start, skips only
     the frozen objects)."""

@@ -17,7 +17,7 @@ import copy
 import torch
 
 import monetlike
-from monetlike.torch_private import tensors_in
+from monetlike.core.torch_private import tensors_in
 from solver.graph import OpGraph
 from solver.schedule import Schedule, StageSchedule
 from solver.simulate import simulate, store_all_schedule, with_predictions

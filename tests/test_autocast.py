@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import monetlike
 from monetlike.models import transformer_block
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from runtime_support import every, keep_schedule, recomputed_op_count
 from solver.errors import ScheduleMismatchError
 
@@ -106,8 +106,8 @@ def test_autocast_read_once_per_forward_only_where_no_node_switches_it():
     """RNG-free Ops share one forward context per step (read when the step starts) only where no
     node of the traced graph enters or leaves autocast; a graph that does reads it per Op."""
     from monetlike.runtime import plan as plan_mod
-    from monetlike.runtime import recompute as rc
-    from monetlike.trace import trace
+    from monetlike.core import recompute as rc
+    from monetlike.capture.trace import trace
     from solver.simulate import store_all_schedule
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))

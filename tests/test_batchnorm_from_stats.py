@@ -1,5 +1,5 @@
 """A recomputed training BatchNorm normalises with its forward's batch statistics (NOTE [BatchNorm
-from its statistics] in monetlike/runtime/recompute.py): the same bits as the kernel, without
+from its statistics] in monetlike.core.recompute.py): the same bits as the kernel, without
 computing the statistics again."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monetlike
-from monetlike.runtime import ScheduleWrapper
-from monetlike.runtime import recompute as rc
+from monetlike import ScheduleWrapper
+from monetlike.core import recompute as rc
 from runtime_support import compare_step, every, keep_schedule, measured_peak, peak_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ import torch
 import monetlike
 from monetlike.calibrate import CalibrationError, calibrate
 from monetlike.models import unet
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from solver.rules import schedule_from_keep
 
 

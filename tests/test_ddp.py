@@ -56,7 +56,7 @@ class TiedNet(nn.Module):
 
 def _worker(rank: int, store_path: str) -> None:
     import monetlike
-    from monetlike.runtime import ScheduleWrapper
+    from monetlike import ScheduleWrapper
     from runtime_support import every, keep_schedule
 
     with process_group(store_path, rank):

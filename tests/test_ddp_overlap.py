@@ -47,7 +47,7 @@ def _log_of(ddp, first_weight, x, steps=3):
 
 def _worker(rank: int, store_path: str) -> None:
     import monetlike
-    from monetlike.runtime import ScheduleWrapper
+    from monetlike import ScheduleWrapper
     from runtime_support import every, keep_schedule
 
     with process_group(store_path, rank):

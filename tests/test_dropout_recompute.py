@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import monetlike
 from monetlike.impls import dropout as dropout_impls
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from monetlike.runtime import executor
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak
 from solver.rules import schedule_from_keep

@@ -1,4 +1,4 @@
-"""The torch.export capture front end (monetlike.capture): choice of capture, keyword calls,
+"""The torch.export capture front end (monetlike.capture.api): choice of capture, keyword calls,
 constants, aliased inputs, clear errors, and the runtime on the user's live parameters."""
 
 import copy
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import monetlike
 import solver
-from monetlike.capture import call_spec, capture
-from monetlike.trace import TraceError
+from monetlike.capture.api import call_spec, capture
+from monetlike.capture.trace import TraceError
 from solver.baselines import chen_sqrt_n, store_all
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

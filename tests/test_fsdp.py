@@ -27,7 +27,7 @@ def _net():
 
 def _worker(rank: int, store_path: str, reshard: bool) -> None:
     import monetlike
-    from monetlike.runtime import ScheduleWrapper
+    from monetlike import ScheduleWrapper
     from runtime_support import every, keep_schedule
     from torch.distributed.fsdp import fully_shard
 

@@ -214,7 +214,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 # A conv_split's input half runs after its weight half has made the weight gradient, which a
 # step starting from zero_grad(set_to_none=True) keeps as .grad; the Impl's profiling round ran
 # with the gradients of earlier steps, accumulated into them and freed its own: 35,604 B measured
-# at store-all with the split, 32,528 predicted (monetlike/impls/profiling.py now starts each
+# at store-all with the split, 32,528 predicted (monetlike/profile/impl_timing.py now starts each
 # round without gradients).
 @example(((Step("linear_on_transpose", (41, 58, 63), 0.5),
            Step("conv1d_on_transpose", (33, 48, 39), 0.5), Step("shared_linear", (11, 61, 44), 0.25),
@@ -223,7 +223,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 # An Impl measured beside a neighbour's Impl: the ReLU's mask Impl, profiled in the round that also
 # split the Linear reading the same Value, took that Linear's fresh input gradient (added into in
 # place) for its own; beside the default Linear (a view, added out of place) its stage needs
-# 2,112 B more: 18,480 B measured, 16,436 predicted (monetlike/impls/profiling.py, _rounds).
+# 2,112 B more: 18,480 B measured, 16,436 predicted (monetlike/profile/impl_timing.py, _rounds).
 @example(((Step("relu_inplace", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 235))
 # The mask Impls' input gradient was contiguous where the default's has the output's layout
 # (a sum's gradient is expanded; threshold_backward follows the saved output, transposed here):
@@ -238,7 +238,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 # a's, so the gradients behind it came transposed and the embedding's backward copied one: a
 # solved schedule 16 B over its budget (512 B over its prediction), and with every in-place
 # Impl a store-all peak 4% under its prediction. Binary in-place Impls now need contiguous
-# operands (monetlike/impls/profiling.py, inplace_alternatives).
+# operands (monetlike/profile/impl_timing.py, inplace_alternatives).
 @example(((*(Step("linear", (0, 0, 0), 0.1),) * 3, Step("slice_cat", (0, 0, 0), 0.1),
            Step("contiguous", (14, 0, 0), 0.1), *(Step("linear", (0, 0, 0), 0.1),) * 2,
            Step("sigmoid_inplace", (0, 5, 0), 0.1)), 1, 0))
@@ -300,7 +300,7 @@ def test_fuzzed_models_under_export(case):
 
 # Over the budget by 116 B in the suite's worker (not alone): there, the solver returned another
 # schedule of the same predicted peak, one recomputing the BatchNorms. A recomputation runs a
-# BatchNorm without its running statistics (runtime/recompute.py), another kernel path with
+# BatchNorm without its running statistics (monetlike/core/recompute.py), another kernel path with
 # 128 B more scratch; the profile had taken the forward's. Now measured as recomputed
 # (profile/interpreter.py, _nograd_transient). The schedule below peaks at that recomputation.
 BATCHNORM_RECOMPUTED = ((Step("batch_norm", (32, 6, 54), 0.1), Step("batch_norm", (25, 42, 3), 0.1),

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torchvision
 
 import monetlike
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from monetlike.runtime.executor import ScheduledForward
 from runtime_support import PEAK_TOLERANCE, compare_step, keep_schedule, measured_peak
 from solver.simulate import simulate

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import monetlike  # noqa: E402
 import monetlike.models  # noqa: E402,F401
-import monetlike.trace  # noqa: E402,F401
+import monetlike.capture.trace  # noqa: E402,F401
 import solver  # noqa: E402
 from solver.baselines import chen_sqrt_n, store_all  # noqa: E402
 
@@ -218,7 +218,7 @@ def test_causal_lm_example_runs_three_ways_with_the_same_losses(capsys):
 def test_cache_in_outputs_is_refused_with_the_way_out():
     model = _model("gpt2").train()
     batch = {**_batch("gpt2", torch.Generator().manual_seed(1)), "use_cache": True}
-    with pytest.raises(monetlike.trace.TraceError) as e:
+    with pytest.raises(monetlike.capture.trace.TraceError) as e:
         monetlike.profile(model, batch, cost="analytical:A100-40GB")
     msg = str(e.value)
     assert "could not capture GPT2LMHeadModel" in msg and "DynamicCache" in msg

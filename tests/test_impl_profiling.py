@@ -1,4 +1,4 @@
-"""Measuring the registered Impls (monetlike/impls/profiling.py): an Impl that fails to run is
+"""Measuring the registered Impls (monetlike/profile/impl_timing.py): an Impl that fails to run is
 left out with a warning, and only it: the Ops timed in the same steps keep theirs."""
 
 import warnings

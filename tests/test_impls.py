@@ -546,7 +546,7 @@ def test_mask_impls_give_the_default_s_gradient_layout(grad_kind, act, min_slice
 
 def test_hardtanh_matching_refuses_what_it_cannot_do():
     from monetlike.impls.hardtanh import hardtanh_call
-    from monetlike.trace import trace
+    from monetlike.capture.trace import trace
 
     class PreActivationRead(ConvBnAct):
         def forward(self, x):  # the BN output is also read after the in-place ReLU6
@@ -579,7 +579,7 @@ def _allocator_held(fn, x) -> int:
     """Bytes the CPU allocator still holds after `fn(x)` besides the result's storage: what the
     backward holds, by the allocator's own count (temporaries of `fn` are freed by then; `x` a
     leaf: `x * 1` would keep its wrapped scalar, 8 bytes, in the graph)."""
-    from monetlike.allocator import AllocatorLog
+    from monetlike.core.allocator import AllocatorLog
 
     with AllocatorLog() as log:
         log.mark("before")

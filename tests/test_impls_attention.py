@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import monetlike
 from monetlike.impls.attention import SdpaMask, SdpaProbsMask, _match, _match_probs
-from monetlike.trace import trace
+from monetlike.capture.trace import trace
 from test_impls import _assert_same, _bytes_held
 from test_impls_internals import _with_impl
 from runtime_support import PEAK_TOLERANCE, measured_peak, weighted_step

@@ -249,7 +249,7 @@ def test_declared_bytes():
     h = torch.randn(b, l, e, requires_grad=True)
     mod = model.mha
     from monetlike.impls.internals import _match
-    from monetlike.trace import trace
+    from monetlike.capture.trace import trace
 
     # The replacement the registry gives the runtime for this Op, called as the runtime calls it.
     gm = trace(model)
@@ -282,7 +282,7 @@ def test_declared_bytes_hand_written_matmul():
     assert default.saved == () and default.internal_bytes == 2 * 4 * b * 2 * t * 8
 
     from monetlike.impls.internals import _match
-    from monetlike.trace import trace
+    from monetlike.capture.trace import trace
 
     gm = trace(model)
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.name == mm.name)
@@ -313,7 +313,7 @@ def test_declared_bytes_hand_written_matmul():
 
 def test_matching_refuses_what_it_cannot_do():
     from monetlike.impls.internals import _match
-    from monetlike.trace import trace
+    from monetlike.capture.trace import trace
 
     class WithBuffer(nn.Module):
         def __init__(self):

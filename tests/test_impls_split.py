@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import monetlike
 from monetlike.impls import bitmask
-from monetlike.torch_private import sole_owner
+from monetlike.core.torch_private import sole_owner
 from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
 from solver.simulate import simulate
 

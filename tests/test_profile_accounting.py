@@ -8,7 +8,7 @@ import torch.nn as nn
 import monetlike
 import solver
 from monetlike.profile import UnknownDeviceError
-from monetlike.trace import TraceError
+from monetlike.capture.trace import TraceError
 
 N, C, H, W = 2, 3, 8, 8
 
@@ -348,7 +348,7 @@ def test_buffer_update_unsafe_but_batchnorm_safe():
     g = prof(nn.Sequential(Counter()), torch.randn(4, 8), leaf_modules=[Counter])
     assert "seen" in g.ops[0].recompute_unsafe
     # The recorded leaf list traces the same graph again (classes recorded as dotted names).
-    from monetlike.trace import trace
+    from monetlike.capture.trace import trace
 
     gm = trace(nn.Sequential(Counter()), g.meta["leaf_modules"])
     assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_module", "output"]

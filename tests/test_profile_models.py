@@ -19,7 +19,7 @@ import torchvision
 import monetlike
 import solver
 from monetlike import models
-from monetlike.trace import trace
+from monetlike.capture.trace import trace
 
 tv = torchvision.models
 

@@ -15,7 +15,7 @@ import torchvision
 
 import monetlike
 from monetlike.models import transformer_block, two_in_out, unet
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from runtime_support import (PEAK_TOLERANCE, compare_step, measured_peak, recomputed_op_count,
                              three_schedules)
 from solver.simulate import simulate

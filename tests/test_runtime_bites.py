@@ -16,7 +16,7 @@ import torch.nn as nn
 import monetlike
 from monetlike.models import transformer_block
 from monetlike.profile.memory import StorageTracker
-from monetlike.runtime import ScheduleWrapper
+from monetlike import ScheduleWrapper
 from runtime_support import (compare_step, every, keep_schedule, recomputed_op_count, step,
                              three_schedules)
 from solver.errors import ScheduleError, ScheduleMismatchError

@@ -2,7 +2,7 @@
 
 A wrapper solved for one shape runs any smaller batch or sequence length: the schedule's
 decisions are rebound to the smaller graph and proven within budget by the simulator (NOTE
-[Smaller shapes] in monetlike/runtime/wrapper.py). Gradients equal plain PyTorch at every shape;
+[Smaller shapes] in monetlike/wrapper.py). Gradients equal plain PyTorch at every shape;
 a larger shape is refused with the way out.
 """
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 import monetlike
 import solver
 from monetlike.models import transformer
-from monetlike.trace import TraceError
+from monetlike.capture.trace import TraceError
 from runtime_support import PEAK_TOLERANCE, every, keep_schedule, measured_peak, peak_of
 from solver.baselines import chen_sqrt_n
 from solver.errors import ScheduleMismatchError

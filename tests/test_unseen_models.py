@@ -90,7 +90,7 @@ import torch.nn.utils.parametrize
 import torch.utils.checkpoint
 
 import monetlike
-from monetlike.trace import TraceError, trace
+from monetlike.capture.trace import TraceError, trace
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
 from solver.simulate import store_all_schedule
 
@@ -297,7 +297,7 @@ def test_gradient_hook_registered_in_forward_is_refused():
 
 
 def test_a_cache_object_in_the_outputs_is_named_with_its_way_out():
-    from monetlike.capture import _export_error
+    from monetlike.capture.api import _export_error
     e = RuntimeError("Found <class 'transformers.cache_utils.EncoderDecoderCache'> in output, "
                      "which is not a known type.")
     msg = str(_export_error(nn.Linear(2, 2), e))

@@ -21,4 +21,8 @@
 
 from .registry import ImplSpec, SubstitutingMixin, get, matches, names, register, specs
 
+# The families register themselves on import. The import order is the registration order, i.e.
+# the order of an Op's extra Impls (part of a graph's fingerprint): do not reorder.
+from . import dropout, pool, relu, hardtanh, internals, inplace, split, attention  # noqa: E402,F401
+
 __all__ = ["ImplSpec", "SubstitutingMixin", "get", "matches", "names", "register", "specs"]

@@ -37,7 +37,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..torch_private import SAFE_SOFTMAX, SOFTMAX_BACKWARD_DATA
+from ..core.torch_private import SAFE_SOFTMAX, SOFTMAX_BACKWARD_DATA
 from .internals import _detach, _hidden_hooks, distinct_inputs, first_positions, inputs_from
 from .registry import ImplSpec, register
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .registry import ImplSpec, register
+from ..core.allocator import AllocatorLog
 
 
 class DropoutRegen(torch.autograd.Function):
@@ -115,7 +116,6 @@ def dropout_from_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Te
 def mask_recompute_scratch(shape: tuple, dtype_name: str) -> int:
     """Bytes `dropout_from_mask` allocates on the CPU beyond its output, for an input of this
     shape and dtype, by the CPU allocator's own count (monetlike.allocator)."""
-    from ..allocator import AllocatorLog  # the profiler's machinery: only when profiling
 
     x = torch.zeros(shape, dtype=getattr(torch, dtype_name))
     mask = torch.ones(shape, dtype=torch.bool)

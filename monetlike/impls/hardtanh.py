@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..torch_private import HARDTANH, RELU6_INPLACE, RELU6_OUT
+from ..core.torch_private import HARDTANH, RELU6_INPLACE, RELU6_OUT
 from . import bitmask
 from .registry import ImplSpec, register
 from .relu import Activation, bn_lean_matcher, mask_matcher

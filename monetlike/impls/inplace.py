@@ -9,7 +9,7 @@ when nothing reads or holds x afterwards, which the graph and the schedule decid
 - the profiler offers the Impl only where no other op reads x after it, no backward of any Impl
   reads x, x is an Op's own output (not a graph input, parameter, buffer or model output) of the
   output's shape, dtype and bytes, and its creator node returns it whole
-  (`monetlike/impls/profiling.py`, `inplace_alternatives`);
+  (`monetlike/profile/impl_timing.py`, `inplace_alternatives`);
 - the MILP never holds x across a stage boundary when the Impl is chosen, and no chosen Impl
   may save x (docs/formulation.md, `inplace_saved` and `inplace_resident`).
 

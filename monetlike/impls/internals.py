@@ -10,7 +10,7 @@ Op from its forward to its backward.
 This Impl runs the Op's forward as the default does, then lets go of the autograd graph it built
 and keeps only the Op's tensor inputs (Values, so the schedule decides where they come from). At
 the Op's backward stage it runs the same forward again with grad enabled, under the RNG and
-autocast state of the original (monetlike.runtime.recompute.replay: dropout draws the same
+autocast state of the original (monetlike.core.recompute.replay: dropout draws the same
 mask), and backpropagates through it: the internals exist only during that stage, as backward
 workspace. It is a one-Op checkpoint, with the forward hooks not called again (the module's
 `forward` is called, not the module) and nothing else repeated: the modules it applies to have no
@@ -40,8 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..runtime import recompute as rc
-from ..torch_private import tree_flatten, tree_unflatten
+from ..core import recompute as rc
+from ..core.torch_private import tree_flatten, tree_unflatten
 from .registry import ImplSpec, module_of, register
 
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).

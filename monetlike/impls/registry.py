@@ -62,17 +62,14 @@ def register(spec: ImplSpec) -> ImplSpec:
 
 def specs() -> list[ImplSpec]:
     """Registered Impls, in registration order (the order extra Impls appear on an Op)."""
-    _load()
     return list(_REGISTRY.values())
 
 
 def get(name: str) -> ImplSpec:
-    _load()
     return _REGISTRY[name]
 
 
 def names() -> frozenset[str]:
-    _load()
     return frozenset(_REGISTRY)
 
 
@@ -84,13 +81,6 @@ def matches(gm: fx.GraphModule, nodes: list) -> list[tuple[ImplSpec, dict]]:
         if subs:
             out.append((spec, subs))
     return out
-
-
-def _load() -> None:
-    # The families register themselves on import; imported lazily so that importing the
-    # registry (from the runtime's plan) stays cheap and free of cycles. The import order is the
-    # registration order, i.e. the order of an Op's extra Impls (part of its fingerprint).
-    from . import dropout, pool, relu, hardtanh, internals, inplace, split, attention  # noqa: F401
 
 
 class SubstitutingMixin:

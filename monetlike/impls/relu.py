@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..torch_private import BatchNormBase, outside_dispatch_modes, sole_owner
+from ..core.torch_private import BatchNormBase, outside_dispatch_modes, sole_owner
 from . import bitmask
 from .registry import ImplSpec, module_of, register
 

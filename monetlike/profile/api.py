@@ -25,17 +25,18 @@ import torch
 
 from solver.graph import Impl, Op, OpGraph, Value
 
-from ..capture import capture as capture_graph
+from ..capture.api import capture as capture_graph
 from ..impls.dropout import mask_recomputable, mask_recompute_scratch
-from ..capture import check_capture, split_example
-from ..runtime import recompute as rc
-from ..trace import restore_rng, save_rng
-from ..torch_private import tree_leaves, tree_map_only
+from ..capture.api import check_capture, split_example
+from ..core import recompute as rc
+from ..capture.trace import restore_rng, save_rng
+from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .gpu_like import GpuLike
 from .interpreter import ProfileError, ProfileRun, TimingRun, loss_fn_in_use
 from .memory import storage_of
+from .impl_timing import inplace_alternatives, measure_alternatives
 
 __all__ = ["profile", "OPTIMIZER_STATE_MULTIPLIER"]
 
@@ -124,7 +125,7 @@ def _progress(total: int):
 
 
 # Casts are not cached, in the capture and in every step (NOTE [Autocast cache] in
-# runtime/recompute.py).
+# monetlike/core/recompute.py).
 @rc.uncached_autocast()
 def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measured",
             optimizer: str | None = None, repeat: int = 5,
@@ -254,13 +255,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                 bwd_times.setdefault(gid, []).append(b.get(gid, 0.0))
                 alternatives = {}
                 if impls:
-                    from ..impls.profiling import measure_alternatives
 
                     alternatives = measure_alternatives(
                         gm, work, xs, run, measured=kind == "measured", preset=preset,
                         device=device, repeat=repeat, note=note, clock=clock, target=impl_target,
                         context=gpu_like)
-                    from ..impls.profiling import inplace_alternatives
 
                     for gid, alts in inplace_alternatives(gm, xs, run, measured=kind == "measured",
                                                           device=device, repeat=repeat,

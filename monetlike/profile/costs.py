@@ -33,7 +33,7 @@ from torch.utils.flop_counter import flop_registry
 
 from solver.errors import MonetlikeError
 
-from ..torch_private import tree_leaves
+from ..core.torch_private import tree_leaves
 
 __all__ = ["CostSpecError", "DevicePreset", "PRESETS", "UnknownDeviceError", "parse_cost",
            "get_preset",

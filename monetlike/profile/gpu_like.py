@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
-from ..torch_private import sdp_priority_order
+from ..core.torch_private import sdp_priority_order
 
 __all__ = ["GpuLike", "sdpa_backend"]
 

@@ -36,11 +36,11 @@ import torch.fx as fx
 
 from solver.errors import MonetlikeError
 
-from ..allocator import AllocatorLog
+from ..core.allocator import AllocatorLog
 from ..impls.registry import observing_releases
-from ..runtime import recompute as rc
-from ..runtime.hooks import stage_roots
-from ..torch_private import outside_dispatch_modes, tensors_in, tree_leaves, tree_map
+from ..core import recompute as rc
+from ..core.autograd_hooks import stage_roots
+from ..core.torch_private import outside_dispatch_modes, tensors_in, tree_leaves, tree_map
 from .costs import Roofline, Timer
 from .memory import FIXED, INPUT, INTERNAL, OTHER, VALUE, StorageTracker, storage_of
 from .safety import aten_unsafe_reason, module_hook_reason, written_tensors
@@ -183,7 +183,7 @@ class _NodeRec:
 # NOTE [Cached casts]
 # Autocast casts a float32 leaf that requires grad (a parameter) to its lower precision once per
 # autocast block when its cache is on (the default), and keeps the cast until the block exits.
-# The profile runs with the cache off (NOTE [Autocast cache] in runtime/recompute.py): a cast
+# The profile runs with the cache off (NOTE [Autocast cache] in monetlike/core/recompute.py): a cast
 # the backward saves (a Linear's weight) lives as long either way, but one it does not save (a
 # Linear's bias) dies with its op there, while a cached step keeps it to the end of the forward
 # (a two-layer ViT under bfloat16: 960 B over the predicted forward peak, and a schedule over its
@@ -489,7 +489,7 @@ class ProfileRun(fx.Interpreter):
                 g.recompute_workspace = max(g.recompute_workspace, nograd_workspace)
                 g.nograd_workspace = max(g.nograd_workspace, nograd_workspace)
         # The runtime replays a random Op's generator state through a state tensor (NOTE [RNG
-        # capture] in runtime/recompute.py): a transient of its size around the recomputation.
+        # capture] in monetlike/core/recompute.py): a transient of its size around the recomputation.
         state = torch.get_rng_state().numel()
         for g in self.groups:
             if g.random:

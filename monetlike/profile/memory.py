@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..torch_private import TorchDispatchMode, tree_leaves
+from ..core.torch_private import TorchDispatchMode, tree_leaves
 from . import meta_memo
 
 # Classes of storages the profiler distinguishes; the tracker itself only sums them.

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..torch_private import tree_leaves
+from ..core.torch_private import tree_leaves
 
 MAX_ENTRIES = 200_000
 """Entries kept at most (then the memo is cleared): a few hundred bytes each."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_private import tree_leaves
+from ..core.torch_private import tree_leaves
 
 __all__ = ["aten_unsafe_reason", "written_tensors", "module_hook_reason"]
 

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..torch_private import PyTreeCodeGen
-from . import recompute as rc
+from ..core.torch_private import PyTreeCodeGen
+from ..core import recompute as rc
 from .plan import Plan
 
 MISSING = object()

@@ -129,11 +129,11 @@ import torch.fx as fx
 from solver.errors import ScheduleError
 
 from ..impls.dropout import dropout_from_mask
-from ..torch_private import (current_graph_task_id, neg_view, queue_engine_callback, tree_flatten,
+from ..core.torch_private import (current_graph_task_id, neg_view, queue_engine_callback, tree_flatten,
                              tree_leaves, tree_unflatten)
-from . import recompute as rc
+from ..core import recompute as rc
 from .codegen import MISSING, attr_path, generated_forward, generated_recompute
-from .hooks import (CREATE_GRAPH_MESSAGE, Saved, missing_value_message, stage_roots,
+from ..core.autograd_hooks import (CREATE_GRAPH_MESSAGE, Saved, missing_value_message, stage_roots,
                     unreached_message)
 from .offload import HostCopies
 from .plan import Plan, module_of

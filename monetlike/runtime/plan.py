@@ -22,6 +22,9 @@ from solver.graph import OpGraph
 from solver.release import StageRelease, stage_releases
 from solver.schedule import Schedule
 from solver.simulate import simulate
+from ..core.recompute import norm_kind, rng_free
+from ..impls import get, names
+from ..impls.dropout import dropout_p, mask_recomputable
 
 # NOTE [Value handling]
 # Every Value falls in one of three classes, decided once per plan:
@@ -75,7 +78,6 @@ _NEVER_RECOMPUTE_NAMES = frozenset({
 # Impls the runtime knows how to execute: 'default' is the op as the model wrote it; the others
 # are the registered operator implementations (monetlike/impls), run in place of the Op's nodes.
 def runtime_impls() -> frozenset[str]:
-    from ..impls import names
 
     return frozenset({"default"}) | names()
 
@@ -219,7 +221,6 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     for op, k in zip(graph.ops, schedule.impl):
         if k == 0:
             continue
-        from ..impls import get
 
         subs = get(op.impls[k].name).match(gm, op_nodes[op.id])
         if not subs:
@@ -286,7 +287,6 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         stack.extend(graph.values[v].producer for v in graph.ops[j].inputs
                      if graph.values[v].requires_grad)
     no_grad_ops = unreached_ops - feeds_output
-    from .recompute import rng_free
 
     def kind(n: fx.Node) -> str:
         if n.op == "call_module":
@@ -336,7 +336,6 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                    | {graph.backward_order[t] for t in active_stages})
     runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
-    from ..impls.dropout import dropout_p, mask_recomputable
 
     mask_recompute = {}
     for j in recomputed_ops:
@@ -347,7 +346,6 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
             if p is not None:
                 mask_recompute[op_nodes[j][0].name] = p
 
-    from .recompute import norm_kind
 
     stats_nodes = {}
     for j in recomputed_ops - unreached_ops:

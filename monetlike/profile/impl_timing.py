@@ -26,9 +26,9 @@ import warnings
 
 import torch
 
-from ..profile.costs import Roofline, Timer, median
-from ..profile.interpreter import ProfileRun, TimingRun
-from .registry import SubstitutingMixin, matches
+from .costs import Roofline, Timer, median
+from .interpreter import ProfileRun, TimingRun
+from ..impls.registry import SubstitutingMixin, matches
 
 
 class SubstitutingProfileRun(SubstitutingMixin, ProfileRun):

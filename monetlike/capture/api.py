@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
+from ..core.torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
 from .trace import (TraceError, attributes_set, check_attributes_set,
                     check_norms_under_checkpoint, functions_applied, norms_under_checkpoint,
                     python_draw_error, python_draws, trace, user_frame_of)
@@ -225,7 +225,7 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
 # records the ops inside; the exported graph differentiates them, not the Function's backward
 # (tested on torch 2.14: a gradient reversal's gradient comes back with the wrong sign). Every
 # `Function.apply` during the export is recorded, and a graph that had one is refused; fx applies
-# the Function as one op (NOTE [Custom autograd Functions] in monetlike/trace.py).
+# the Function as one op (NOTE [Custom autograd Functions] in monetlike/capture/trace.py).
 # NOTE [Gradient hooks under export]
 # A hook registered on a tensor in forward (`h.register_hook(lambda g: 3 * g)`) changes the
 # gradient autograd computes; torch.export records ops, not hooks, so the exported graph would

@@ -55,13 +55,17 @@ from solver.errors import ScheduleError, ScheduleMismatchError
 from solver.graph import OpGraph
 from solver.schedule import Schedule
 
-from ..capture import (FlatInputs, call_spec, check_capture, example_of, export_graph,
+from .capture.api import (FlatInputs, call_spec, check_capture, example_of, export_graph,
                        flat_fx_inputs)
-from . import recompute as rc
-from ..trace import is_plain_value
-from .executor import ScheduledForward, StepState
-from .offload import check_cuda_available, check_offload_devices
-from .plan import Plan, build_plan
+from .core import recompute as rc
+from .capture.trace import is_plain_value
+from .runtime.executor import ScheduledForward, StepState
+from .runtime.offload import check_cuda_available, check_offload_devices
+from .runtime.plan import Plan, build_plan
+from .capture.trace import MonetTracer, TraceError, trace
+from .profile import profile
+from solver.simulate import simulate
+from solver.units import format_bytes
 
 __all__ = ["ScheduleWrapper"]
 
@@ -323,7 +327,6 @@ class ScheduleWrapper(torch.nn.Module):
         if watched is None or watched[0] != self._capture:
             run_whole = None
             if self._capture != "export":  # an fx leaf runs its own forward, reading them live
-                from ..trace import MonetTracer
 
                 run_whole = MonetTracer(self._leaf_modules).is_leaf_module
             watched = self._watched = (self._capture,
@@ -392,7 +395,6 @@ class ScheduleWrapper(torch.nn.Module):
         symbolic tracing fails or the call hands forward a container of tensors, as
         monetlike.capture decides for the profile)."""
         if self._capture == "auto":
-            from ..trace import TraceError
 
             try:
                 flat_fx_inputs(self._model, self._traced(), args, kwargs or {})
@@ -411,7 +413,6 @@ class ScheduleWrapper(torch.nn.Module):
             return export_graph(self._model, inputs)
         state = self._python_state()
         if self._gm is None or state != self._gm_state:
-            from ..trace import trace
 
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
@@ -420,7 +421,6 @@ class ScheduleWrapper(torch.nn.Module):
         return self._gm
 
     def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:
-        from ..profile import profile
 
         tensors = example_of(inputs)
         # The Impls on offer depend on the device the schedule was profiled for (ImplSpec.devices).
@@ -553,8 +553,6 @@ def _rebind(graph: OpGraph, schedule: Schedule,
     predicted time is left out: the structure profile's costs are not the schedule's."""
     import dataclasses
 
-    from solver.simulate import simulate
-    from solver.units import format_bytes
 
     optimizer_bytes = schedule.graph_summary.get("optimizer_bytes", optimizer_bytes)
     if isinstance(optimizer_bytes, int) and not isinstance(optimizer_bytes, bool) \

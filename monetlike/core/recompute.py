@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..torch_private import (BatchNormBase, InstanceNormBase, batch_norm_saved_stats,
+from .torch_private import (BatchNormBase, InstanceNormBase, batch_norm_saved_stats,
                              global_module_hooks)
 
 # NOTE [RNG capture]

@@ -45,7 +45,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from solver.errors import MonetlikeError
 
-from .torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
+from ..core.torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
                             derived_from_parameters, parametrize_cache_on, tree_leaves)
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
@@ -332,7 +332,7 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def is_plain_value(value) -> bool:
     """A bool, int, float, str or None, or a tuple of them: a module's Python state that a
-    captured graph bakes in (NOTE [Python attributes read in forward] in runtime/wrapper.py)."""
+    captured graph bakes in (NOTE [Python attributes read in forward] in monetlike/wrapper.py)."""
     return isinstance(value, _PLAIN) or (isinstance(value, tuple)
                                          and all(isinstance(v, _PLAIN) for v in value))
 
