@@ -44,7 +44,7 @@ from solver.simulate import simulate
 
 from .capture.api import split_example
 from .profile.costs import Timer, check_clock
-from .profile.interpreter import loss_fn_in_use, training_loss
+from .profile.records import loss_fn_in_use, training_loss
 from .core.torch_private import tree_leaves
 from .wrapper import ScheduleWrapper
 

@@ -31,7 +31,7 @@ from solver.units import format_bytes
 
 from .capture.api import split_example
 from .measure import measure_step
-from .profile.interpreter import training_loss
+from .profile.records import training_loss
 from .wrapper import ScheduleWrapper
 from .core.torch_private import tensors_in
 from .measure import Measurement

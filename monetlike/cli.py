@@ -41,7 +41,7 @@ from .modelspec import LOSSES, ModelSpecError, build_model, load_loss
 from .pareto import pareto, plot_pareto
 from .profile import profile
 from .profile.costs import parse_cost
-from .profile.interpreter import ProfileError
+from .profile.records import ProfileError
 from .zoo import ZooError
 
 # Errors that mean "you asked for something malformed": exit code 2.

@@ -259,7 +259,7 @@ def test_an_analytical_profile_under_autocast_is_refused():
     """Meta tensors are not autocast: the graph held float32 Values for a bfloat16 step, and
     monetlike.optimize's plan peaked 28% over its prediction and over the budget (found by a
     hunt)."""
-    from monetlike.profile.interpreter import ProfileError
+    from monetlike.profile import ProfileError
 
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     with _autocast(), pytest.raises(ProfileError, match="torch.autocast does not apply"):

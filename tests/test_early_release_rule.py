@@ -10,7 +10,7 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monetlike.profile.interpreter import _early_releases
+from monetlike.profile.records import early_releases
 
 
 def true_peak(levels, frees, held) -> int:
@@ -30,14 +30,14 @@ def test_a_second_peak_after_a_free_makes_the_value_an_early_release():
     # operand past the stage raises that second peak by its bytes.
     levels = [0, 2048, 4096, 2048, 4096, 2048, 0]
     frees = [(3, "operand", 2048)]
-    assert _early_releases(levels, frees) == ["operand"]
+    assert early_releases(levels, frees) == ["operand"]
     assert true_peak(levels, frees, {"operand"}) == 4096 + 2048
 
 
 def test_a_value_freed_after_the_last_climb_is_not():
     levels = [0, 2048, 4096, 2048, 0]
     frees = [(3, "late", 2048), (1, "first", 1024)]
-    assert _early_releases(levels, frees) == ["first"]
+    assert early_releases(levels, frees) == ["first"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,7 +49,7 @@ def test_a_value_freed_after_the_last_climb_is_not():
 def test_safe_for_every_held_set_and_exact_for_values_freed_before_the_peak(case):
     levels, raw = case
     frees = [(pos, f"v{i}", nbytes) for i, (pos, nbytes) in enumerate(raw)]
-    early = set(_early_releases(levels, frees))
+    early = set(early_releases(levels, frees))
     natural = max(levels)
     size = {tag: nbytes for _, tag, nbytes in frees}
     tags = list(size)

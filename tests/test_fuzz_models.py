@@ -132,7 +132,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
         assert measured <= budget, ("over budget", budget, measured, expected)
         # At most 1% above the prediction, not equal: a Value freed inside a stage's backward
         # changes when later gradients are summed in ways the per-Op model does not follow, and
-        # the profiler then counts it as an early release on the safe side (_early_releases;
+        # the profiler then counts it as an early release on the safe side (early_releases;
         # seen up to 2,048 B, 6% of these tiny models' peaks, over).
         assert measured <= expected * (1 + PEAK_TOLERANCE), ("schedule", budget, measured,
                                                              expected)
@@ -201,7 +201,7 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 @example(((Step("act_then_add_", (0, 0, 0), 0.1), Step("linear", (1, 0, 0), 0.1)), 1, 0))
 # A solved schedule held a mul's saved operand past its stage; the profile had it freed between
 # the stage's peak and an out-of-place gradient sum as high: 31,984 B measured, 29,936 predicted,
-# 30,960 budget (profile/interpreter.py, _early_releases).
+# 30,960 budget (profile/interpreter.py, early_releases).
 @example(((Step("linear", (0, 0, 0), 0.1), Step("relu_inplace", (0, 0, 0), 0.1),
            Step("sigmoid_inplace", (34, 0, 0), 0.1), Step("mul", (57, 42, 0), 0.1),
            Step("linear", (27, 0, 0), 0.1), Step("linear", (27, 0, 0), 0.1)), 1, 0))

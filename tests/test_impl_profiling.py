@@ -8,7 +8,7 @@ import torch
 
 import monetlike
 from monetlike.impls import registry
-from monetlike.profile.interpreter import TimingRun
+from monetlike.profile.timing import TimingRun
 
 
 def _tanh_timing_fails(gm, nodes):
@@ -36,7 +36,6 @@ class LinearTanh(torch.nn.Module):
 
 @pytest.fixture
 def failing_impl(monkeypatch):
-    registry._load()
     spec = registry.ImplSpec("tanh_timing_fails", _tanh_timing_fails, doc="test only")
     monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
     return spec

@@ -12,7 +12,7 @@
 
 from .api import OPTIMIZER_STATE_MULTIPLIER, profile
 from .costs import PRESETS, DevicePreset, UnknownDeviceError
-from .interpreter import ProfileError
+from .records import ProfileError
 
 __all__ = ["profile", "structure_fingerprint", "PRESETS", "DevicePreset", "UnknownDeviceError",
            "ProfileError", "OPTIMIZER_STATE_MULTIPLIER"]

@@ -34,7 +34,9 @@ from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .gpu_like import GpuLike
-from .interpreter import ProfileError, ProfileRun, TimingRun, loss_fn_in_use
+from .interpreter import ProfileRun
+from .records import ProfileError, loss_fn_in_use
+from .timing import TimingRun
 from .memory import storage_of
 from .impl_timing import inplace_alternatives, measure_alternatives
 

@@ -27,7 +27,8 @@ import warnings
 import torch
 
 from .costs import Roofline, Timer, median
-from .interpreter import ProfileRun, TimingRun
+from .interpreter import ProfileRun
+from .timing import TimingRun
 from ..impls.registry import SubstitutingMixin, matches
 
 
