@@ -11,7 +11,7 @@ import torch.nn as nn
 import monetlike
 from monetlike.impls import dropout as dropout_impls
 from monetlike import ScheduleWrapper
-from monetlike.runtime import executor
+from monetlike.runtime import step_state as executor
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak
 from solver.rules import schedule_from_keep
 from solver.simulate import simulate

@@ -151,7 +151,7 @@ def test_a_recomputation_runs_as_generated_code(resnet, monkeypatch):
     """NOTE [Generated recomputation]: a recomputed Op's nodes are its own generated code; only
     its arguments from outside the Op, its norms (run without running statistics) and the
     registering of its Values call back into the runtime, once each."""
-    from monetlike.runtime.executor import Recomputation
+    from monetlike.runtime.step_state import Recomputation
 
     model, x, graph = resnet
     schedule = _one_recompute(graph)

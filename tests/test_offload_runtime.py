@@ -19,7 +19,7 @@ import torch.nn as nn
 import monetlike
 import solver
 from monetlike import ScheduleWrapper
-from monetlike.runtime import executor as executor_mod
+from monetlike.runtime import step_state as executor_mod
 from monetlike import wrapper as wrapper_mod
 from monetlike.runtime.offload import as_typed
 from runtime_support import compare_step

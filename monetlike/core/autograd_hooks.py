@@ -4,7 +4,7 @@
   Value (id and geometry; the tensor itself is dropped, see NOTE [Value handling] in plan.py) or
   the tensor kept as it is (parameters, graph inputs, internals, pass-through Values).
 - `grad_fns` finds the autograd nodes that give an Op's results their grad_fn: the stage hooks
-  go there (NOTE [Stage boundaries] in executor.py).
+  go there (NOTE [Stage boundaries] in step_state.py).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Saved:
 
 
 def stage_roots(leaves) -> list:
-    """Where an Op's stage starts (NOTE [Stage boundaries] in executor.py): the grad_fns of its
+    """Where an Op's stage starts (NOTE [Stage boundaries] in step_state.py): the grad_fns of its
     result tensors among `leaves`, and of their bases where they are views (an in-place write
     through a view, x.narrow(...).copy_(y), gives the base a new grad_fn, CopySlices, through
     which a gradient may enter alone). The profiler claims the same nodes as an Op's roots."""

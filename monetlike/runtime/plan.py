@@ -152,11 +152,11 @@ class Plan:
     """Per Op, the Values a storage it touches may be, each with its rank (outputs first): the
     candidates when a saved
     tensor or a node's result is matched to a Value by storage (NOTE [Storage identity] in
-    executor.py). An in-place Op's output shares its storage with the Value it overwrites, which
+    step_state.py). An in-place Op's output shares its storage with the Value it overwrites, which
     is left out: after the write that storage holds the output."""
     active_stages: frozenset[int] = frozenset()
     """Backward stages that do something at run time (fetch, recompute, or release a Value the
-    runtime holds): only their Ops get stage hooks (NOTE [Stage boundaries] in executor.py)."""
+    runtime holds): only their Ops get stage hooks (NOTE [Stage boundaries] in step_state.py)."""
     runtime_nodes: frozenset[str] = frozenset()
     """fx nodes the forward runs through the runtime (NOTE [Generated forward] in executor.py);
     every other node runs as fx's generated code."""
