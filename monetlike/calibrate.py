@@ -46,6 +46,7 @@ from .capture.api import split_example
 from .profile.costs import Timer, check_clock
 from .profile.records import loss_fn_in_use, training_loss
 from .core.torch_private import tree_leaves
+from .impls.registry import stashed_recompute_of
 from .wrapper import ScheduleWrapper
 
 __all__ = ["calibrate", "CalibrationError"]
@@ -164,10 +165,10 @@ def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | N
 
         times, whole = recompute_steps(everything)
 
-        # 2b. A dropout run with dropout_mask is recomputed from its mask, not drawn again
-        #     (NOTE [Recomputed from the mask]): the same steps with that Impl, timed apart.
+        # 2b. An Impl with a StashedRecompute (dropout_mask) is recomputed from its stash, not
+        #     run again: the same steps with that Impl, timed apart.
         mask_impl = {op.id: k for op in ops for k, im in enumerate(op.impls)
-                     if im.name == "dropout_mask"}
+                     if stashed_recompute_of(im.name) is not None}
         mask_times: dict[int, list] = {}
         if mask_impl:
             impl = tuple(mask_impl.get(op.id, 0) for op in ops)

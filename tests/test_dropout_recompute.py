@@ -4,6 +4,8 @@ the same gradients as plain PyTorch, the peak the simulator predicts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +13,7 @@ import torch.nn as nn
 import monetlike
 from monetlike.impls import dropout as dropout_impls
 from monetlike import ScheduleWrapper
-from monetlike.runtime import step_state as executor
+from monetlike.impls import registry
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak
 from solver.rules import schedule_from_keep
 from solver.simulate import simulate
@@ -41,7 +43,7 @@ class _Net(nn.Module):
         return self.c(torch.relu(self.b(self.drop(self.a(x)))))
 
 
-def test_a_recomputed_dropout_mask_applies_the_mask(monkeypatch):
+def test_a_recomputed_dropout_mask_applies_the_mask():
     torch.manual_seed(0)
     model = _Net()
     x = torch.randn(32, 64)
@@ -54,15 +56,18 @@ def test_a_recomputed_dropout_mask_applies_the_mask(monkeypatch):
     schedule = schedule_from_keep(graph, (), retain="saved", impl=impl, mode="full")
     assert any(drop.id in st.recompute for st in schedule.stages)
     calls = []
-    original = executor.dropout_from_mask
+    spec = registry.get("dropout_mask")
+    original = spec.stashed_recompute.run
 
     def counting(x, mask, p):
         calls.append(p)
         return original(x, mask, p)
 
-    monkeypatch.setattr(executor, "dropout_from_mask", counting)
-    compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), (x,), steps=2,
-                 exact=True)
+    counted = dataclasses.replace(spec, stashed_recompute=dataclasses.replace(
+        spec.stashed_recompute, run=counting))
+    with registry.registered(counted):
+        compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), (x,), steps=2,
+                     exact=True)
     assert calls and all(p == 0.3 for p in calls)
     wrapped = ScheduleWrapper(model, schedule, graph=graph)
     predicted = simulate(graph, schedule).peak_bytes

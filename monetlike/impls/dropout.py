@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import ImplSpec, register
+from .registry import ImplSpec, StashedRecompute, register
 from ..core.allocator import AllocatorLog
 
 
@@ -172,7 +172,7 @@ def _matcher(function):
             if function is DropoutMask:  # NOTE [Recomputed from the mask]
                 # Checked on the tensor too: a recomputation finding the mask applies it and
                 # sets no generator state to draw again (autocast can make x bfloat16 here).
-                stash = getattr(interp, "mask_stash", None)
+                stash = getattr(interp, "stash_for", None)
                 if stash is None or x.device.type != "cpu" or not mask_recomputable(
                         str(x.dtype).removeprefix("torch."),
                         x.requires_grad and torch.is_grad_enabled()):
@@ -192,4 +192,7 @@ register(ImplSpec("dropout_regen", _matcher(DropoutRegen),
 # Offered on CPU profiles only: CUDA's dropout already holds a bool mask.
 register(ImplSpec("dropout_mask", _matcher(DropoutMask),
                   "Dropout holding a 1-byte bool mask instead of the noise in the input dtype",
-                  devices=frozenset({"cpu"})))
+                  devices=frozenset({"cpu"}),
+                  stashed_recompute=StashedRecompute(  # NOTE [Recomputed from the mask]
+                      applies=mask_recomputable, argument=dropout_p, run=dropout_from_mask,
+                      scratch=mask_recompute_scratch)))

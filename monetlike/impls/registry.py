@@ -26,6 +26,25 @@ Replacement = Callable[[Any, fx.Node, tuple, dict], Any]
 
 
 @dataclass(frozen=True)
+class StashedRecompute:
+    """An Impl whose recomputation applies what its forward stashed while its backward holds it,
+    instead of running the Op again (dropout_mask: its mask, so nothing is drawn). The runtime
+    gives the Impl's `run` a `stash_for(node)` on its interpreter; the forward puts the stash in
+    it, its backward takes it out."""
+
+    applies: Callable[[str, bool], bool]
+    """(an output Value's dtype name, whether it requires grad) -> whether a recomputation of
+    that output can use the stash (elsewhere the Op is recomputed as the default)."""
+    argument: Callable[[fx.GraphModule, list], Any]
+    """(gm, the Op's nodes) -> what `run` needs besides the stash (dropout's p); None: the Op
+    is recomputed as the default."""
+    run: Callable[[Any, Any, Any], Any]
+    """(the node's input, the stash, the argument) -> the node's output, bitwise the forward's."""
+    scratch: Callable[[tuple, str], int]
+    """(output shape, dtype name) -> bytes `run` allocates beyond its output (on the CPU)."""
+
+
+@dataclass(frozen=True)
 class ImplSpec:
     name: str
     match: Callable[[fx.GraphModule, list], "dict[str, Replacement] | None"]
@@ -45,6 +64,9 @@ class ImplSpec:
     measured steps: made inside one, the first profile of a process counted them (a ReLU mask's
     stage 37 KB over later profiles), so a profile depended on what ran before it. (A wrapped
     model's first step builds its plan and these caches: measure from the second.)"""
+    stashed_recompute: "StashedRecompute | None" = None
+    """How a recomputation of the Op uses what the Impl's forward stashed; None: the Op is
+    recomputed by running its nodes again."""
     needs_internals: bool = False
     """Offered only on Ops whose default holds internal bytes (`Impl.internal_bytes`): an Impl
     that exists to drop them has nothing to gain elsewhere (a matmul of contiguous operands)."""
@@ -67,6 +89,27 @@ def specs() -> list[ImplSpec]:
 
 def get(name: str) -> ImplSpec:
     return _REGISTRY[name]
+
+
+@contextlib.contextmanager
+def registered(spec: ImplSpec):
+    """`spec` registered for the block, in place of the Impl of that name if there is one (its
+    position, and so every fingerprint, kept): an Impl tried without editing the registry."""
+    old = _REGISTRY.get(spec.name)
+    _REGISTRY[spec.name] = spec
+    try:
+        yield spec
+    finally:
+        if old is None:
+            del _REGISTRY[spec.name]
+        else:
+            _REGISTRY[spec.name] = old
+
+
+def stashed_recompute_of(name: str) -> "StashedRecompute | None":
+    """The StashedRecompute of the Impl called `name` ('default' and unknown names: None)."""
+    spec = _REGISTRY.get(name)
+    return spec.stashed_recompute if spec is not None else None
 
 
 def names() -> frozenset[str]:

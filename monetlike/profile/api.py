@@ -26,7 +26,7 @@ import torch
 from solver.graph import Impl, Op, OpGraph, Value
 
 from ..capture.api import capture as capture_graph
-from ..impls.dropout import mask_recomputable, mask_recompute_scratch
+from ..impls.registry import stashed_recompute_of
 from ..capture.api import check_capture, split_example
 from ..core import recompute as rc
 from ..capture.trace import restore_rng, save_rng
@@ -408,15 +408,16 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
         # Registered operator implementations measured in their own steps (monetlike.impls).
         # The runtime recomputes an allocating Impl with the Op's own forward under no_grad
         # (the default's transient), an in-place one with its in-place kernel, which makes
-        # nothing but its workspace, and, on the CPU, a float dropout_mask from its held mask
-        # (NOTE [Recomputed from the mask] in impls/dropout.py), whose scratch is measured here.
+        # nothing but its workspace, and, on the CPU, an Impl with a StashedRecompute from its
+        # stash (dropout_mask from its held mask), whose scratch is measured here.
         def rerun_workspace(alt) -> int:
             if alt.get("overwrites") is not None:
                 return int(alt["fwd_workspace"])
             outs = [run.values[t] for t in g.outputs]
-            if alt["name"] == "dropout_mask" and meta.get("device") == "cpu" and all(
-                    mask_recomputable(v.dtype, v.requires_grad) for v in outs):
-                return mask_recompute_scratch(tuple(outs[0].shape), outs[0].dtype)
+            stashed = stashed_recompute_of(alt["name"])
+            if stashed is not None and meta.get("device") == "cpu" and all(
+                    stashed.applies(v.dtype, v.requires_grad) for v in outs):
+                return stashed.scratch(tuple(outs[0].shape), outs[0].dtype)
             return impl.recompute_workspace
 
         extra = tuple(Impl(**{**alt, "fwd_workspace": int(alt["fwd_workspace"]) + cached,

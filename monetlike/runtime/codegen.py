@@ -138,7 +138,7 @@ def generated_recompute(plan: Plan, j: int, root: torch.nn.Module,
         for a in n.all_input_nodes:
             if a not in own and a not in env:
                 env[a] = graph.call_method("arg", (call, index[a]))
-        if _runs_differently(n, root, inplace) or n.name in plan.mask_recompute:
+        if _runs_differently(n, root, inplace) or n.name in plan.stashed_recompute:
             args = fx.node.map_arg(n.args, env.__getitem__)
             kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
             env[n] = graph.call_method("run", (call, index[n], args, kwargs))

@@ -72,12 +72,12 @@ class ScheduledForward:
         self._recompute_code: dict[int, Any] = {}
         self._index: dict[fx.Node, int] | None = None  # built at the first recomputation
 
-    def mask_stash(self, node: fx.Node):
-        """Where a dropout_mask Impl puts its mask (NOTE [Recomputed from the mask]): (dict,
-        key) for a dropout the schedule recomputes from it, else None."""
-        if self.state is None or node.name not in self.plan.mask_recompute:
+    def stash_for(self, node: fx.Node):
+        """Where an Impl with a StashedRecompute puts its stash: (dict, key) for a node the
+        schedule recomputes from it, else None."""
+        if self.state is None or node.name not in self.plan.stashed_recompute:
             return None
-        return self.state.masks, self.plan.node_op[node.name]
+        return self.state.stashes, self.plan.node_op[node.name]
 
     def recompute_code(self, j: int):
         """Op j's recomputation as generated code (NOTE [Generated recomputation])."""

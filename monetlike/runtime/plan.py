@@ -24,7 +24,7 @@ from solver.schedule import Schedule
 from solver.simulate import simulate
 from ..core.recompute import norm_kind, rng_free
 from ..impls import get, names
-from ..impls.dropout import dropout_p, mask_recomputable
+from ..impls.registry import stashed_recompute_of
 
 # NOTE [Value handling]
 # Every Value falls in one of three classes, decided once per plan:
@@ -160,9 +160,9 @@ class Plan:
     runtime_nodes: frozenset[str] = frozenset()
     """fx nodes the forward runs through the runtime (NOTE [Generated forward] in executor.py);
     every other node runs as fx's generated code."""
-    mask_recompute: dict = field(default_factory=dict)
-    """fx node name -> p, for the dropouts run with dropout_mask that a stage recomputes: the
-    recomputation applies the held mask (NOTE [Recomputed from the mask] in impls/dropout.py)."""
+    stashed_recompute: dict = field(default_factory=dict)
+    """fx node name -> (run, argument), for the recomputed Ops whose Impl recomputes from what its
+    forward stashed (impls.registry.StashedRecompute; dropout_mask applies its held mask)."""
     stats_nodes: dict = field(default_factory=dict)
     """fx node name -> Op id, for the training BatchNorms of recomputed Ops: their forward's
     batch statistics are held until the Op's last recomputation (NOTE [BatchNorm from its
@@ -337,14 +337,15 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
 
-    mask_recompute = {}
+    stashed_recompute = {}
     for j in recomputed_ops:
         outputs = [graph.values[v] for v in graph.ops[j].outputs]
-        if graph.ops[j].impls[schedule.impl[j]].name == "dropout_mask" and all(
-                mask_recomputable(v.dtype, v.requires_grad) for v in outputs):
-            p = dropout_p(gm, op_nodes[j])
-            if p is not None:
-                mask_recompute[op_nodes[j][0].name] = p
+        stashed = stashed_recompute_of(graph.ops[j].impls[schedule.impl[j]].name)
+        if stashed is not None and all(stashed.applies(v.dtype, v.requires_grad)
+                                       for v in outputs):
+            argument = stashed.argument(gm, op_nodes[j])
+            if argument is not None:
+                stashed_recompute[op_nodes[j][0].name] = (stashed.run, argument)
 
 
     stats_nodes = {}
@@ -368,7 +369,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 storage_values=storage_values, offload=offload,
                 offload_after={j: tuple(vs) for j, vs in offload_after.items()},
                 active_stages=active_stages, runtime_nodes=frozenset(runtime_nodes),
-                mask_recompute=mask_recompute, stats_nodes=stats_nodes,
+                stashed_recompute=stashed_recompute, stats_nodes=stats_nodes,
                 last_recompute=last_recompute,
                 autocast_switches=any(n.op == "call_function"
                                       and target_name(n) in AUTOCAST_SWITCHES

@@ -44,7 +44,6 @@ import torch.fx as fx
 
 from solver.errors import ScheduleError
 
-from ..impls.dropout import dropout_from_mask
 from ..core.torch_private import (current_graph_task_id, neg_view, queue_engine_callback, tree_flatten,
                              tree_leaves, tree_unflatten)
 from ..core import recompute as rc
@@ -102,7 +101,7 @@ class StepState:
         self.op_ctx: dict[int, rc.ForwardContext] = {}
         # Dropout masks a recomputation applies (NOTE [Recomputed from the mask]), by Op: put
         # here by the Impl's forward, taken out by its backward.
-        self.masks: dict[int, torch.Tensor] = {}
+        self.stashes: dict[int, Any] = {}
         # A recomputed training BatchNorm's batch statistics from its forward, by fx node name,
         # until the Op's last recomputation (NOTE [BatchNorm from its statistics]).
         self.bn_stats: dict[str, tuple] = {}
@@ -279,7 +278,7 @@ class StepState:
             self.handles.clear()
             self.node_meta.clear()
             self.op_ctx.clear()
-            self.masks.clear()
+            self.stashes.clear()
             self.bn_stats.clear()
             self.inputs = ()
             self.release_host()
@@ -315,9 +314,9 @@ class StepState:
         if ctx is None:
             raise RuntimeError(f"ScheduleWrapper: stage {t} recomputes op {j} ({op.name}), whose "
                                f"forward context was not captured; this is a bug")
-        if j in self.masks:
-            # NOTE [Recomputed from the mask]: nothing is drawn, so no generator state is set
-            # (its 5 KB state tensor would be a transient the profile did not count).
+        if j in self.stashes:
+            # Recomputed from a stash, nothing is drawn, so no generator state is set (its 5 KB
+            # state tensor would be a transient the profile did not count).
             ctx = rc.without_rng(ctx)
         # NOTE [Generated recomputation]
         call = Recomputation(self, j, local, new_values, t)
@@ -543,14 +542,15 @@ class Recomputation:
             sub = plan.impl_calls.get(node.name)
             if sub is not None:
                 return sub(runner, node, args, kwargs)
-        p = plan.mask_recompute.get(node.name)
-        if p is not None:  # NOTE [Recomputed from the mask] in impls/dropout.py
-            # Held only when the forward's input was a float32/64 CPU tensor; recomputed under
-            # the forward's autocast state, this input is too. Without it, recompute_op kept the
-            # generator state and the dropout draws again.
-            mask = self.state.masks.get(self.op)
-            if mask is not None:
-                return dropout_from_mask(args[0] if args else kwargs["input"], mask, p)
+        stashed = plan.stashed_recompute.get(node.name)
+        if stashed is not None:
+            # Stashed only where the forward's input allowed it (StashedRecompute.applies);
+            # recomputed under the forward's autocast state, this input does too. Without a
+            # stash, recompute_op kept the generator state and the Op runs again.
+            stash = self.state.stashes.get(self.op)
+            if stash is not None:
+                run, argument = stashed
+                return run(args[0] if args else kwargs["input"], stash, argument)
         return runner.call_for_recompute(node, args, kwargs, self.state.bn_stats.get(node.name))
 
     def made(self, i: int, result: Any) -> None:
