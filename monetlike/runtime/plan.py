@@ -197,37 +197,9 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 f"runtime executes {sorted(known)} only: solve with mode='checkpoint' or "
                 f"update monetlike")
     nodes = {n.name: n for n in gm.graph.nodes}
-    node_op: dict[str, int] = {}
-    op_nodes: list[list[fx.Node]] = []
-    for op in graph.ops:
-        group = []
-        for name in op.nodes:
-            if name not in nodes:
-                raise ScheduleError(
-                    f"op {op.id} ({op.name}) names fx node {name!r}, which the traced model does "
-                    f"not have; the graph was profiled from another model, or from another "
-                    f"trace of this one: other leaf_modules, or a forward hook registered on a "
-                    f"submodule since it was profiled (a module with forward hooks is traced "
-                    f"whole, as one op). Profile this model and solve again (with the hooks in "
-                    f"place)")
-            node_op[name] = op.id
-            group.append(nodes[name])
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        group.sort(key=lambda n: order[n])
-        op_nodes.append(group)
+    node_op, op_nodes = _op_nodes(graph, gm, nodes)
     op_last_node = {g[-1].name: j for j, g in enumerate(op_nodes) if g}
-    # Non-default Impls: the replacement of each of their nodes (the forward runs it instead).
-    impl_calls: dict = {}
-    for op, k in zip(graph.ops, schedule.impl):
-        if k == 0:
-            continue
-
-        subs = get(op.impls[k].name).match(gm, op_nodes[op.id])
-        if not subs:
-            raise ScheduleError(
-                f"schedule picks Impl {op.impls[k].name!r} for op {op.id} ({op.name}), which "
-                f"does not apply to its nodes in this trace; re-profile the model and solve again")
-        impl_calls.update(subs)
+    impl_calls = _impl_calls(graph, schedule, gm, op_nodes)
 
     placeholder_index = {n.name: i for i, n in
                          enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -238,18 +210,7 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     op_values = [frozenset(op.inputs) | frozenset(op.outputs) for op in graph.ops]
     overwrites = {op.id: op.impls[k].overwrites for op, k in zip(graph.ops, schedule.impl)
                   if op.impls[k].overwrites is not None}
-    overwritten_args: dict[str, tuple] = {}
-    for j, x in overwrites.items():
-        xv = graph.values[x]
-        for node in op_nodes[j]:
-            if node.name not in impl_calls or xv.index is not None:
-                continue
-            where = tuple(i for i, a in enumerate(node.args)
-                          if isinstance(a, fx.Node) and a.name == xv.name)
-            where += tuple(k for k, a in node.kwargs.items()
-                           if isinstance(a, fx.Node) and a.name == xv.name)
-            if where:
-                overwritten_args[node.name] = where
+    overwritten_args = _overwritten_args(graph, overwrites, op_nodes, impl_calls)
     storage_values = [{v: rank for rank, v in enumerate(tuple(op.outputs) + tuple(
         v for v in op.inputs if v not in op.outputs and v != overwrites.get(op.id)))}
         for op in graph.ops]
@@ -274,54 +235,12 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
         if not op.has_backward and any(graph.values[v].requires_grad for v in op.outputs))
     hooked_ops = frozenset(op.id for op in graph.ops
                            if not scheduled.isdisjoint(op_values[op.id])) | unreached_ops
-    # An unreached Op a model output derives from (through Values that require grad) keeps its
-    # nodes, and what they hold outside the hooks, until the caller drops the output, in the
-    # profiled step as at run time: it runs as it did there.
-    feeds_output: set[int] = set()
-    stack = [graph.values[v].producer for v in graph.outputs if graph.values[v].requires_grad]
-    while stack:
-        j = stack.pop()
-        if j is None or j in feeds_output:
-            continue
-        feeds_output.add(j)
-        stack.extend(graph.values[v].producer for v in graph.ops[j].inputs
-                     if graph.values[v].requires_grad)
-    no_grad_ops = unreached_ops - feeds_output
-
-    def kind(n: fx.Node) -> str:
-        if n.op == "call_module":
-            return type(module_of(gm, n.target)).__name__
-        return target_name(n).split(".")[-1]
-
-    if "random_ops" in graph.meta:  # the profiler saw which Ops drew random numbers
-        rng_ops = frozenset(recomputed_ops) & frozenset(graph.meta["random_ops"])
-    else:  # a graph profiled before it recorded them: judge by the names of their modules
-        rng_ops = frozenset(j for j in recomputed_ops
-                            if not rng_free([kind(n) for n in op_nodes[j]]))
+    no_grad_ops = unreached_ops - _feeding_outputs(graph)
+    rng_ops = _rng_ops(graph, gm, recomputed_ops, op_nodes)
     keep = set(schedule.forward_keep) | set(graph.outputs)
     keep_from_forward = frozenset(v for v in held if v in keep)
-
-    for j in sorted(recomputed_ops):
-        for n in op_nodes[j]:
-            if target_name(n).split(".")[-1] in _NEVER_RECOMPUTE_NAMES:
-                raise ScheduleError(
-                    f"schedule recomputes op {j} ({graph.ops[j].name}), whose node "
-                    f"{n.format_node()} is data-dependent, nondeterministic or a collective and "
-                    f"must never be recomputed; re-profile the model so the op is marked "
-                    f"recompute_unsafe and solve again")
-
-    # Nodes a recomputation may read without recomputing them: the arguments of recomputed Ops'
-    # nodes, and, through nodes that belong to no Op (views, getitem), their arguments as well.
-    meta: set[str] = set()
-    stack = [a for j in recomputed_ops for n in op_nodes[j] for a in n.all_input_nodes
-             if node_op.get(a.name) != j]
-    while stack:
-        a = stack.pop()
-        if a.name in meta:
-            continue
-        meta.add(a.name)
-        if a.name not in node_op and a.op not in ("placeholder", "get_attr"):
-            stack.extend(a.all_input_nodes)
+    _check_recomputable(graph, recomputed_ops, op_nodes)
+    meta = _recompute_reads(recomputed_ops, op_nodes, node_op)
 
     stage_of_op = {o: t for t, o in enumerate(graph.backward_order)}
     releases = [stage_releases(graph, schedule, t) for t in range(len(schedule.stages))]
@@ -337,24 +256,11 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
     runtime_nodes = {n.name for j in runtime_ops for n in op_nodes[j]} | meta | set(impl_calls)
 
 
-    stashed_recompute = {}
-    for j in recomputed_ops:
-        outputs = [graph.values[v] for v in graph.ops[j].outputs]
-        stashed = stashed_recompute_of(graph.ops[j].impls[schedule.impl[j]].name)
-        if stashed is not None and all(stashed.applies(v.dtype, v.requires_grad)
-                                       for v in outputs):
-            argument = stashed.argument(gm, op_nodes[j])
-            if argument is not None:
-                stashed_recompute[op_nodes[j][0].name] = (stashed.run, argument)
-
-
-    stats_nodes = {}
-    for j in recomputed_ops - unreached_ops:
-        for n in op_nodes[j]:
-            if (n.op == "call_function" and n.target is F.batch_norm) or (
-                    n.op == "call_module" and norm_kind(type(_submodule(gm, n.target)))
-                    == "batchnorm"):
-                stats_nodes[n.name] = j
+    stashed_recompute = _stashed_recompute(graph, schedule, gm, recomputed_ops, op_nodes)
+    stats_nodes = {n.name: j for j in recomputed_ops - unreached_ops for n in op_nodes[j]
+                   if (n.op == "call_function" and n.target is F.batch_norm) or (
+                       n.op == "call_module"
+                       and norm_kind(type(_submodule(gm, n.target))) == "batchnorm")}
     last_recompute = {j: t for t, st in enumerate(schedule.stages) for j in st.recompute}
 
     return Plan(graph=graph, schedule=schedule, gm=gm, nodes=nodes, node_op=node_op,
@@ -374,6 +280,132 @@ def build_plan(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule) -> Plan:
                 autocast_switches=any(n.op == "call_function"
                                       and target_name(n) in AUTOCAST_SWITCHES
                                       for n in gm.graph.nodes))
+
+
+def _op_nodes(graph: OpGraph, gm: fx.GraphModule, nodes: dict):
+    """(fx node name -> Op id, each Op's nodes in the trace's order); every node an Op names
+    must be in the traced model."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    node_op: dict[str, int] = {}
+    op_nodes: list[list[fx.Node]] = []
+    for op in graph.ops:
+        for name in op.nodes:
+            if name not in nodes:
+                raise ScheduleError(
+                    f"op {op.id} ({op.name}) names fx node {name!r}, which the traced model does "
+                    f"not have; the graph was profiled from another model, or from another "
+                    f"trace of this one: other leaf_modules, or a forward hook registered on a "
+                    f"submodule since it was profiled (a module with forward hooks is traced "
+                    f"whole, as one op). Profile this model and solve again (with the hooks in "
+                    f"place)")
+            node_op[name] = op.id
+        op_nodes.append(sorted((nodes[name] for name in op.nodes), key=order.__getitem__))
+    return node_op, op_nodes
+
+
+def _impl_calls(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule, op_nodes) -> dict:
+    """Non-default Impls: the replacement of each of their nodes (the forward runs it instead)."""
+    impl_calls: dict = {}
+    for op, k in zip(graph.ops, schedule.impl):
+        if k == 0:
+            continue
+        subs = get(op.impls[k].name).match(gm, op_nodes[op.id])
+        if not subs:
+            raise ScheduleError(
+                f"schedule picks Impl {op.impls[k].name!r} for op {op.id} ({op.name}), which "
+                f"does not apply to its nodes in this trace; re-profile the model and solve again")
+        impl_calls.update(subs)
+    return impl_calls
+
+
+def _overwritten_args(graph: OpGraph, overwrites: dict, op_nodes, impl_calls) -> dict:
+    """fx node name -> where (argument positions or keywords) its in-place Impl's overwritten
+    Value is passed."""
+    overwritten_args: dict[str, tuple] = {}
+    for j, x in overwrites.items():
+        xv = graph.values[x]
+        for node in op_nodes[j]:
+            if node.name not in impl_calls or xv.index is not None:
+                continue
+            where = tuple(i for i, a in enumerate(node.args)
+                          if isinstance(a, fx.Node) and a.name == xv.name)
+            where += tuple(k for k, a in node.kwargs.items()
+                           if isinstance(a, fx.Node) and a.name == xv.name)
+            if where:
+                overwritten_args[node.name] = where
+    return overwritten_args
+
+
+def _feeding_outputs(graph: OpGraph) -> set[int]:
+    """Ops a model output derives from through Values that require grad. An unreached one keeps
+    its nodes, and what they hold outside the hooks, until the caller drops the output, in the
+    profiled step as at run time: it runs as it did there."""
+    feeds_output: set[int] = set()
+    stack = [graph.values[v].producer for v in graph.outputs if graph.values[v].requires_grad]
+    while stack:
+        j = stack.pop()
+        if j is None or j in feeds_output:
+            continue
+        feeds_output.add(j)
+        stack.extend(graph.values[v].producer for v in graph.ops[j].inputs
+                     if graph.values[v].requires_grad)
+    return feeds_output
+
+
+def _rng_ops(graph: OpGraph, gm: fx.GraphModule, recomputed_ops, op_nodes) -> frozenset:
+    """The recomputed Ops that draw random numbers (their RNG state is recorded and replayed)."""
+    if "random_ops" in graph.meta:  # the profiler saw which Ops drew random numbers
+        return frozenset(recomputed_ops) & frozenset(graph.meta["random_ops"])
+
+    def kind(n: fx.Node) -> str:
+        if n.op == "call_module":
+            return type(module_of(gm, n.target)).__name__
+        return target_name(n).split(".")[-1]
+
+    # a graph profiled before it recorded them: judge by the names of their modules
+    return frozenset(j for j in recomputed_ops if not rng_free([kind(n) for n in op_nodes[j]]))
+
+
+def _check_recomputable(graph: OpGraph, recomputed_ops, op_nodes) -> None:
+    for j in sorted(recomputed_ops):
+        for n in op_nodes[j]:
+            if target_name(n).split(".")[-1] in _NEVER_RECOMPUTE_NAMES:
+                raise ScheduleError(
+                    f"schedule recomputes op {j} ({graph.ops[j].name}), whose node "
+                    f"{n.format_node()} is data-dependent, nondeterministic or a collective and "
+                    f"must never be recomputed; re-profile the model so the op is marked "
+                    f"recompute_unsafe and solve again")
+
+
+def _recompute_reads(recomputed_ops, op_nodes, node_op: dict) -> set[str]:
+    """Nodes a recomputation may read without recomputing them: the arguments of recomputed
+    Ops' nodes, and, through nodes that belong to no Op (views, getitem), their arguments."""
+    meta: set[str] = set()
+    stack = [a for j in recomputed_ops for n in op_nodes[j] for a in n.all_input_nodes
+             if node_op.get(a.name) != j]
+    while stack:
+        a = stack.pop()
+        if a.name in meta:
+            continue
+        meta.add(a.name)
+        if a.name not in node_op and a.op not in ("placeholder", "get_attr"):
+            stack.extend(a.all_input_nodes)
+    return meta
+
+
+def _stashed_recompute(graph: OpGraph, schedule: Schedule, gm: fx.GraphModule, recomputed_ops,
+                       op_nodes) -> dict:
+    """fx node name -> (run, argument) for recomputed Ops whose Impl recomputes from a stash."""
+    out = {}
+    for j in recomputed_ops:
+        outputs = [graph.values[v] for v in graph.ops[j].outputs]
+        stashed = stashed_recompute_of(graph.ops[j].impls[schedule.impl[j]].name)
+        if stashed is not None and all(stashed.applies(v.dtype, v.requires_grad)
+                                       for v in outputs):
+            argument = stashed.argument(gm, op_nodes[j])
+            if argument is not None:
+                out[op_nodes[j][0].name] = (stashed.run, argument)
+    return out
 
 
 def _submodule(gm: fx.GraphModule, target: str) -> "torch.nn.Module | None":
