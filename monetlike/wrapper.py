@@ -66,6 +66,7 @@ from .capture.trace import MonetTracer, TraceError, trace
 from .profile import profile
 from solver.simulate import simulate
 from solver.units import format_bytes
+from .core.modules import has_forward_hooks
 
 __all__ = ["ScheduleWrapper"]
 
@@ -256,7 +257,7 @@ class ScheduleWrapper(torch.nn.Module):
         if self._plain or not torch.is_grad_enabled() or \
                 (not model.training and not self._solved_in_eval):
             return model(*args, **kwargs)
-        if model._forward_hooks or model._forward_pre_hooks:
+        if has_forward_hooks(model):
             raise RuntimeError(
                 "ScheduleWrapper: the wrapped model has forward hooks on itself, which the "
                 "scheduled forward would not call; register them on the wrapper instead "

@@ -47,6 +47,7 @@ from solver.errors import MonetlikeError
 
 from ..core.torch_private import (BatchNormBase, InstanceNormBase, checkpoint_hook_class,
                             derived_from_parameters, parametrize_cache_on, tree_leaves)
+from ..core.modules import has_forward_hooks
 
 __all__ = ["TraceError", "MonetTracer", "trace"]
 
@@ -80,7 +81,7 @@ class MonetTracer(fx.Tracer):
         # class leaves), so a graph's leaf_modules can be passed back to trace().
         if self.leaf_names and f"{type(m).__module__}.{type(m).__qualname__}" in self.leaf_names:
             return True
-        if m._forward_hooks or m._forward_pre_hooks:
+        if has_forward_hooks(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 

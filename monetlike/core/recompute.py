@@ -28,8 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .torch_private import (BatchNormBase, InstanceNormBase, batch_norm_saved_stats,
-                             global_module_hooks)
+from .torch_private import BatchNormBase, InstanceNormBase, batch_norm_saved_stats
 
 # NOTE [RNG capture]
 # The CPU generator state is 5 KB. The executor holds it as a clone of the generator
@@ -511,10 +510,6 @@ def _bind_norm(fn, args, kwargs, names) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Side effects
 # ----------------------------------------------------------------------------------------------
-def module_has_hooks(mod: torch.nn.Module) -> bool:
-    return bool(mod._forward_hooks or mod._forward_pre_hooks or global_module_hooks())
-
-
 def buffer_versions(mod: torch.nn.Module, skip: frozenset[str] = frozenset()) -> list:
     """(name, version) of the module's buffers whose last name part is not in `skip`."""
     if not mod._modules and mod._buffers.keys() <= skip:

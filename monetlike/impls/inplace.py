@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .registry import ImplSpec, register
 from .relu import node_input
+from ..core.modules import has_forward_hooks
 
 
 def _creator(nodes):
@@ -58,7 +59,7 @@ def _first_arg_node(n):
 def _plain_module(mod) -> bool:
     """No forward hooks: the replacement calls the kernel, not the module, so hooks would not
     run (and a hook may read the input this Impl overwrites)."""
-    return not (mod._forward_hooks or mod._forward_pre_hooks)
+    return not has_forward_hooks(mod)
 
 
 def _relu_like(gm, n):

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from ..core import recompute as rc
 from ..core.torch_private import tree_flatten, tree_unflatten
-from .registry import ImplSpec, module_of, register
+from .registry import ImplSpec, register
+from ..core.modules import has_forward_hooks, module_of
 
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).
 MODULES = (nn.MultiheadAttention, nn.LSTM, nn.GRU, nn.RNN,
@@ -209,7 +210,7 @@ def _match(gm, nodes):
     if n.op == "call_module":
         mod = gm.get_submodule(n.target)
         if type(mod) not in MODULES or any(True for _ in mod.buffers()) \
-                or rc.module_has_hooks(mod):
+                or has_forward_hooks(mod, including_global=True):
             return None
     elif not (n.op == "call_function" and n.target in FUNCTIONS
               or n.op == "call_method" and n.target in METHODS):

@@ -181,10 +181,3 @@ def observing_releases(observe):
     finally:
         _release_observers.remove(observe)
 
-
-def module_of(interp_or_gm, target: str):
-    """The submodule `target` as the interpreter sees it (the runtime reads the live model)."""
-    fetch = getattr(interp_or_gm, "fetch_attr", None)
-    if fetch is not None:
-        return fetch(target)
-    return interp_or_gm.get_submodule(target)

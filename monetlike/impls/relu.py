@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..core.torch_private import BatchNormBase, outside_dispatch_modes, sole_owner
 from . import bitmask
-from .registry import ImplSpec, module_of, register
+from .registry import ImplSpec, register
+from ..core.modules import module_of
 
 
 class Activation:

@@ -36,8 +36,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .hardtanh import hardtanh_call
-from .registry import ImplSpec, announce_release, module_of, register
+from .registry import ImplSpec, announce_release, register
 from .relu import mask_matcher, node_input, relu_call
+from ..core.modules import has_hooks, module_of
 
 _CONV_MODULES = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 # torch.export keeps these aten overloads (same argument names as the functionals), so the
@@ -176,8 +177,7 @@ def split_apply(layer, x, w, b, default):
 # Matching
 # ----------------------------------------------------------------------------------------------
 def _plain_module(mod) -> bool:
-    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
-                or mod._backward_pre_hooks)
+    return not has_hooks(mod)
 
 
 def _bind(args, kwargs, names: tuple, defaults: tuple) -> list:

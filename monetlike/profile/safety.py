@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..core.torch_private import tree_leaves
+from ..core.modules import has_forward_hooks
+from ..core.torch_private import global_module_hooks
 
 __all__ = ["aten_unsafe_reason", "written_tensors", "module_hook_reason"]
 
@@ -94,12 +96,10 @@ def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
 
 def module_hook_reason(module: torch.nn.Module, qualname: str) -> str | None:
     """A reason if the module (or anything inside it) has forward hooks or forward pre-hooks."""
-    glob = torch.nn.modules.module
-    if getattr(glob, "_global_forward_hooks", None) or getattr(glob, "_global_forward_pre_hooks",
-                                                               None):
+    if global_module_hooks():
         return "global forward hooks are registered (nn.modules.module); they would run again"
     for sub_name, m in module.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks:
+        if has_forward_hooks(m):
             where = qualname + ("." + sub_name if sub_name else "")
             return f"module {where} ({type(m).__name__}) has forward hooks; they would run again"
     return None

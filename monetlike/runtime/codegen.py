@@ -9,7 +9,7 @@ runtime call back into it; every other node costs what it costs in the model's o
 from __future__ import annotations
 
 import linecache
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -17,21 +17,7 @@ import torch.fx as fx
 from ..core.torch_private import PyTreeCodeGen
 from ..core import recompute as rc
 from .plan import Plan
-
-MISSING = object()
-
-
-def attr_path(obj: Any, target: str) -> Any:
-    """`obj.a.b.c` for target 'a.b.c', or MISSING."""
-    for atom in target.split("."):
-        # A submodule directly from its module's registry: Module.__getattr__ is Python code,
-        # and the runtime looks up every recomputed Op's modules once per step.
-        found = obj._modules.get(atom, MISSING) if isinstance(obj, torch.nn.Module) else MISSING
-        obj = getattr(obj, atom, MISSING) if found is MISSING else found
-        if obj is MISSING:
-            break
-    return obj
-
+from ..core.modules import MISSING, attr_path
 
 def _compiled(graph: fx.Graph, what: str, key: int) -> Callable:
     code = graph.python_code(root_module="self")

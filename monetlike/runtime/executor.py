@@ -43,9 +43,11 @@ from solver.errors import ScheduleError
 from ..core import recompute as rc
 from ..core.autograd_hooks import stage_roots, unreached_message
 from ..core.torch_private import tree_flatten
-from .codegen import MISSING, attr_path, generated_forward, generated_recompute
-from .plan import Plan, module_of
+from ..core.modules import MISSING, attr_path
+from .codegen import generated_forward, generated_recompute
+from .plan import Plan
 from .step_state import StepState
+from ..core.modules import has_forward_hooks
 
 
 class ScheduledForward:
@@ -229,7 +231,7 @@ class ScheduledForward:
         versions = []
         for node in self._op_modules[op]:
             mod = self.fetch_attr(node.target)
-            if rc.module_has_hooks(mod):
+            if has_forward_hooks(mod, including_global=True):
                 raise ScheduleError(
                     f"ScheduleWrapper: the schedule recomputes op {op} ({graph.ops[op].name}), "
                     f"whose module {node.target} has forward hooks; recomputing would call them "
@@ -361,4 +363,4 @@ class _UnreachedView(_Unreached):
         return torch.ops.aten._unsafe_view(t, t.size())
 
 
-__all__ = ["StepState", "ScheduledForward", "module_of"]
+__all__ = ["StepState", "ScheduledForward"]

@@ -25,6 +25,7 @@ from solver.simulate import simulate
 from ..core.recompute import norm_kind, rng_free
 from ..impls import get, names
 from ..impls.registry import stashed_recompute_of
+from ..core.modules import module_of
 
 # NOTE [Value handling]
 # Every Value falls in one of three classes, decided once per plan:
@@ -413,10 +414,3 @@ def _submodule(gm: fx.GraphModule, target: str) -> "torch.nn.Module | None":
         return module_of(gm, target)
     except AttributeError:
         return None
-
-
-def module_of(gm_or_model: torch.nn.Module, target: str) -> torch.nn.Module:
-    mod = gm_or_model
-    for atom in target.split("."):
-        mod = getattr(mod, atom)
-    return mod
