@@ -24,7 +24,7 @@ import time
 
 from .analysis import GraphFacts
 from .graph import OpGraph
-from .rules import chen_schedule, greedy_schedule
+from .rules.simple import chen_schedule, greedy_schedule
 from .schedule import ERROR, HEURISTIC, Schedule, SolveResult
 from .search import solve
 from .simulate import simulate, store_all_schedule

@@ -13,7 +13,7 @@ from monetlike.impls import dropout as dropout_impls
 from monetlike.runtime import ScheduleWrapper
 from monetlike.runtime import executor
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate
 
 

@@ -25,19 +25,19 @@ import sys
 import time
 
 from ..analysis import MODES, GraphFacts
-from ..blocks import find_blocks
 from ..backends import get_backend
 from ..backends.base import INFEASIBLE, TIME_LIMIT, BackendResult
 from ..backends.base import OPTIMAL as B_OPTIMAL
 from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
+from ..rules.blocks import find_blocks
+from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
+                               least_memory, low_memory_schedules)
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
 from ..stage_bound import stage_bound, stage_least_peak
 from ..units import format_bytes, parse_bytes
-from ..warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
-                         least_memory, low_memory_schedules)
 from .branch_and_bound import BranchAndBound, OneShot
 from .context import SearchContext, run_portfolio
 from .local import LargeNeighbourhood
