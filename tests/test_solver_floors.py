@@ -5,7 +5,8 @@ import cannot hide in a function.
 
 Floors, bottom up (a new module is given its floor here, or the test fails):
   base        the IR, units, errors, the release rule, canonical form, the simulator, analysis
-  model       the MILP (formulation) and the bounds written beside it (cuts, stage_bound)
+  model       the MILP (milp, formulation, formulation_rows) and the bounds written beside it
+              (cuts, stage_bound)
   backends    the MILP solvers the formulation is handed to
   rules       schedules built without a MILP (solver/rules/)
   search      the pipeline and its strategies (solver/search/)
@@ -26,7 +27,8 @@ MODULE_FLOOR = {
     "solver.errors": "base", "solver.units": "base", "solver.graph": "base",
     "solver.schedule": "base", "solver.release": "base", "solver.canonical": "base",
     "solver.simulate": "base", "solver.analysis": "base",
-    "solver.formulation": "model", "solver.cuts": "model", "solver.stage_bound": "model",
+    "solver.milp": "model", "solver.formulation": "model", "solver.formulation_rows": "model",
+    "solver.cuts": "model", "solver.stage_bound": "model",
     "solver.baselines": "entry", "solver": "entry",
 }
 PACKAGE_FLOOR = {"solver.backends": "backends", "solver.rules": "rules",
