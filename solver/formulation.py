@@ -24,6 +24,7 @@ computes), and the objective is exactly the simulator's step time. What keeps it
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 
 import numpy as np
@@ -426,7 +427,6 @@ class Formulation(FormulationRows):
                     raise ValueError(f"op {j} uses Impl {i}, not among the {self.mode} mode's "
                                      f"choices {f.impls[j]}")
                 impl[j] = better[0]
-        import dataclasses
         if schedule.offload and not self.offload:
             raise ValueError("the schedule offloads Values to host memory; this formulation was "
                              "built without offload (offload=False)")

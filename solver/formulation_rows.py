@@ -155,40 +155,27 @@ class FormulationRows:
 
     def _useful_residency_rows(self, b: Builder) -> None:
         """S[t,v] <= S[t+1,v] + need + sum_{users u in C_t} R[t,u]"""
-        g, f, cand_sets = self.graph, self.facts, self._cand_sets
         b.row_block("useful_residency")  # S[t,v] <= S[t+1,v] + need + sum_{users u} R[t,u]
         for (t, v), s in self.S.items():
-            k = g.backward_order[t]
-            needers = f.need[t].get(v, ())
-            if needers and len(needers) == len(f.impls[k]):
-                continue
-            terms = [(s, 1.0)] + [(self.M[k, i], -1.0) for i in needers]
-            if (t + 1, v) in self.S:
-                terms.append((self.S[t + 1, v], -1.0))
-            terms += [(self.R[t, u], -1.0) for u in g.users[v] if u in cand_sets[t]]
-            b.row(f"useful_residency[{t},{v}]", terms, hi=0.0)
+            use = self._use_terms(t, v)
+            if use is not None:
+                b.row(f"useful_residency[{t},{v}]", [(s, 1.0)] + use, hi=0.0)
 
     def _useful_recompute_rows(self, b: Builder) -> None:
         """R[t,j] <= sum_{outputs w} (S[t+1,w] + need + sum_{users u in C_t} R[t,u])"""
-        g, f, cand_sets = self.graph, self.facts, self._cand_sets
+        g, f = self.graph, self.facts
         ops, hz, sched = g.ops, f.horizon, f.scheduled
         b.row_block("useful_recompute")  # R[t,j] <= sum_{outputs w} (S[t+1,w] + need + R users)
         for (t, j), r in self.R.items():
-            k = g.backward_order[t]
             terms = [(r, 1.0)]
-            skip = False
             for w in ops[j].outputs:
                 if not sched[w] or hz[w] < t:
                     continue
-                needers = f.need[t].get(w, ())
-                if needers and len(needers) == len(f.impls[k]):
-                    skip = True
+                use = self._use_terms(t, w)
+                if use is None:
                     break
-                terms += [(self.M[k, i], -1.0) for i in needers]
-                if (t + 1, w) in self.S:
-                    terms.append((self.S[t + 1, w], -1.0))
-                terms += [(self.R[t, u], -1.0) for u in g.users[w] if u in cand_sets[t]]
-            if not skip:
+                terms += use
+            else:
                 b.row(f"useful_recompute[{t},{j}]", terms, hi=0.0)
 
     def _no_duplicate_rows(self, b: Builder) -> None:
@@ -242,23 +229,31 @@ class FormulationRows:
     def _useful_fetch_rows(self, b: Builder) -> None:
         """Fe[t,v] + S[t,v] <= 1;  Fe[t,v] + R[t,p(v)] <= 1;
         Fe[t,v] <= S[t+1,v] + need + sum_{users u in C_t} R[t,u]"""
-        g, f, cand_sets = self.graph, self.facts, self._cand_sets
-        values = g.values
+        values = self.graph.values
         b.row_block("useful_fetch")  # Fe[t,v] <= S[t+1,v] + need + sum R users; no duplicate
         for (t, v), fe in self.Fe.items():
-            k = g.backward_order[t]
             b.row(f"fetch_not_resident[{t},{v}]", [(fe, 1.0), (self.S[t, v], 1.0)], hi=1.0)
             made = self.R.get((t, values[v].producer))
             if made is not None:
                 b.row(f"fetch_not_made[{t},{v}]", [(fe, 1.0), (made, 1.0)], hi=1.0)
-            needers = f.need[t].get(v, ())
-            if needers and len(needers) == len(f.impls[k]):
-                continue
-            terms = [(fe, 1.0)] + [(self.M[k, i], -1.0) for i in needers]
-            if (t + 1, v) in self.S:
-                terms.append((self.S[t + 1, v], -1.0))
-            terms += [(self.R[t, u], -1.0) for u in g.users[v] if u in cand_sets[t]]
-            b.row(f"useful_fetch[{t},{v}]", terms, hi=0.0)
+            use = self._use_terms(t, v)
+            if use is not None:
+                b.row(f"useful_fetch[{t},{v}]", [(fe, 1.0)] + use, hi=0.0)
+
+    def _use_terms(self, t: int, v: int) -> list | None:
+        """-(S[t+1,v] + sum_{i in need_t(v)} M[k_t,i] + sum_{users u in C_t} R[t,u]): what uses v
+        at stage t or later, the right side of the useful_* cuts; None when every Impl of the
+        stage's op saves v (the cut could not bind)."""
+        g, f = self.graph, self.facts
+        k = g.backward_order[t]
+        needers = f.need[t].get(v, ())
+        if needers and len(needers) == len(f.impls[k]):
+            return None
+        terms = [(self.M[k, i], -1.0) for i in needers]
+        if (t + 1, v) in self.S:
+            terms.append((self.S[t + 1, v], -1.0))
+        terms += [(self.R[t, u], -1.0) for u in g.users[v] if u in self._cand_sets[t]]
+        return terms
 
     def _recompute_support_rows(self, b: Builder) -> None:
         """S[t2,v] <= S[t1,v] + sum_i S[t1,u_i] + sum_{t1 <= t < t2} R[t,q] (+ Fe)"""

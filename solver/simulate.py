@@ -7,6 +7,7 @@ The rules are written out in docs/execution-model.md; each rule below cites its 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .analysis import inplace_clashes, inplace_freed
@@ -308,8 +309,6 @@ def store_all_schedule(graph: OpGraph, impl: tuple[int, ...] | None = None) -> S
 
 def with_predictions(graph: OpGraph, schedule: Schedule, **changes) -> Schedule:
     """Return `schedule` with the simulator's peak and time filled in (and other field changes)."""
-    import dataclasses
-
     tl = simulate(graph, schedule)
     return dataclasses.replace(schedule, predicted_peak_bytes=tl.peak_bytes,
                                predicted_time=tl.total_time, **changes)

@@ -2,14 +2,14 @@
 
 1. Validate: parse the budget, build the MILP (formulation.py), and answer a budget below what
    some point of the step needs whatever the schedule with InfeasibleBudgetError at once.
-2. First incumbent: the fastest heuristic schedule of each Impl family that fits (warmstart.py;
-   the costly rules are left out once the stage bound proves a cheaper one within the gap);
-   when none fits, the least-memory schedule of an exact min-peak solve (which also proves
-   infeasibility), pushed below the budget by a min-peak phase when that solve left the budget
-   undecided (`min_peak_below`).
+2. First incumbent: the fastest heuristic schedule of each Impl family that fits
+   (rules/warmstart.py; the costly rules are left out once the stage bound proves a cheaper one
+   within the gap); when none fits, the least-memory schedule of an exact min-peak solve
+   (which also proves infeasibility), pushed below the budget by a min-peak phase when that
+   solve left the budget undecided (`min_peak_below`).
 3. Portfolio (context.run_portfolio): with a backend that shares while it runs (CALLBACKS), both
    cores work: branch and bound in one thread (branch_and_bound.py), and in the other the LP
-   relaxation (relaxation.py), then, where blocks repeat (blocks.find_blocks), tied sub-MILPs
+   relaxation (relaxation.py), then, where blocks repeat (rules/blocks.find_blocks), tied sub-MILPs
    over groups of identical blocks (structured.py), then large-neighbourhood search (local.py),
    which turns to bound probes (probes.py) when it goes quiet; other backends solve once.
 4. Certify: decode the best vector and replay it in the simulator; the peak must fit the budget
@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -61,8 +62,9 @@ fits on Impl 0 or the lean Impls."""
 RULES_SHARE = 0.3
 RULES_MIN_S = 10.0
 """The simple rules may take this share of the time limit, and at least RULES_MIN_S (but never
-more than the limit: `_rules_time`), for a first incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
-the clean-up passes, rules.keep_more, stop there). Without a limit they took 686 s of a 120 s
+more than the limit: `_rules_time`), for a first incumbent (rules/warmstart.py runs them
+cheapest first and leaves out those not started by then, and the clean-up passes,
+rules/simple.py's keep_more, stop there). Without a limit they took 686 s of a 120 s
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
 seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
 Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
@@ -531,18 +533,24 @@ def _answer_without_search(run: Run, schedule: Schedule, tl, lower: float, bound
     step time), as solve's answer."""
     mode, budget = run.mode, run.budget
     gap = max(0.0, (tl.total_time - lower) / tl.total_time) if tl.total_time > 0 else 0.0
-    schedule = Schedule(**{**schedule.__dict__, "mode": mode, "budget_bytes": budget,
-                           "created_by": source,
-                           "predicted_peak_bytes": tl.peak_bytes,
-                           "predicted_time": tl.total_time,
-                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
-                                    "store_all_time_s": base_time}})
+    schedule = _answered(schedule, tl, gap, lower, base_time, mode=mode, budget_bytes=budget,
+                         created_by=source)
     stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
              "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
                        mip_gap=gap, solve_time_s=time.perf_counter() - run.started,
                        backend=run.backend.name, stats=stats)
+
+
+def _answered(schedule: Schedule, tl, gap: float | None, lower: float | None, base_time: float,
+              **changes) -> Schedule:
+    """`schedule` as solve's answer: the simulator's peak and time (`tl`), and in its meta the
+    gap, the lower bound (seconds) and store-all's time."""
+    return dataclasses.replace(schedule, **changes, predicted_peak_bytes=tl.peak_bytes,
+                               predicted_time=tl.total_time,
+                               meta={"mip_gap": gap, "lower_bound_s": lower,
+                                     "store_all_time_s": base_time})
 
 
 def _certify(run: Run, ctx: SearchContext, base_time: float) -> SolveResult:
@@ -589,11 +597,7 @@ def _certify(run: Run, ctx: SearchContext, base_time: float) -> SolveResult:
     gap = None if lower is None else max(0.0, (tl.total_time - lower) / tl.total_time)
     proven = gap is not None and gap <= run.mip_gap + 1e-9
     status = OPTIMAL if proven else FEASIBLE_AT_TIME_LIMIT
-    schedule = Schedule(**{**schedule.__dict__, "created_by": be.name,
-                           "predicted_peak_bytes": tl.peak_bytes,
-                           "predicted_time": tl.total_time,
-                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
-                                    "store_all_time_s": base_time}})
+    schedule = _answered(schedule, tl, gap, lower, base_time, created_by=be.name)
 
     def seconds(source):
         b = pool.bound(source)
