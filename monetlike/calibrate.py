@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from solver.graph import OpGraph
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate
 
 from .capture.api import split_example

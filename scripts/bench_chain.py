@@ -1,5 +1,5 @@
 """Chain combination against the ranked rule on the scale transformers, and against the MILP on
-generated chains of a random block (solver/chain.py; issue 20, item 2).
+generated chains of a random block (solver/rules/chain.py; issue 20, item 2).
 
     python scripts/bench_chain.py --models gpt12,gpt24,gpt48 --fractions 0.5,0.33
 
@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import solver  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 from solver.analysis import GraphFacts  # noqa: E402
-from solver.blocks import find_blocks  # noqa: E402
-from solver.chain import chain_schedule  # noqa: E402
-from solver.rules import ranked_schedule, schedule_from_keep  # noqa: E402
+from solver.rules.blocks import find_blocks  # noqa: E402
+from solver.rules.chain import chain_schedule  # noqa: E402
+from solver.rules.simple import ranked_schedule, schedule_from_keep  # noqa: E402
 from solver.stage_bound import stage_bound  # noqa: E402
 
 

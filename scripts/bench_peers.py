@@ -336,7 +336,7 @@ class Ours:
 # Mirrors: a peer's checkpoints written as a schedule of ours
 # ----------------------------------------------------------------------------------------------
 # Op kinds whose outputs the SAC policy saves (convolutions and matmuls): the solver's rule.
-from solver.rules import SAC_SAVE_KINDS as SAC_KINDS  # noqa: E402
+from solver.rules.simple import SAC_SAVE_KINDS as SAC_KINDS  # noqa: E402
 
 
 def _fx_name(qualname: str) -> str:
@@ -376,7 +376,7 @@ def mirror_schedule(graph, blocks: list[list[str]], *, save_kinds=frozenset()):
     are simulated and the one with the lower peak (then the faster) is the mirror.
     Returns (predicted peak bytes, predicted overhead over store-all)."""
     from solver import simulate, store_all_schedule
-    from solver.rules import schedule_from_keep
+    from solver.rules.simple import schedule_from_keep
     owner: dict[int, int] = {}
     for b, quals in enumerate(blocks):
         for o in block_ops(graph, quals):

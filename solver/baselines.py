@@ -8,7 +8,7 @@
 - `greedy`: start from store-all and stop keeping the Values with the most bytes per second of
   recomputation until the budget fits.
 
-Every schedule is built by the rules of rules.py and evaluated by the simulator; nothing here
+Every schedule is built by the rules of rules/simple.py and evaluated by the simulator; nothing here
 predicts memory.
 Budgets: `budget=None` returns the baseline's schedule whatever its peak. With a budget, a
 heuristic whose schedule does not fit returns `SolveResult.failure(status="error")` whose message
@@ -24,7 +24,7 @@ import time
 
 from .analysis import GraphFacts
 from .graph import OpGraph
-from .rules import chen_schedule, greedy_schedule
+from .rules.simple import chen_schedule, greedy_schedule
 from .schedule import ERROR, HEURISTIC, Schedule, SolveResult
 from .search import solve
 from .simulate import simulate, store_all_schedule

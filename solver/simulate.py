@@ -7,6 +7,7 @@ The rules are written out in docs/execution-model.md; each rule below cites its 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .analysis import inplace_clashes, inplace_freed
@@ -56,8 +57,9 @@ def check_fingerprint(graph: OpGraph, schedule: Schedule) -> None:
             f"solve a schedule for this model, batch and input shape")
 
 
-def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
-    """Replay `schedule` on `graph`; raise ScheduleError naming the stage if it is not valid."""
+def _validated(graph: OpGraph, schedule: Schedule):
+    """The schedule's checks that need no replay; returns (each op's chosen Impl, the kept
+    Values, the offloaded Values, overwritten Value -> the op whose Impl overwrites it)."""
     check_fingerprint(graph, schedule)
     ops, values = graph.ops, graph.values
     if len(schedule.impl) != len(ops):
@@ -95,9 +97,6 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             raise ScheduleError(f"schedule.offload: value {v} ({values[v].name}) is also in "
                                 f"forward_keep; an offloaded Value leaves the device")
 
-    def transfer(v: int) -> float:
-        return values[v].bytes / graph.host_bandwidth
-
     # In-place Impls (execution-model section 1): op j writes its output into the storage of
     # the input x it overwrites, so x is gone once j has run. The graph guarantees that no later
     # op reads x; the schedule must not keep it, offload it, hold it across a stage boundary,
@@ -113,6 +112,18 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             k = chosen_saved[x]
             raise ScheduleError(f"{what}, but the backward of op {k} ({ops[k].name}) under Impl "
                                 f"{impls[k].name!r} reads value {x}")
+    return impls, keep, offload, overwritten
+
+
+def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
+    """Replay `schedule` on `graph`; raise ScheduleError naming the stage if it is not valid."""
+    impls, keep, offload, overwritten = _validated(graph, schedule)
+    ops, values = graph.ops, graph.values
+    is_input = [v.producer is None for v in values]
+    held_by_caller = set(graph.outputs)
+
+    def transfer(v: int) -> float:
+        return values[v].bytes / graph.host_bandwidth
 
     def freed(j: int) -> int:
         return inplace_freed(graph, j, schedule.impl[j])
@@ -298,8 +309,6 @@ def store_all_schedule(graph: OpGraph, impl: tuple[int, ...] | None = None) -> S
 
 def with_predictions(graph: OpGraph, schedule: Schedule, **changes) -> Schedule:
     """Return `schedule` with the simulator's peak and time filled in (and other field changes)."""
-    import dataclasses
-
     tl = simulate(graph, schedule)
     return dataclasses.replace(schedule, predicted_peak_bytes=tl.peak_bytes,
                                predicted_time=tl.total_time, **changes)

@@ -193,7 +193,7 @@ def impl_schedules(graph: OpGraph, name: str) -> tuple[list[int], list[Schedule]
     has it; keep-nothing recomputes, in its backward stages, every Value they read (the Impl's
     Op included)."""
     from solver.analysis import GraphFacts
-    from solver.rules import schedule_from_keep
+    from solver.rules.simple import schedule_from_keep
 
     impl = tuple(next((i for i, im in enumerate(op.impls) if im.name == name), 0)
                  for op in graph.ops)

@@ -15,7 +15,7 @@ import random
 from unittest import mock
 
 from solver.analysis import GraphFacts
-from solver.rules import chen_schedule, schedule_from_keep
+from solver.rules.simple import chen_schedule, schedule_from_keep
 from solver.graph import Impl, Op, OpGraph, Value
 from solver.simulate import store_all_schedule
 

@@ -172,9 +172,9 @@ def test_never_worse_than_the_plans_checkpointing_users_write():
     import monetlike
     from monetlike.models import transformer
     from solver.analysis import GraphFacts
-    from solver.blocks import repeated_block_checkpoint_schedule
-    from solver.rules import SAC_SAVE_KINDS
-    from solver.segments import block_schedule
+    from solver.rules.blocks import repeated_block_checkpoint_schedule
+    from solver.rules.simple import SAC_SAVE_KINDS
+    from solver.rules.segments import block_schedule
 
     g = monetlike.profile(transformer(depth=3, dim=64, heads=4),
                           torch.randn(2, 32, 64, device="meta"), cost="analytical:A100-40GB")
@@ -220,7 +220,7 @@ def _least_rule_time(graph, budget):
     step time of the rules on its Impls that fit (None: none does); None, None otherwise."""
     from solver.analysis import GraphFacts
     from solver.search import min_budget_details
-    from solver.warmstart import best_fitting, heuristic_schedules
+    from solver.rules.warmstart import best_fitting, heuristic_schedules
 
     facts = GraphFacts(graph, "full")
     if best_fitting(graph, budget, heuristic_schedules(graph, budget, facts)) is not None:
@@ -240,7 +240,7 @@ def test_when_no_rule_fits_the_rules_run_on_the_least_memory_impls(seed, n, frac
     schedule alone is +1053%, the chain on its Impls +8.2%)."""
     from solver.analysis import GraphFacts
     from solver.search import min_budget_details
-    from solver.warmstart import heuristic_schedules
+    from solver.rules.warmstart import heuristic_schedules
     from solver_cases import random_inplace_dag
 
     g = random_inplace_dag(random.Random(seed), n)

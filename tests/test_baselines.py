@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import solver
 from solver import InfeasibleBudgetError, baselines, simulate
 from solver.analysis import GraphFacts
-from solver import rules
-from solver.rules import articulation_values, schedule_from_keep
+from solver.rules import simple as rules
+from solver.rules.simple import articulation_values, schedule_from_keep
 from solver_cases import GraphBuilder, random_dag
 from test_solver_catalogue import chain, diamond, skip
 

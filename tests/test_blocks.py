@@ -1,4 +1,4 @@
-"""Repeated blocks (solver/blocks.py): known answers on hand-built chains of blocks, an
+"""Repeated blocks (solver/rules/blocks.py): known answers on hand-built chains of blocks, an
 independent check that class members are identical up to renaming, generated chains of a random
 block (hypothesis), the per-block checkpointing rule, and profiled ResNet-18 and GPT-2."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.analysis import GraphFacts
-from solver.blocks import find_blocks, merged, repeated_block_checkpoint_schedule, translate
+from solver.rules.blocks import find_blocks, merged, repeated_block_checkpoint_schedule, translate
 from solver.graph import OpGraph
 from solver.simulate import simulate, store_all_schedule
 from solver_cases import GraphBuilder, random_dag, resnet_like

@@ -10,7 +10,7 @@ import monetlike
 from monetlike.calibrate import CalibrationError, calibrate
 from monetlike.models import unet
 from monetlike import ScheduleWrapper
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from monetlike.impls import dropout as dropout_impls
 from monetlike import ScheduleWrapper
 from monetlike.impls import registry
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate
 
 

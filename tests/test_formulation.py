@@ -5,7 +5,7 @@ its size stays O(n^2) on a ResNet-50-sized graph."""
 from __future__ import annotations
 
 import dataclasses
-
+import inspect
 import pathlib
 import random
 import re
@@ -30,6 +30,22 @@ def _doc_blocks(section: str) -> set[str]:
     text = DOC.read_text()
     part = text.split(f"## {section}")[1].split("\n## ")[0]
     return set(re.findall(r"^\| `([a-z_]+)` \|", part, flags=re.M))
+
+
+def _doc_methods(section: str) -> dict[str, str]:
+    """Block -> the method the documentation says writes it (the table's last column)."""
+    text = DOC.read_text()
+    part = text.split(f"## {section}")[1].split("\n## ")[0]
+    return dict(re.findall(r"^\| `([a-z_]+)` \|.*\| `(_[a-z_]+)` \|$", part, flags=re.M))
+
+
+def test_each_block_is_written_by_the_one_method_the_documentation_names():
+    for section, opens in (("3. Columns", "var_block"), ("4. Rows", "row_block")):
+        methods = _doc_methods(section)
+        assert set(methods) == _doc_blocks(section)
+        for block, name in methods.items():
+            source = inspect.getsource(getattr(Formulation, name))
+            assert re.findall(rf'b\.{opens}\("([a-z_]+)"\)', source) == [block], (block, name)
 
 
 def _graph_with_every_block():

@@ -33,7 +33,7 @@ import solver
 from fuzz_models import FUZZ_PROGRAMS, Step, build
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
 from solver_cases import random_schedules
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
 
 # 100 generated models in the default run (about 2.5 minutes with the kept examples, in one of

@@ -17,7 +17,7 @@ import solver
 from solver import FormatError, ScheduleError, simulate, store_all_schedule
 from solver.analysis import GraphFacts, allowed_impls
 from solver.backends import available
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.canonical import canonicalize
 from solver.graph import OpGraph
 from solver.schedule import Schedule, StageSchedule

@@ -1,6 +1,7 @@
-"""Large-neighbourhood search (solver/lns.py): decisions move between formulations of one graph,
-and the RINS step frees exactly the 0/1 columns on which the guide and the incumbent disagree,
-never makes the incumbent worse, and takes it to the optimum when the guide is the optimum."""
+"""Large-neighbourhood search (solver/search/lns.py): decisions move between formulations of one
+graph, and the RINS step frees exactly the 0/1 columns on which the guide and the incumbent
+disagree, never makes the incumbent worse, and takes it to the optimum when the guide is the
+optimum."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 
 import solver
-from solver import lns, simulate, store_all_schedule
+from solver import simulate, store_all_schedule
 from solver.backends.highs import HighsBackend
 from solver.formulation import Formulation
+from solver.search import lns
 from solver_cases import branch_and_bound_finding_nothing, random_dag, random_schedules
 
 

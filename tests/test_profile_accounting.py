@@ -146,7 +146,7 @@ def test_python_numbers_autograd_keeps_are_held_by_their_op():
     profiler finds them among the allocator's blocks: 8 B held by each Op to its backward, and
     store-all's prediction is what the allocator measures."""
     from runtime_support import measured_peak, peak_of
-    from solver.rules import schedule_from_keep
+    from solver.rules.simple import schedule_from_keep
 
     torch.manual_seed(0)
     m, x = _ScaledByNumbers(), torch.randn(4, 16)

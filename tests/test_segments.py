@@ -1,4 +1,4 @@
-"""Segment checkpointing at narrow cuts (solver/segments.py): known answers on a layered graph
+"""Segment checkpointing at narrow cuts (solver/rules/segments.py): known answers on a layered graph
 whose mask crosses every layer (no articulation Value), and properties on generated DAGs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.analysis import GraphFacts
-from solver.rules import articulation_values
-from solver.segments import cut_lengths, cut_schedule, cut_widths, narrow_cuts
+from solver.rules.simple import articulation_values
+from solver.rules.segments import cut_lengths, cut_schedule, cut_widths, narrow_cuts
 from solver.simulate import simulate, store_all_schedule
 from solver_cases import GraphBuilder, random_dag
 
@@ -83,7 +83,7 @@ def test_per_block_rule_reads_module_paths():
     block's inside is recomputed once at its backward (checkpoint around every layer)."""
     import dataclasses
 
-    from solver.segments import block_schedule, op_blocks
+    from solver.rules.segments import block_schedule, op_blocks
 
     g = layered(3)
     assert op_blocks(g) is None and block_schedule(g, GraphFacts(g, "full")) is None
@@ -104,7 +104,7 @@ def test_per_block_rule_reads_module_paths():
 def test_per_block_rule_on_a_profiled_transformer():
     import monetlike
     from monetlike import hf_models as hf
-    from solver.segments import block_schedule, op_blocks
+    from solver.rules.segments import block_schedule, op_blocks
 
     model = hf.gpt2(layers=3, hidden=32, heads=2, vocab=64, positions=16)
     g = monetlike.profile(model, model.example_inputs(2, 8), cost="analytical:A100-40GB")

@@ -196,7 +196,7 @@ def test_family_starts_gives_the_fastest_fitting_start_of_each_impl_family():
     # relu_graph (hand-derived in test_impls_catalogue): Impl 0 peaks at 91 in 6 s, relu_mask
     # at 90 in 6.2 s. At 91 both families fit (Impl 0 first: faster); at 90 only the lean one.
     from solver.analysis import GraphFacts
-    from solver.warmstart import family_starts, heuristic_schedules
+    from solver.rules.warmstart import family_starts, heuristic_schedules
     from test_impls_catalogue import relu_graph
 
     g = relu_graph()

@@ -1,4 +1,4 @@
-"""Chain combination (solver/chain.py): the dynamic programme against brute force over option
+"""Chain combination (solver/rules/chain.py): the dynamic programme against brute force over option
 tables, the whole rule against brute force over every combination of segment plans replayed by
 the simulator, and against the monolithic MILP, on generated chains of a random block."""
 
@@ -15,17 +15,17 @@ from hypothesis import strategies as st
 
 import solver
 from solver.analysis import GraphFacts
-from solver.blocks import find_blocks
-import solver.chain as chain_mod
-from solver.chain import (Link, Option, chain_links, chain_schedule, combine, picked_keep,
+from solver.rules.blocks import find_blocks
+import solver.rules.chain as chain_mod
+from solver.rules.chain import (Link, Option, chain_links, chain_schedule, combine, picked_keep,
                           segment_keeps)
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
 from solver_cases import random_repeated
 
 
 def chain_peak(links, picked) -> int:
-    """The chain's model of the step's peak (solver/chain.py), written out."""
+    """The chain's model of the step's peak (solver/rules/chain.py), written out."""
     held, peak = 0, 0
     for li, oi in picked:
         o = links[li].options[oi]
@@ -209,7 +209,7 @@ def test_solve_leaves_the_costly_rules_out_once_the_chain_is_proven(monkeypatch)
 
     import monetlike
     from monetlike.models import transformer
-    from solver import warmstart
+    from solver.rules import warmstart
 
     g = monetlike.profile(transformer(depth=4, dim=64, heads=4),
                           torch.randn(2, 64, 64, device="meta"), cost="analytical:A100-40GB")

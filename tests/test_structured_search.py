@@ -14,15 +14,15 @@ import pytest
 
 from solver.analysis import GraphFacts
 from solver.backends.highs import HighsBackend
-from solver.blocks import find_blocks
+from solver.rules.blocks import find_blocks
 from solver.formulation import Formulation
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.search import pipeline, structured
 from solver.search.context import SearchContext
 from solver.search.pool import Pool
 from solver.search.progress import Progress
 from solver.simulate import simulate, store_all_schedule
-from solver.warmstart import heuristic_schedules
+from solver.rules.warmstart import heuristic_schedules
 from solver_cases import GraphBuilder, random_dag
 from test_blocks import H, stacked
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import monetlike
 from runtime_support import compare_step, measured_peak
-from solver.rules import schedule_from_keep
+from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -355,7 +355,8 @@ def _inplace_in_order(run: ProfileRun, new_gid: dict, gid: int, alt: dict) -> bo
 
 def _op_modules(gm, graph: OpGraph) -> list[str]:
     """Per Op, the module path its first node runs in ('' at the top level): the block structure
-    the solver's per-block checkpointing rule reads (solver/segments.py). Not fingerprinted."""
+    the solver's per-block checkpointing rule reads (solver/rules/segments.py). Not
+    fingerprinted."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for op in graph.ops:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..backends.base import Backend, BackendResult
 from ..formulation import Formulation
-from ..lns import LnsStats
+from .lns import LnsStats
 from .pool import Pool
 from .progress import Progress
 

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from .. import lns
 from ..formulation import Formulation
+from . import lns
 from .context import LnsTally, SearchContext
 from .models import every_row
 from .probes import probe_bounds

@@ -2,14 +2,14 @@
 
 1. Validate: parse the budget, build the MILP (formulation.py), and answer a budget below what
    some point of the step needs whatever the schedule with InfeasibleBudgetError at once.
-2. First incumbent: the fastest heuristic schedule of each Impl family that fits (warmstart.py;
-   the costly rules are left out once the stage bound proves a cheaper one within the gap);
-   when none fits, the least-memory schedule of an exact min-peak solve (which also proves
-   infeasibility), pushed below the budget by a min-peak phase when that solve left the budget
-   undecided (`min_peak_below`).
+2. First incumbent: the fastest heuristic schedule of each Impl family that fits
+   (rules/warmstart.py; the costly rules are left out once the stage bound proves a cheaper one
+   within the gap); when none fits, the least-memory schedule of an exact min-peak solve
+   (which also proves infeasibility), pushed below the budget by a min-peak phase when that
+   solve left the budget undecided (`min_peak_below`).
 3. Portfolio (context.run_portfolio): with a backend that shares while it runs (CALLBACKS), both
    cores work: branch and bound in one thread (branch_and_bound.py), and in the other the LP
-   relaxation (relaxation.py), then, where blocks repeat (blocks.find_blocks), tied sub-MILPs
+   relaxation (relaxation.py), then, where blocks repeat (rules/blocks.find_blocks), tied sub-MILPs
    over groups of identical blocks (structured.py), then large-neighbourhood search (local.py),
    which turns to bound probes (probes.py) when it goes quiet; other backends solve once.
 4. Certify: decode the best vector and replay it in the simulator; the peak must fit the budget
@@ -20,24 +20,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
 
-from ..analysis import MODES, GraphFacts
-from ..blocks import find_blocks
+from ..analysis import MODES
 from ..backends import get_backend
 from ..backends.base import INFEASIBLE, TIME_LIMIT, BackendResult
 from ..backends.base import OPTIMAL as B_OPTIMAL
 from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
+from ..rules.blocks import find_blocks
+from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
+                               least_memory, low_memory_schedules)
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
 from ..stage_bound import stage_bound, stage_least_peak
 from ..units import format_bytes, parse_bytes
-from ..warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
-                         least_memory, low_memory_schedules)
 from .branch_and_bound import BranchAndBound, OneShot
 from .context import SearchContext, run_portfolio
 from .local import LargeNeighbourhood
@@ -45,6 +46,7 @@ from .models import branch_and_bound_form, tight_points
 from .pool import Pool
 from .progress import Progress
 from .relaxation import LpRounding
+from .run import Run
 from .structured import BlockCopy, repeated_classes
 
 MIN_BUDGET_TIME_LIMIT_S = 120.0
@@ -60,8 +62,9 @@ fits on Impl 0 or the lean Impls."""
 RULES_SHARE = 0.3
 RULES_MIN_S = 10.0
 """The simple rules may take this share of the time limit, and at least RULES_MIN_S (but never
-more than the limit: `_rules_time`), for a first incumbent (warmstart.py runs them cheapest first and leaves out those not started by then, and
-the clean-up passes, rules.keep_more, stop there). Without a limit they took 686 s of a 120 s
+more than the limit: `_rules_time`), for a first incumbent (rules/warmstart.py runs them
+cheapest first and leaves out those not started by then, and the clean-up passes,
+rules/simple.py's keep_more, stop there). Without a limit they took 686 s of a 120 s
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
 seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
 Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
@@ -85,13 +88,13 @@ def _sharing(be) -> bool:
     return be.CALLBACKS and be.OBJECTIVE_CUTOFF
 
 
-def _search(form: Formulation, form_bb: Formulation, be, pool: Pool, deadline: float,
-            mip_gap: float, verbose: bool, progress: Progress, target: float | None = None,
-            race=()) -> SearchContext:
-    """Run the portfolio until `deadline`; the context holds what it did."""
-    ctx = SearchContext(form=form, bb_form=form_bb, pool=pool, backend=be, deadline=deadline,
-                        mip_gap=mip_gap, progress=progress, verbose=verbose, target=target)
-    if _sharing(be):
+def _search(run: Run, form: Formulation, form_bb: Formulation, pool: Pool, progress: Progress,
+            target: float | None = None, race=()) -> SearchContext:
+    """Run the portfolio until the run's deadline; the context holds what it did."""
+    ctx = SearchContext(form=form, bb_form=form_bb, pool=pool, backend=run.backend,
+                        deadline=run.deadline, mip_gap=run.mip_gap, progress=progress,
+                        verbose=run.verbose, target=target)
+    if _sharing(run.backend):
         # block copy only where blocks repeat (find_blocks: milliseconds at 800 ops)
         chain = find_blocks(form.graph)
         structured = ([BlockCopy(chain)] if repeated_classes(chain, len(form.graph.ops))
@@ -145,6 +148,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
         return hit[0]
     started = time.perf_counter()
     be = get_backend(backend)
+    run = Run(graph=graph, mode=mode, backend=be, started=started, time_limit_s=time_limit_s,
+              deadline=started + time_limit_s, mip_gap=1e-6, verbose=verbose, offload=offload)
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
     rules_deadline = started + _rules_time(time_limit_s)
     name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts,
@@ -166,7 +171,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                         peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
-        ctx = _search(form, form_bb, be, pool, started + time_limit_s, 1e-6, verbose, progress)
+        ctx = _search(run, form, form_bb, pool, progress)
     finally:
         progress.close()
     best_s = form.decode(pool.get(form)[0])
@@ -193,10 +198,13 @@ def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
                               offload=offload)[0]
 
 
-def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
-                why: str = "", offload: bool = False) -> InfeasibleBudgetError:
-    peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
-                                                time_limit_s=time_limit_s, offload=offload)
+def _infeasible(run: Run, why: str = "", time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S
+                ) -> InfeasibleBudgetError:
+    """The run's budget fits no schedule: the error, with the least budget found in
+    `time_limit_s` (and whether it is proven)."""
+    graph, budget, mode = run.graph, run.budget, run.mode
+    peak, lower, proven, _ = min_budget_details(graph, mode, backend=run.backend.name,
+                                                time_limit_s=time_limit_s, offload=run.offload)
     what = f"{graph.model} batch {graph.batch}"
     if proven:
         msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
@@ -210,16 +218,16 @@ def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit
     return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
 
 
-def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, deadline: float,
-                   verbose: bool, offload: bool, be) -> tuple[Schedule | None, int]:
+def min_peak_below(run: Run, start: Schedule) -> tuple[Schedule | None, int]:
     """Phase 1 of a solve whose budget no rule meets: minimise the peak (the min-peak MILP, LNS
-    beside branch and bound, from `start`) until a schedule fits `budget`, the peak is proven
-    to stay above it, or `deadline`. Returns (a schedule that fits, or None; a proven lower
+    beside branch and bound, from `start`) until a schedule fits the run's budget, the peak is
+    proven to stay above it, or the run's deadline. Returns (a schedule that fits, or None; a proven lower
     bound on the least peak, in bytes). Branch and bound runs with the budget as its objective
     cutoff, so it only explores what could fit: its 'infeasible' then means that no schedule
     peaks at or below the budget (the cutoff sits half a memory unit above it, so a schedule
     exactly at the budget is never cut off)."""
-    form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
+    graph, budget, offload = run.graph, run.budget, run.offload
+    form = Formulation(graph, None, mode=run.mode, objective="peak", offload=offload)
     least = stage_least_peak(form.facts, offload)
     if least > budget:  # some backward stage cannot come down to the budget
         return None, least
@@ -227,12 +235,11 @@ def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dead
     pool = Pool([form, form_bb])
     pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, start, "min_peak")
-    progress = Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
+    progress = Progress(run.verbose, max(1.0, run.deadline - time.perf_counter()), 1.0, 1.0,
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
-        ctx = _search(form, form_bb, be, pool, deadline, 1e-6, verbose,
-                      progress, target=budget / form.mem_scale)
+        ctx = _search(run, form, form_bb, pool, progress, target=budget / form.mem_scale)
     finally:
         progress.close()
     s = form.decode(pool.get(form)[0])
@@ -280,18 +287,98 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
     be = get_backend(backend)
     deadline = started + time_limit_s
+    run = Run(graph=graph, mode=mode, backend=be, started=started, time_limit_s=time_limit_s,
+              deadline=deadline, budget=budget, mip_gap=mip_gap, verbose=verbose,
+              offload=offload)
 
-    facts = GraphFacts(graph, mode)
-    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started)
+    facts = run.facts
+    easy = _store_all_if_optimal(run)
     if easy is not None:
         return easy
 
+    # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
+    starts, timelines, reported, stage_lower, known_lower = _rules_first(run, warm_start,
+                                                                         on_incumbent)
+    if starts:
+        proven = _rule_if_proven(run, starts[0], timelines, known_lower, stage_lower)
+        if proven is not None:
+            proven.stats.update(first_incumbent_s=_rounded(reported[1]),
+                                best_found_s=_rounded(reported[2]),
+                                heuristic=proven.stats["incumbent_source"],
+                                heuristic_objective_s=proven.objective)
+            return proven
+
+    form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
+    stats = run.stats
+    stats.update({**form.stats(), "build_s": round(time.perf_counter() - started, 3),
+                  "mode": mode})
+    if form.infeasible_points:
+        where, need = max(form.infeasible_points, key=lambda p: p[1])
+        raise _infeasible(run, f"the {where} alone needs {format_bytes(need)}",
+                          min(MIN_BUDGET_TIME_LIMIT_S, time_limit_s))
+    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    pool = Pool([form], start=started)
+    pool.raise_bound("floor", form.facts.time_floor * form.time_scale)
+    if math.isfinite(stage_lower):  # inf would prove the budget infeasible; left to the search
+        pool.raise_bound("stages", stage_lower * form.time_scale)
+
+    # -- 2b. first incumbent -------------------------------------------------------------------
+    race = []
+    if starts:
+        pool.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
+        pool.first_s = reported[1]
+        race = [(f"heuristic:{n}", sched) for n, sched, _ in starts]
+    elif warm_start:
+        race = _no_rule_fits(run, form, pool)
+    pool.on_incumbent = on_incumbent
+    stats["heuristic"] = pool.source or None
+    stats["heuristic_objective_s"] = pool.obj / form.time_scale if pool.has else None
+
+    # -- 3. portfolio --------------------------------------------------------------------------
+    if pool.has and deadline - time.perf_counter() < MIN_SEARCH_S:
+        # No time left to search (building the MILP took it): the best rule, unproven.
+        stats["search"] = (f"skipped: {deadline - time.perf_counter():.1f} s left of "
+                           f"{time_limit_s:g} s after building the MILP")
+        ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=be, deadline=deadline,
+                            mip_gap=mip_gap, progress=Progress(False, 1, 1.0, 1.0, ""))
+        return _certify(run, ctx, base_time)
+    progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
+                        form.time_scale, f"{graph.model} {format_bytes(budget)}")
+    # the bounds proven before the search (the floor, the stage bound) are the bar's gap too
+    progress.update(incumbent=pool.obj, bound=pool.bound())
+    form_bb = form
+    if _sharing(be):
+        points = (tight_points(graph, form.decode(pool.get(form)[0]), budget)
+                  if pool.has else None)
+        form_bb = branch_and_bound_form(form, points)
+    if form_bb.infeasible_points:
+        progress.close()
+        raise _infeasible(run)
+    pool.add_form(form_bb)
+    try:
+        ctx = _search(run, form, form_bb, pool, progress, race=race)
+    finally:
+        progress.close()
+
+    # -- 4. certify ----------------------------------------------------------------------------
+    return _certify(run, ctx, base_time)
+
+
+def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, list, float,
+                                                                    float]:
+    """Step 2a of `solve`: the bounds known before anything is solved, and the simple rules
+    (when `warm_start`), each schedule replayed as it is made. Returns (the rules' fastest
+    start per Impl family that fits, fastest first; their timelines by name; [the best time
+    reported, when the first fitting one came, when the best came]; the stage bound; the best
+    bound known, in seconds)."""
+    graph, budget, facts, offload = run.graph, run.budget, run.facts, run.offload
+    started, deadline, time_limit_s, mip_gap = (run.started, run.deadline, run.time_limit_s,
+                                                run.mip_gap)
     # Bounds known before anything is solved: the floor, and the greedy stage bound
     # (milliseconds); the closure LP strengthens the latter during the rules.
     stage_lower = stage_bound(facts, budget, offload, closure=False)
     known_lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
 
-    # -- 2a. the simple rules, before the MILP is built (it takes 18 s at 817 ops) -------------
     # The closure LP strengthens the stage bound before the rules that take seconds (or after
     # the rules, when they are not run); once a rule's schedule is proven within the target gap
     # the rest are left out.
@@ -306,12 +393,12 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s)))
         lower["known"] = max(lower["known"], lower["stage"])
 
-    starts, rules_s = [], None
+    starts: list = []
+    timelines: dict = {}
+    # the best time reported so far; when the first and the best fitting one came
+    reported = [math.inf, None, None]
     if warm_start:
         rules_deadline = started + _rules_time(time_limit_s)
-        timelines: dict = {}
-        # the best time reported so far; when the first and the best fitting one came
-        reported = [math.inf, None, None]
 
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
@@ -330,91 +417,26 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             before_costly=closure_bound,
             enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
     closure_bound()
-    stage_lower, known_lower = lower["stage"], lower["known"]
-    if starts:
-        rules_s = reported[1]
-        proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
-                                 known_lower, stage_lower, mip_gap, be.name, started)
-        if proven is not None:
-            proven.stats.update(first_incumbent_s=_rounded(reported[1]),
-                                best_found_s=_rounded(reported[2]),
-                                heuristic=proven.stats["incumbent_source"],
-                                heuristic_objective_s=proven.objective)
-            return proven
-
-    form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
-    stats = {**form.stats(), "build_s": round(time.perf_counter() - started, 3), "mode": mode}
-    if form.infeasible_points:
-        where, need = max(form.infeasible_points, key=lambda p: p[1])
-        raise _infeasible(graph, budget, mode, backend, min(MIN_BUDGET_TIME_LIMIT_S,
-                                                            time_limit_s),
-                          why=f"the {where} alone needs {format_bytes(need)}", offload=offload)
-    base_time = simulate(graph, store_all_schedule(graph)).total_time
-    pool = Pool([form], start=started)
-    pool.raise_bound("floor", form.facts.time_floor * form.time_scale)
-    if math.isfinite(stage_lower):  # inf would prove the budget infeasible; left to the search
-        pool.raise_bound("stages", stage_lower * form.time_scale)
-
-    # -- 2b. first incumbent -------------------------------------------------------------------
-    race = []
-    if starts:
-        pool.offer_schedule(form, starts[0][1], f"heuristic:{starts[0][0]}")
-        pool.first_s = rules_s
-        race = [(f"heuristic:{n}", sched) for n, sched, _ in starts]
-    elif warm_start:
-        race = _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s,
-                             verbose, offload, stats)
-    pool.on_incumbent = on_incumbent
-    stats["heuristic"] = pool.source or None
-    stats["heuristic_objective_s"] = pool.obj / form.time_scale if pool.has else None
-
-    # -- 3. portfolio --------------------------------------------------------------------------
-    if pool.has and deadline - time.perf_counter() < MIN_SEARCH_S:
-        # No time left to search (building the MILP took it): the best rule, unproven.
-        stats["search"] = (f"skipped: {deadline - time.perf_counter():.1f} s left of "
-                           f"{time_limit_s:g} s after building the MILP")
-        ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=be, deadline=deadline,
-                            mip_gap=mip_gap, progress=Progress(False, 1, 1.0, 1.0, ""))
-        return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
-    progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
-                        form.time_scale, f"{graph.model} {format_bytes(budget)}")
-    # the bounds proven before the search (the floor, the stage bound) are the bar's gap too
-    progress.update(incumbent=pool.obj, bound=pool.bound())
-    form_bb = form
-    if _sharing(be):
-        points = (tight_points(graph, form.decode(pool.get(form)[0]), budget)
-                  if pool.has else None)
-        form_bb = branch_and_bound_form(form, points)
-    if form_bb.infeasible_points:
-        progress.close()
-        raise _infeasible(graph, budget, mode, backend, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
-    pool.add_form(form_bb)
-    try:
-        ctx = _search(form, form_bb, be, pool, deadline, mip_gap, verbose, progress, race=race)
-    finally:
-        progress.close()
-
-    # -- 4. certify ----------------------------------------------------------------------------
-    return _certify(ctx, be, base_time, mip_gap, time_limit_s, started, stats)
+    return starts, timelines, reported, lower["stage"], lower["known"]
 
 
-def _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, verbose, offload,
-                  stats) -> list[tuple[str, Schedule]]:
+def _no_rule_fits(run: Run, form: Formulation, pool: Pool) -> list[tuple[str, Schedule]]:
     """No rule fits: offer the pool the least-memory schedule of an exact min-peak solve when it
     fits, or one pushed below the budget by a min-peak phase; raise InfeasibleBudgetError when
     no schedule can fit. Then the rules once more, on that schedule's Impls (`_least_rules`);
     returns the fastest of them that fits, as a start to race (or nothing)."""
     # No rule fits: the least-memory schedule decides feasibility and is a start.
+    graph, budget, be, deadline = run.graph, run.budget, run.backend, run.deadline
     peak, lower, proven, s = min_budget_details(
-        graph, mode, backend=be.name if be.WARM_START else "highs",
-        time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, MIN_PEAK_SHARE * time_limit_s)),
-        offload=offload)
+        graph, run.mode, backend=be.name if be.WARM_START else "highs",
+        time_limit_s=min(MIN_BUDGET_TIME_LIMIT_S, max(1.0, MIN_PEAK_SHARE * run.time_limit_s)),
+        offload=run.offload)
     least = None
     if peak <= budget:
         pool.offer_schedule(form, s, "min_peak")
         least = s
     elif lower > budget:
-        raise _infeasible(graph, budget, mode, be.name, MIN_BUDGET_TIME_LIMIT_S, offload=offload)
+        raise _infeasible(run)
     elif _sharing(be):
         # Undecided: the budget lies between the proven least peak and the least found. Phase 1
         # (as MOCCASIN's): push the peak below the budget, or prove it cannot go there, before
@@ -422,22 +444,22 @@ def _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, v
         # 600 s on MobileNetV2 (batch 272) at 7 GiB, while the min-peak search (LNS on the peak)
         # went below 7 GiB in about 100 s.
         now = time.perf_counter()
-        s1, lower1 = min_peak_below(graph, budget, mode, s, now + PHASE1_SHARE * (deadline - now),
-                                    verbose, offload, be)
-        stats["phase1_s"] = round(time.perf_counter() - pool.start, 3)
+        s1, lower1 = min_peak_below(
+            run.phase(deadline=now + PHASE1_SHARE * (deadline - now), mip_gap=1e-6), s)
+        run.stats["phase1_s"] = round(time.perf_counter() - pool.start, 3)
         if s1 is not None:
             pool.offer_schedule(form, s1, "min_peak/phase1")
             least = s1
         elif lower1 > budget:
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(budget)} is infeasible for {graph.model} batch "
-                f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
+                f"{graph.batch} ({run.mode} mode): proven, no schedule peaks at or below it "
                 f"(the least peak found is {format_bytes(peak)}); raise --budget",
                 budget=budget, min_budget=peak)
-    return _least_rules(graph, budget, form, pool, least, deadline, stats)
+    return _least_rules(run, form, pool, least)
 
 
-def _least_rules(graph, budget, form, pool, least, deadline, stats
+def _least_rules(run: Run, form: Formulation, pool: Pool, least: Schedule | None
                  ) -> list[tuple[str, Schedule]]:
     """The rules on the Impls of `least` (a schedule that fits; None: nothing to do), for at most
     LEAST_RULES_SHARE of the time left; the fastest that fits is offered to the pool and
@@ -445,6 +467,7 @@ def _least_rules(graph, budget, form, pool, least, deadline, stats
     the lean Impls (each op's least held bytes, not its least contribution to the peak) can
     miss the choice that lets any other plan fit (docs/formulation.md, section 7, has a
     measured case)."""
+    graph, budget, deadline = run.graph, run.budget, run.deadline
     impl = tuple(least.impl) if least is not None else ()
     if not any(impl) or impl == lean_impls(graph, form.facts):
         return []  # the rules ran on these Impls already
@@ -453,7 +476,7 @@ def _least_rules(graph, budget, form, pool, least, deadline, stats
                                deadline=now + LEAST_RULES_SHARE * max(0.0, deadline - now),
                                impls=[("least/", impl)])
     best = best_fitting(graph, budget, made)
-    stats["least_rules_s"] = round(time.perf_counter() - now, 3)
+    run.stats["least_rules_s"] = round(time.perf_counter() - now, 3)
     if best is None:
         return []
     name, s, _ = best
@@ -461,22 +484,21 @@ def _least_rules(graph, budget, form, pool, least, deadline, stats
     return [(f"heuristic:{name}", s)]
 
 
-def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFacts,
-                          backend: str, started: float) -> SolveResult | None:
+def _store_all_if_optimal(run: Run) -> SolveResult | None:
     """Store-all on each Op's fastest Impl, when it fits the budget: its time is the time floor
     (no schedule is faster), so it is optimal without building the MILP (which takes seconds
     even on a ResNet-18; maxbatch and generous budgets ask this often). None otherwise."""
+    graph, facts = run.graph, run.facts
     schedule = store_all_schedule(graph, facts.fastest_impls)
     tl = simulate(graph, schedule)
     floor = facts.time_floor
-    if tl.peak_bytes > budget or tl.total_time > floor + 1e-9 * max(1.0, floor):
+    if tl.peak_bytes > run.budget or tl.total_time > floor + 1e-9 * max(1.0, floor):
         return None  # over the budget, or an Impl clash put a slower Impl back
     base_time = (tl.total_time if not any(schedule.impl)
                  else simulate(graph, store_all_schedule(graph)).total_time)
-    return _answer_without_search(schedule, tl, mode, budget, floor, {"floor_bound_s": floor},
-                                  base_time, "store_all",
-                                  "skipped: store-all on the fastest Impls fits the budget",
-                                  backend, started)
+    return _answer_without_search(run, schedule, tl, floor, {"floor_bound_s": floor}, base_time,
+                                  "store_all",
+                                  "skipped: store-all on the fastest Impls fits the budget")
 
 
 def _rounded(seconds: float | None) -> float | None:
@@ -488,48 +510,52 @@ def _proven_within(lower: float, seconds: float, mip_gap: float) -> bool:
     return lower >= (1 - mip_gap) * seconds
 
 
-def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
-                    timelines: dict, lower: float, stage_lower: float, mip_gap: float,
-                    backend: str, started: float) -> SolveResult | None:
+def _rule_if_proven(run: Run, best, timelines: dict, lower: float, stage_lower: float
+                    ) -> SolveResult | None:
     """The best rule's schedule (`best`: name, schedule, seconds), when `lower`, the bound known
     before any search (the floor, the stage bound), proves it within `mip_gap`: no MILP is
     built. None otherwise."""
     name, schedule, seconds = best
-    if not _proven_within(lower, seconds, mip_gap):
+    if not _proven_within(lower, seconds, run.mip_gap):
         return None
+    graph = run.graph
     tl = timelines[name] if name in timelines else simulate(graph, schedule)
     return _answer_without_search(
-        schedule, tl, mode, budget, lower,
-        {"floor_bound_s": facts.time_floor, "stage_bound_s": stage_lower},
+        run, schedule, tl, lower,
+        {"floor_bound_s": run.facts.time_floor, "stage_bound_s": stage_lower},
         simulate(graph, store_all_schedule(graph)).total_time, f"heuristic:{name}",
-        "skipped: the floor and stage bound prove the best rule within the target gap",
-        backend, started)
+        "skipped: the floor and stage bound prove the best rule within the target gap")
 
 
-def _answer_without_search(schedule: Schedule, tl, mode: str, budget: int, lower: float,
-                           bounds: dict, base_time: float, source: str, why: str, backend: str,
-                           started: float) -> SolveResult:
+def _answer_without_search(run: Run, schedule: Schedule, tl, lower: float, bounds: dict,
+                           base_time: float, source: str, why: str) -> SolveResult:
     """A schedule proven within the target gap before any MILP (`lower` a valid bound on the
     step time), as solve's answer."""
+    mode, budget = run.mode, run.budget
     gap = max(0.0, (tl.total_time - lower) / tl.total_time) if tl.total_time > 0 else 0.0
-    schedule = Schedule(**{**schedule.__dict__, "mode": mode, "budget_bytes": budget,
-                           "created_by": source,
-                           "predicted_peak_bytes": tl.peak_bytes,
-                           "predicted_time": tl.total_time,
-                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
-                                    "store_all_time_s": base_time}})
+    schedule = _answered(schedule, tl, gap, lower, base_time, mode=mode, budget_bytes=budget,
+                         created_by=source)
     stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
              "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
-                       mip_gap=gap, solve_time_s=time.perf_counter() - started, backend=backend,
-                       stats=stats)
+                       mip_gap=gap, solve_time_s=time.perf_counter() - run.started,
+                       backend=run.backend.name, stats=stats)
 
 
-def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limit_s: float,
-             started: float, stats: dict) -> SolveResult:
+def _answered(schedule: Schedule, tl, gap: float | None, lower: float | None, base_time: float,
+              **changes) -> Schedule:
+    """`schedule` as solve's answer: the simulator's peak and time (`tl`), and in its meta the
+    gap, the lower bound (seconds) and store-all's time."""
+    return dataclasses.replace(schedule, **changes, predicted_peak_bytes=tl.peak_bytes,
+                               predicted_time=tl.total_time,
+                               meta={"mip_gap": gap, "lower_bound_s": lower,
+                                     "store_all_time_s": base_time})
+
+
+def _certify(run: Run, ctx: SearchContext, base_time: float) -> SolveResult:
     """The SolveResult of a search: its best schedule replayed by the simulator, with the gap."""
-    form, pool = ctx.form, ctx.pool
+    form, pool, be, stats = ctx.form, ctx.pool, run.backend, run.stats
     r = ctx.bb_result or BackendResult(status=TIME_LIMIT, x=None, objective=None, bound=None,
                                        seconds=0.0, message=stats.get("search", "no search"))
     graph, budget = form.graph, form.budget
@@ -537,10 +563,9 @@ def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limi
         stats["lns"] = ctx.lns.as_dict()
     if ctx.structured is not None:
         stats["structured"] = ctx.structured.as_dict()
-    solve_s = time.perf_counter() - started
+    solve_s = time.perf_counter() - run.started
     if r.status == INFEASIBLE:
-        raise _infeasible(graph, budget, form.mode, be.name, MIN_BUDGET_TIME_LIMIT_S,
-                          offload=form.offload)
+        raise _infeasible(run)
     x, _, _ = pool.get(form)
     stats["message"] = r.message
     fb = ctx.bb_form
@@ -555,7 +580,7 @@ def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limi
     if x is None:
         return SolveResult.failure(
             status=ERROR, backend=be.name, solve_time_s=solve_s, stats=stats,
-            message=f"no schedule found within the time limit of {time_limit_s:g} s "
+            message=f"no schedule found within the time limit of {run.time_limit_s:g} s "
                     f"({r.message}); raise --time-limit")
 
     schedule = form.decode(x)
@@ -570,13 +595,9 @@ def _certify(ctx: SearchContext, be, base_time: float, mip_gap: float, time_limi
     bound = pool.bound()
     lower = None if bound is None else min(bound / form.time_scale, tl.total_time)
     gap = None if lower is None else max(0.0, (tl.total_time - lower) / tl.total_time)
-    proven = gap is not None and gap <= mip_gap + 1e-9
+    proven = gap is not None and gap <= run.mip_gap + 1e-9
     status = OPTIMAL if proven else FEASIBLE_AT_TIME_LIMIT
-    schedule = Schedule(**{**schedule.__dict__, "created_by": be.name,
-                           "predicted_peak_bytes": tl.peak_bytes,
-                           "predicted_time": tl.total_time,
-                           "meta": {"mip_gap": gap, "lower_bound_s": lower,
-                                    "store_all_time_s": base_time}})
+    schedule = _answered(schedule, tl, gap, lower, base_time, created_by=be.name)
 
     def seconds(source):
         b = pool.bound(source)

@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 
 from ..formulation import Formulation
-from ..lns import map_decisions
 from ..simulate import simulate
+from .lns import map_decisions
 
 ROW_TOLERANCE_UNITS = 1e-5
 """How far past a row's bound (in the MILP's scaled units, ~4096 at the budget) a backend's

@@ -3,7 +3,7 @@ minutes), the RINS guide for LNS, and LP rounding (warmstart.lp_rounding) as a s
 
 from __future__ import annotations
 
-from ..warmstart import lp_rounding
+from ..rules.warmstart import lp_rounding
 from .context import SearchContext
 
 LP_MIN_LEFT_S = 20.0

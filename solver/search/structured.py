@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from ..blocks import BlockChain, BlockClass, find_blocks
 from ..errors import ScheduleError
-from ..formulation import MILP, Formulation
+from ..formulation import Formulation
+from ..milp import MILP
+from ..rules.blocks import BlockChain, BlockClass, find_blocks
 from ..simulate import simulate
 from .context import SearchContext
 

@@ -45,12 +45,12 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from .analysis import GraphFacts
+from ..analysis import GraphFacts
+from ..graph import OpGraph
+from ..schedule import Schedule
+from ..simulate import simulate
 from .blocks import BlockChain, find_blocks, merged
-from .graph import OpGraph
-from .rules import ranked_values, schedule_from_keep
-from .schedule import Schedule
-from .simulate import simulate
+from .simple import ranked_values, schedule_from_keep
 
 MAX_OPTIONS = 32
 """Options per segment at most (prefix lengths evenly spaced when a segment has more Values)."""

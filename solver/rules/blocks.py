@@ -70,10 +70,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .analysis import GraphFacts
-from .graph import OpGraph
-from .rules import schedule_from_keep
-from .schedule import Schedule
+from ..analysis import GraphFacts
+from ..graph import OpGraph
+from ..schedule import Schedule
+from .simple import schedule_from_keep
 
 DIGITS = 9
 """Significant digits kept of every cost (seconds) before comparison."""

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import re
 
-from .analysis import GraphFacts
-from .rules import schedule_from_keep
-from .graph import OpGraph
-from .schedule import Schedule
+from ..analysis import GraphFacts
+from ..graph import OpGraph
+from ..schedule import Schedule
+from .simple import schedule_from_keep
 
 
 def cut_widths(graph: OpGraph) -> list[tuple[int, frozenset[int]]]:

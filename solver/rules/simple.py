@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-from .analysis import GraphFacts
-from .canonical import canonicalize
-from .graph import OpGraph
-from .schedule import Schedule, StageSchedule
-from .simulate import simulate, store_all_schedule
+from ..analysis import GraphFacts
+from ..canonical import canonicalize
+from ..graph import OpGraph
+from ..schedule import Schedule, StageSchedule
+from ..simulate import simulate, store_all_schedule
 
 
 SAC_SAVE_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", "conv2d",

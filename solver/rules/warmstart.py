@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import time
 
-from .analysis import GraphFacts
+from ..analysis import GraphFacts
+from ..canonical import canonicalize
+from ..graph import OpGraph
+from ..schedule import Schedule, StageSchedule
+from ..simulate import simulate, store_all_schedule
 from .blocks import find_blocks, repeated_block_checkpoint_schedule
 from .chain import chain_schedule
-from .rules import (SAC_SAVE_KINDS, chen_schedule, greedy_schedule, ranked_schedule,
-                    recompute_closure, schedule_from_keep)
-from .canonical import canonicalize
-from .graph import OpGraph
-from .schedule import Schedule, StageSchedule
 from .segments import block_schedule, cut_lengths, cut_schedule
-from .simulate import simulate, store_all_schedule
+from .simple import (SAC_SAVE_KINDS, chen_schedule, greedy_schedule, ranked_schedule,
+                     recompute_closure, schedule_from_keep)
 
 
 CHAIN_SHARE = 0.5

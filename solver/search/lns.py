@@ -28,8 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from .backends.base import Backend
-from .formulation import Formulation
+from ..backends.base import Backend
+from ..formulation import Formulation
 
 RINS_TOL = 0.02
 """A 0/1 column is fixed by RINS when the guide's value is within this of the incumbent's."""
