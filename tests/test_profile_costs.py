@@ -65,9 +65,9 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     from monetlike.profile import api
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert api._progress(10) is None
+    assert api.progress_bar(10) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    bar = api._progress(10)
+    bar = api.progress_bar(10)
     assert bar is not None and bar.total == 10
     bar.close()
 
