@@ -48,6 +48,10 @@ from .relaxation import LpRounding
 from .structured import BlockCopy, repeated_classes
 
 MIN_BUDGET_TIME_LIMIT_S = 120.0
+SHORTCUTS = True
+"""Whether solve may answer without the MILP (store-all on the fastest Impls when it fits, the
+best rule once the floor and stage bound prove it, which also leaves the costly rules out).
+Tests of the search and of the backends set it False (tests/solver_cases.no_search_shortcuts)."""
 PHASE1_SHARE = 0.7
 """Share of the time left the min-peak phase may take when the budget is undecided."""
 MIN_PEAK_SHARE = 0.3
@@ -253,6 +257,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
 
     mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
+    backend: a name from solver.backends.known(), or a Backend instance.
     offload: also let the MILP copy Values to host memory and back (full mode; needs the graph's
     host_bandwidth, a GPU feature at run time).
     on_incumbent: called as on_incumbent(schedule, lower_bound) each time a better schedule is
@@ -282,7 +287,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     deadline = started + time_limit_s
 
     facts = GraphFacts(graph, mode)
-    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started)
+    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started) \
+        if SHORTCUTS else None
     if easy is not None:
         return easy
 
@@ -328,13 +334,15 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         starts = family_starts(graph, budget, heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
             before_costly=closure_bound,
-            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
+            enough=lambda: SHORTCUTS and _proven_within(lower["known"], reported[0], mip_gap)),
+            timelines)
     closure_bound()
     stage_lower, known_lower = lower["stage"], lower["known"]
     if starts:
         rules_s = reported[1]
-        proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
-                                 known_lower, stage_lower, mip_gap, be.name, started)
+        proven = None if not SHORTCUTS else _rule_if_proven(
+            graph, budget, mode, facts, starts[0], timelines, known_lower, stage_lower, mip_gap,
+            be.name, started)
         if proven is not None:
             proven.stats.update(first_incumbent_s=_rounded(reported[1]),
                                 best_found_s=_rounded(reported[2]),
