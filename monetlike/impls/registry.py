@@ -60,6 +60,17 @@ def register(spec: ImplSpec) -> ImplSpec:
     return spec
 
 
+@contextlib.contextmanager
+def registered(spec: ImplSpec):
+    """`spec` registered, after every built-in Impl, for the block only (tests, experiments)."""
+    _load()
+    register(spec)
+    try:
+        yield spec
+    finally:
+        del _REGISTRY[spec.name]
+
+
 def specs() -> list[ImplSpec]:
     """Registered Impls, in registration order (the order extra Impls appear on an Op)."""
     _load()

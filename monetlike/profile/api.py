@@ -79,7 +79,7 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """Deep copy with parameters and buffers on the meta device, without copying their data."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
@@ -204,7 +204,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     rng = save_rng()
     try:
         if kind == "analytical":
-            work = _meta_copy(model)
+            work = meta_copy(model)
             to_input = (lambda x: torch.empty_like(x, device="meta")
                         .requires_grad_(x.requires_grad))
             device = torch.device("meta")
