@@ -312,7 +312,7 @@ def test_declared_bytes_relu_mask():
 
 
 @pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6()], ids=["relu_mask", "hardtanh_mask"])
-def test_mask_impl_figures_do_not_depend_on_what_ran_before(act, monkeypatch):
+def test_mask_impl_figures_do_not_depend_on_what_ran_before(act):
     """The packed masks' tables are made once per process: made inside the first profile's
     measured step, they counted in its mask Impl's stage (a fuzzed ReLU: 43,008 B against 6,080
     in every later profile). Now made ahead of it (ImplSpec.warm)."""
@@ -328,11 +328,10 @@ def test_mask_impl_figures_do_not_depend_on_what_ran_before(act, monkeypatch):
     def memory(im):  # every figure but the measured times
         return {k: v for k, v in dataclasses.asdict(im).items() if not k.endswith("_time")}
 
-    monkeypatch.setattr(bitmask, "_KEEP", {})  # as in a fresh process
-    monkeypatch.setattr(bitmask, "_WEIGHTS", {})
-    monkeypatch.setattr(bitmask, "_CONSTANTS", {})
+    bitmask.forget_tables()  # as in a fresh process
     first = memory(mask_impl())
-    assert bitmask._KEEP, "the profile used no keep table: the test no longer tests the tables"
+    assert ("keep", "cpu") in bitmask.tables_made(), \
+        "the profile used no keep table: the test no longer tests the tables"
     assert memory(mask_impl()) == first
 
 
