@@ -258,8 +258,8 @@ def test_maxpool_compact_in_slices_is_bitwise(args, channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     g = torch.randn(F.max_pool2d(x, *args).shape)
-    kernel, stride, padding, dilation = pool._params(*(list(args) + [None, 0, 1][len(args) - 1:])
-                                                    [:4])
+    kernel, stride, padding, dilation = pool.pool_params(
+        *(list(args) + [None, 0, 1][len(args) - 1:])[:4])
     ceil = len(args) > 4 and args[4]
     results = []
     for slicing in (None, 1):
