@@ -8,6 +8,7 @@ the step's measured peak stays within the budget.
 """
 
 import copy
+import functools
 import os
 
 import pytest
@@ -69,6 +70,16 @@ def hf_model(name: str) -> torch.nn.Module:
     raise AssertionError(name)
 
 
+@functools.cache
+def _exported(name: str):
+    """A `name` model (seed 0) and its measured profile without Impls, shared by the tests that
+    train copies of it (a profile through export is most of a test's time)."""
+    torch.manual_seed(0)
+    model = hf_model(name).train()
+    batch = hf_batch(name, torch.Generator().manual_seed(1))
+    return model, monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+
+
 def hf_loss(out) -> torch.Tensor:
     # The profiler's step: every floating output summed (loss and logits here).
     return sum(t.float().sum() for t in tree_leaves(out)
@@ -78,10 +89,8 @@ def hf_loss(out) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "t5"])
 def test_export_schedule_trains_like_pytorch(name):
-    torch.manual_seed(0)
-    model = hf_model(name).train()
+    model, graph = _exported(name)
     batch = hf_batch(name, torch.Generator().manual_seed(1))
-    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
     assert graph.meta["capture"] == "export"  # fx cannot trace these models
     kinds = {op.kind for op in graph.ops}
     assert "scaled_dot_product_attention.default" in kinds  # attention is fine-grained
@@ -227,11 +236,9 @@ def test_cache_in_outputs_is_refused_with_the_way_out():
 
 
 def test_shorter_sequences_run_the_same_decisions_exactly():
-    torch.manual_seed(0)
-    model = hf_model("gpt2").train()
-    ref = copy.deepcopy(model)
+    base, graph = _exported("gpt2")
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
     batch = hf_batch("gpt2", torch.Generator().manual_seed(1))
-    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
     result = solver.solve(graph, chen_sqrt_n(graph).predicted_peak_bytes, time_limit_s=10)
     wrapped = monetlike.ScheduleWrapper(model, result.schedule, graph=graph)
     # Captured again at the shorter shape (an exported graph is shape-specialised); the
