@@ -287,8 +287,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     deadline = started + time_limit_s
 
     facts = GraphFacts(graph, mode)
-    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started) \
-        if SHORTCUTS else None
+    easy = _store_all_if_optimal(graph, budget, mode, facts, be.name, started)
     if easy is not None:
         return easy
 
@@ -334,15 +333,13 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         starts = family_starts(graph, budget, heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
             before_costly=closure_bound,
-            enough=lambda: SHORTCUTS and _proven_within(lower["known"], reported[0], mip_gap)),
-            timelines)
+            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
     closure_bound()
     stage_lower, known_lower = lower["stage"], lower["known"]
     if starts:
         rules_s = reported[1]
-        proven = None if not SHORTCUTS else _rule_if_proven(
-            graph, budget, mode, facts, starts[0], timelines, known_lower, stage_lower, mip_gap,
-            be.name, started)
+        proven = _rule_if_proven(graph, budget, mode, facts, starts[0], timelines,
+                                 known_lower, stage_lower, mip_gap, be.name, started)
         if proven is not None:
             proven.stats.update(first_incumbent_s=_rounded(reported[1]),
                                 best_found_s=_rounded(reported[2]),
@@ -474,6 +471,8 @@ def _store_all_if_optimal(graph: OpGraph, budget: int, mode: str, facts: GraphFa
     """Store-all on each Op's fastest Impl, when it fits the budget: its time is the time floor
     (no schedule is faster), so it is optimal without building the MILP (which takes seconds
     even on a ResNet-18; maxbatch and generous budgets ask this often). None otherwise."""
+    if not SHORTCUTS:
+        return None
     schedule = store_all_schedule(graph, facts.fastest_impls)
     tl = simulate(graph, schedule)
     floor = facts.time_floor
@@ -492,8 +491,9 @@ def _rounded(seconds: float | None) -> float | None:
 
 
 def _proven_within(lower: float, seconds: float, mip_gap: float) -> bool:
-    """Whether the bound `lower` proves a schedule of `seconds` within `mip_gap` of optimal."""
-    return lower >= (1 - mip_gap) * seconds
+    """Whether the bound `lower` proves a schedule of `seconds` within `mip_gap` of optimal
+    (never without SHORTCUTS: no rule is then the answer, and the costly rules all run)."""
+    return SHORTCUTS and lower >= (1 - mip_gap) * seconds
 
 
 def _rule_if_proven(graph: OpGraph, budget: int, mode: str, facts: GraphFacts, best,
