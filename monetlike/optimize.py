@@ -24,14 +24,14 @@ from typing import Any, Iterable
 
 import torch
 
+import solver
 from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
 from solver.graph import OpGraph
-from solver.schedule import Schedule, SolveResult
+from solver.schedule import Schedule
 from solver.units import format_bytes, parse_bytes
 
 from .wrapper import ScheduleWrapper
 from .profile import profile
-from solver import solve
 
 __all__ = ["optimize", "solve_cached", "default_cache_dir"]
 
@@ -43,7 +43,8 @@ def default_cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "monetlike")
 
 
-def _cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
+def cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
+    """The name solve_cached files a schedule under: everything the answer depends on."""
     settings = {
         "version": CACHE_VERSION,
         "fingerprint": graph.fingerprint,
@@ -69,20 +70,18 @@ def _memory_figures(graph: OpGraph) -> str:
     return hashlib.sha256(json.dumps(figures).encode()).hexdigest()[:16]
 
 
-def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
-    return solve(graph, budget, **kwargs)
-
-
 def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None = None,
-                 **solve_kwargs) -> Schedule:
+                 solve=None, **solve_kwargs) -> Schedule:
     """Solve `graph` under `budget`, reading and writing the on-disk cache; return the Schedule.
+    solve: called as solve(graph, budget_bytes, **solve_kwargs) for a SolveResult when the cache
+    has no entry; None: solver.solve.
 
     Raises InfeasibleBudgetError (with the minimum feasible budget when the solver found it) or
     MonetlikeError when no schedule was found.
     """
     budget_bytes = parse_bytes(budget)
     cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
-    key = _cache_key(graph, budget_bytes, solve_kwargs)
+    key = cache_key(graph, budget_bytes, solve_kwargs)
     path = os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-{key}.json")
     if os.path.exists(path):
         # A bad entry (truncated, another version, edited by hand) is solved again and
@@ -97,7 +96,7 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
             problem = str(e)
         warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
                       f"again and overwriting it", UserWarning, stacklevel=3)
-    result = _solve(graph, budget_bytes, **solve_kwargs)
+    result = (solver.solve if solve is None else solve)(graph, budget_bytes, **solve_kwargs)
     if not result.ok:
         message = (f"no schedule for {graph.model} batch {graph.batch} within "
                    f"{format_bytes(budget_bytes)}: {result.message}")
@@ -113,7 +112,8 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
-             leaf_modules: Iterable = (), loss_fn=None, **solve_kwargs) -> ScheduleWrapper:
+             leaf_modules: Iterable = (), loss_fn=None, solve=None,
+             **solve_kwargs) -> ScheduleWrapper:
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
 
     budget: bytes or a string such as "8GiB" (the whole training-step peak: parameters,
@@ -123,12 +123,14 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
     optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
     loss_fn: the training loss of the model's output (monetlike.profile): its memory is part of
         the step's peak. None: the sum of the outputs.
-    solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
+    solve, solve_kwargs: the solve (None: solver.solve) and what is passed to it (mode, backend,
+        time_limit_s, ...), as in solve_cached.
     """
 
     budget_bytes = parse_bytes(budget)
     leaf_modules = list(leaf_modules)
     graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
                     leaf_modules=leaf_modules, loss_fn=loss_fn)
-    schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, **solve_kwargs)
+    schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, solve=solve,
+                            **solve_kwargs)
     return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)

@@ -181,7 +181,7 @@ def stage_extra_costs(facts: GraphFacts, budget: int, offload: bool = False,
     Each stage gets the greedy bound, then with `closure`, dearest stage first until `deadline`
     (time.perf_counter(); None: no limit), the closure LP's where it is higher."""
     all_stages = list(stages(facts, offload))
-    costs = [0.0 if st.need <= budget else _cheapest_cover(st.items, st.need - budget)
+    costs = [0.0 if st.need <= budget else cheapest_cover(st.items, st.need - budget)
              for st in all_stages]
     rerun = rerun_times(facts)
     order = sorted((t for t, c in enumerate(costs) if 0.0 < c < math.inf),
@@ -268,7 +268,7 @@ def stage_least_peak(facts: GraphFacts, offload: bool = False) -> int:
                default=0)
 
 
-def _cheapest_cover(items: list[tuple[float, int]], excess: int) -> float:
+def cheapest_cover(items: list[tuple[float, int]], excess: int) -> float:
     """The least total cost of fractions of `items` (cost, bytes) freeing `excess` bytes, taken
     in order of bytes per second (each group's hull increments come in that order already, so
     the greedy respects them); math.inf when all of them free less."""

@@ -413,7 +413,5 @@ def no_search_shortcuts():
     import importlib
 
     pipeline = importlib.import_module("solver.search.pipeline")
-    with mock.patch.object(pipeline, "_store_all_if_optimal", lambda *a, **k: None), \
-            mock.patch.object(pipeline, "_rule_if_proven", lambda *a, **k: None), \
-            mock.patch.object(pipeline, "_proven_within", lambda *a, **k: False):
+    with mock.patch.object(pipeline, "SHORTCUTS", False):
         yield

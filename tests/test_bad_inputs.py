@@ -490,15 +490,16 @@ def test_maxbatch_on_batchnorm_starts_at_two(tmp_path, capsys):
 
 
 INTERRUPTED_SOLVE = """
-import os, signal, sys, threading, time
+import os, signal, sys, time
 import solver
 
-def slow(graph, budget, **kwargs):  # a solve that would run for a minute; Ctrl-C after 0.5 s
+def slow(graph, budget, **kwargs):  # Ctrl-C arrives while the solve runs on for 20 s
     if {found}:  # it has found store-all by then (bound: 0.9 of its time)
         s = solver.store_all_schedule(graph)
         kwargs["on_incumbent"](s, 0.9 * solver.simulate(graph, s).total_time)
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    time.sleep(60)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(20)
+    print("the solve returned", file=sys.stderr)  # a process that waited for it says so
 
 solver.solve = slow
 from monetlike.cli import main
@@ -507,18 +508,15 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_ctrl_c_stops_a_running_solve_at_once(work, tmp_path):
-    import time
-
     script = tmp_path / "slow.py"
     script.write_text(INTERRUPTED_SOLVE.format(found=False))
     before = _snapshot(work)
-    start = time.monotonic()
     r = subprocess.run([sys.executable, str(script), "solve", "--graph", str(work / "g.json"),
                         "--budget", "1MiB", "-o", str(work / "s.json")], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=60)
+                       text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
     assert r.returncode == 130
+    # Exactly this line: not the stub's, which a process waiting for the solve would print.
     assert r.stderr == "monetlike solve: interrupted; no output written\n"
-    assert time.monotonic() - start < 30  # not the minute the solve would take
     assert _snapshot(work) == before
 
 

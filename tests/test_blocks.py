@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -368,7 +367,14 @@ def test_a_random_dag_gives_a_valid_chain():
         check_chain(g, find_blocks(g))
 
 
-def test_five_thousand_ops_well_under_a_second():
+def _searched(graph):
+    """find_blocks' chain and its search steps: (ops, candidate periods, stretches encoded)."""
+    steps = []
+    ch = find_blocks(graph, on_step=lambda *step: steps.append(step))
+    return ch, steps
+
+
+def test_five_thousand_ops_in_few_search_steps():
     b = GraphBuilder("deep")
     h = b.op("embed", [b.input("x", 4)], H, kind="E")
     mask = b.op("mask", [b.values[0].id], M, saved=(), kind="M")
@@ -382,9 +388,13 @@ def test_five_thousand_ops_well_under_a_second():
         h = b.op(f"res{i}", [h, vals[-1]], H, kind="add")
     g = b.build(outputs=b.op("head", [h], 3, kind="H"))
     assert len(g.ops) > 5000
-    t = time.perf_counter()
-    ch = find_blocks(g)
-    assert time.perf_counter() - t < 1.0
+    ch, steps = _searched(g)
+    # What "well under a second" stood for (the module docstring's cost): one step over the whole
+    # graph and one over what is left, each comparing against a bounded set of candidate periods
+    # (not every period up to n / 2) and encoding one stretch exactly.
+    assert len(steps) == 2 and steps[0][0] == len(g.ops)
+    assert max(periods for _, periods, _ in steps) <= 2 * 64
+    assert sum(evaluated for *_, evaluated in steps) == 1
     assert [(c.length, len(c.members)) for c in ch.classes] == [(21, 240)]
     assert ch.classes[0].broadcast == (mask,)
 
@@ -498,12 +508,6 @@ def test_repeated_block_checkpoint_schedule_recomputes_only_block_interiors():
 # ----------------------------------------------------------------------------------------------
 # Profiled models (meta device, analytical costs)
 # ----------------------------------------------------------------------------------------------
-def _timed(graph):
-    t = time.perf_counter()
-    ch = find_blocks(graph)
-    return ch, time.perf_counter() - t
-
-
 def test_profiled_resnet18_repeats_only_identical_basic_blocks():
     torch = pytest.importorskip("torch")
     tv = pytest.importorskip("torchvision.models")
@@ -511,9 +515,11 @@ def test_profiled_resnet18_repeats_only_identical_basic_blocks():
 
     g = monetlike.profile(tv.resnet18(), torch.empty(2, 3, 64, 64, device="meta"),
                           cost="analytical:A100-40GB")
-    ch, seconds = _timed(g)
+    ch, steps = _searched(g)
     check_chain(g, ch)
-    assert seconds < 0.5
+    # What "under half a second" stood for: the bound stops each step after its first exact
+    # encoding, and what is left after the blocks takes a few more steps.
+    assert sum(evaluated for *_, evaluated in steps) <= 2 and len(steps) <= 3
     mods = g.meta["op_modules"]
     # Each later stage's first BasicBlock has a downsample: only layer1's two blocks are twins.
     assert [[mods[ch.segments[i].start] for i in c.members] for c in ch.classes] == \
@@ -538,9 +544,11 @@ def test_profiled_gpt2_has_its_layers_as_one_class():
     batch = dict(input_ids=ids, attention_mask=torch.ones(2, 16, dtype=torch.long),
                  labels=ids.clone(), use_cache=False)
     g = monetlike.profile(model, batch, cost="analytical:A100-40GB")
-    ch, seconds = _timed(g)
+    ch, steps = _searched(g)
     check_chain(g, ch)
-    assert seconds < 0.5
+    # What "under half a second" stood for: the bound stops each step after its first exact
+    # encoding, and what is left after the blocks takes a few more steps.
+    assert sum(evaluated for *_, evaluated in steps) <= 2 and len(steps) <= 5
     mods = g.meta["op_modules"]
     layers = [c for c in ch.classes if len(c.members) == 4]
     assert len(layers) == 1

@@ -67,9 +67,9 @@ def _worker(rank: int, store_path: str) -> None:
             x = torch.randn(8, 32)
             graph = monetlike.profile(model, x, cost="analytical:A100-40GB")
             if name == "recompute_internals":
-                from test_impls_internals import _with_impl
+                from test_impls_internals import with_impl
 
-                schedule, picked = _with_impl(graph, name)
+                schedule, picked = with_impl(graph, name)
                 assert picked
             else:
                 schedule = keep_schedule(graph, every(0), "tight", hold="stage")

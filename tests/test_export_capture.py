@@ -275,12 +275,12 @@ def test_vit_schedule_from_an_analytical_profile_checks_on_the_cpu():
     trace kept the call only on meta, and `check` refused the schedule ("names fx node
     'contiguous', which the traced model does not have")."""
     from monetlike.check import check_schedule
-    from monetlike.profile.api import _meta_copy
+    from monetlike.profile.api import meta_copy
 
     model, batch = _tiny_vit()
     meta = {k: torch.empty_like(v, device="meta") for k, v in batch.items()}
     nodes = []
-    for m, b in ((model, batch), (_meta_copy(model), meta)):
+    for m, b in ((model, batch), (meta_copy(model), meta)):
         gm, _ = capture(m, (), b, mode="export")
         nodes.append([(n.name, str(n.target)) for n in gm.graph.nodes])
     assert nodes[0] == nodes[1]

@@ -8,6 +8,7 @@ the step's measured peak stays within the budget.
 """
 
 import copy
+import functools
 import os
 
 import pytest
@@ -29,7 +30,7 @@ T = transformers
 B, S = 4, 16
 
 
-def _batch(name: str, g: torch.Generator) -> dict:
+def hf_batch(name: str, g: torch.Generator) -> dict:
     ids = torch.randint(0, 100, (B, S), generator=g)
     mask = torch.ones(B, S, dtype=torch.long)
     mask[1, 12:] = 0  # padding: the mask is a real input of the graph
@@ -45,7 +46,7 @@ def _batch(name: str, g: torch.Generator) -> dict:
     return batch
 
 
-def _model(name: str) -> torch.nn.Module:
+def hf_model(name: str) -> torch.nn.Module:
     if name == "gpt2":
         cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=S, vocab_size=100)
         return T.GPT2LMHeadModel(cfg)
@@ -69,7 +70,17 @@ def _model(name: str) -> torch.nn.Module:
     raise AssertionError(name)
 
 
-def _loss(out) -> torch.Tensor:
+@functools.cache
+def _exported(name: str):
+    """A `name` model (seed 0) and its measured profile without Impls, shared by the tests that
+    train copies of it (a profile through export is most of a test's time)."""
+    torch.manual_seed(0)
+    model = hf_model(name).train()
+    batch = hf_batch(name, torch.Generator().manual_seed(1))
+    return model, monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+
+
+def hf_loss(out) -> torch.Tensor:
     # The profiler's step: every floating output summed (loss and logits here).
     return sum(t.float().sum() for t in tree_leaves(out)
                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
@@ -78,10 +89,8 @@ def _loss(out) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "t5"])
 def test_export_schedule_trains_like_pytorch(name):
-    torch.manual_seed(0)
-    model = _model(name).train()
-    batch = _batch(name, torch.Generator().manual_seed(1))
-    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+    model, graph = _exported(name)
+    batch = hf_batch(name, torch.Generator().manual_seed(1))
     assert graph.meta["capture"] == "export"  # fx cannot trace these models
     kinds = {op.kind for op in graph.ops}
     assert "scaled_dot_product_attention.default" in kinds  # attention is fine-grained
@@ -103,10 +112,10 @@ def test_export_schedule_trains_like_pytorch(name):
         for step in range(3):
             torch.manual_seed(10 + step)
             out = wrapped(**batch)
-            _loss(out).backward()
+            hf_loss(out).backward()
             torch.manual_seed(10 + step)
             out_ref = ref(**batch)
-            _loss(out_ref).backward()
+            hf_loss(out_ref).backward()
             assert type(out) is type(out_ref)
             torch.testing.assert_close(out.loss, out_ref.loss)
             torch.testing.assert_close(out.logits, out_ref.logits)
@@ -123,7 +132,7 @@ def test_export_schedule_trains_like_pytorch(name):
             p.grad = None
 
         def step_fn():
-            _loss(wrapped(**batch)).backward()
+            hf_loss(wrapped(**batch)).backward()
 
         m = monetlike.measure_step(step_fn, warmup=0, repeat=1)
         assert m.peak_bytes - m.start_bytes + graph.fixed_bytes <= budget
@@ -140,8 +149,8 @@ def test_export_graphs_split_their_linear_layers(name):
     from solver.simulate import simulate
 
     torch.manual_seed(0)
-    model = _model(name).train()
-    batch = _batch(name, torch.Generator().manual_seed(1))
+    model = hf_model(name).train()
+    batch = hf_batch(name, torch.Generator().manual_seed(1))
     graph = monetlike.profile(model, batch, cost="measured", repeat=1)
     assert graph.meta["capture"] == "export"
     picked, schedules = impl_schedules(graph, "linear_split")
@@ -151,10 +160,10 @@ def test_export_graphs_split_their_linear_layers(name):
         wrapped = monetlike.ScheduleWrapper(mine, schedule, graph=graph)
         torch.manual_seed(5)
         out = wrapped(**batch)
-        _loss(out).backward()
+        hf_loss(out).backward()
         torch.manual_seed(5)
         out_ref = ref(**batch)
-        _loss(out_ref).backward()
+        hf_loss(out_ref).backward()
         torch.testing.assert_close(out.logits, out_ref.logits)
         for (n, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=f"{name} grad {n}")
@@ -163,7 +172,7 @@ def test_export_graphs_split_their_linear_layers(name):
 
         def step_fn():
             out = wrapped(**batch)  # held through the backward, as a training loop holds it
-            _loss(out).backward()
+            hf_loss(out).backward()
 
         torch.manual_seed(5)
         m = monetlike.measure_step(step_fn, warmup=0, repeat=1)
@@ -216,8 +225,8 @@ def test_causal_lm_example_runs_three_ways_with_the_same_losses(capsys):
 
 
 def test_cache_in_outputs_is_refused_with_the_way_out():
-    model = _model("gpt2").train()
-    batch = {**_batch("gpt2", torch.Generator().manual_seed(1)), "use_cache": True}
+    model = hf_model("gpt2").train()
+    batch = {**hf_batch("gpt2", torch.Generator().manual_seed(1)), "use_cache": True}
     with pytest.raises(monetlike.capture.trace.TraceError) as e:
         monetlike.profile(model, batch, cost="analytical:A100-40GB")
     msg = str(e.value)
@@ -227,11 +236,9 @@ def test_cache_in_outputs_is_refused_with_the_way_out():
 
 
 def test_shorter_sequences_run_the_same_decisions_exactly():
-    torch.manual_seed(0)
-    model = _model("gpt2").train()
-    ref = copy.deepcopy(model)
-    batch = _batch("gpt2", torch.Generator().manual_seed(1))
-    graph = monetlike.profile(model, batch, cost="measured", repeat=1, impls=False)
+    base, graph = _exported("gpt2")
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    batch = hf_batch("gpt2", torch.Generator().manual_seed(1))
     result = solver.solve(graph, chen_sqrt_n(graph).predicted_peak_bytes, time_limit_s=10)
     wrapped = monetlike.ScheduleWrapper(model, result.schedule, graph=graph)
     # Captured again at the shorter shape (an exported graph is shape-specialised); the

@@ -35,10 +35,10 @@ class LinearTanh(torch.nn.Module):
 
 
 @pytest.fixture
-def failing_impl(monkeypatch):
-    spec = registry.ImplSpec("tanh_timing_fails", _tanh_timing_fails, doc="test only")
-    monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
-    return spec
+def failing_impl():
+    with registry.registered(registry.ImplSpec("tanh_timing_fails", _tanh_timing_fails,
+                                               doc="test only")) as spec:
+        yield spec
 
 
 def test_an_impl_that_cannot_be_timed_is_left_out_and_its_level_keeps_the_others(failing_impl):

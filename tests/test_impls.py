@@ -225,7 +225,7 @@ def _with_impl(graph, name: str) -> tuple[Schedule, list[int]]:
     return with_predictions(graph, s), picked
 
 
-def _assert_same(a, b):
+def assert_same(a, b):
     out_a, gx_a, gp_a, buf_a = a
     out_b, gx_b, gp_b, buf_b = b
     assert torch.equal(out_a, out_b)  # forward: bitwise
@@ -248,7 +248,7 @@ def test_impl_exact_through_runtime(case):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):  # two steps: running statistics stay in step
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("name", ["hardtanh_mask", "bn_hardtanh_lean"])
@@ -265,10 +265,10 @@ def test_torchvision_mobilenet_v2_exact(name):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
-def _bytes_held(fn, x, fixed=()) -> int:
+def bytes_held(fn, x, fixed=()) -> int:
     """Bytes the backward holds after the forward, by the saved-tensor accounting: unique
     storages of the tensors autograd saved, except the leaf input and the module's parameters
     and buffers (fixed memory). Saved tensors that alias each other count once."""
@@ -286,7 +286,7 @@ def _bytes_held(fn, x, fixed=()) -> int:
     return sum(n for k, n in held.items() if k not in skip)
 
 
-def _held_by_op(graph, op, k) -> int:
+def held_by_op(graph, op, k) -> int:
     im = op.impls[k]
     return im.internal_bytes + sum(graph.values[v].bytes for v in im.saved
                                    if graph.values[v].producer is not None)
@@ -306,13 +306,13 @@ def test_declared_bytes_relu_mask():
     from monetlike.impls.relu import RELU, ActMask
 
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
-    assert _bytes_held(lambda t: torch.relu(t * 1), z) == 4 * n  # the output; t*1 is not saved
-    assert _bytes_held(lambda t: ActMask.apply(t * 1, RELU, False), z) == n // 8
-    assert _held_by_op(g, relu, 0) == 4 * n and _held_by_op(g, relu, 1) == n // 8
+    assert bytes_held(lambda t: torch.relu(t * 1), z) == 4 * n  # the output; t*1 is not saved
+    assert bytes_held(lambda t: ActMask.apply(t * 1, RELU, False), z) == n // 8
+    assert held_by_op(g, relu, 0) == 4 * n and held_by_op(g, relu, 1) == n // 8
 
 
 @pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6()], ids=["relu_mask", "hardtanh_mask"])
-def test_mask_impl_figures_do_not_depend_on_what_ran_before(act, monkeypatch):
+def test_mask_impl_figures_do_not_depend_on_what_ran_before(act):
     """The packed masks' tables are made once per process: made inside the first profile's
     measured step, they counted in its mask Impl's stage (a fuzzed ReLU: 43,008 B against 6,080
     in every later profile). Now made ahead of it (ImplSpec.warm)."""
@@ -328,11 +328,10 @@ def test_mask_impl_figures_do_not_depend_on_what_ran_before(act, monkeypatch):
     def memory(im):  # every figure but the measured times
         return {k: v for k, v in dataclasses.asdict(im).items() if not k.endswith("_time")}
 
-    monkeypatch.setattr(bitmask, "_KEEP", {})  # as in a fresh process
-    monkeypatch.setattr(bitmask, "_WEIGHTS", {})
-    monkeypatch.setattr(bitmask, "_CONSTANTS", {})
+    bitmask.forget_tables()  # as in a fresh process
     first = memory(mask_impl())
-    assert bitmask._KEEP, "the profile used no keep table: the test no longer tests the tables"
+    assert ("keep", "cpu") in bitmask.tables_made(), \
+        "the profile used no keep table: the test no longer tests the tables"
     assert memory(mask_impl()) == first
 
 
@@ -369,12 +368,12 @@ def test_declared_bytes_bn_act(family):
     fixed = [*bn_mod.parameters(), *bn_mod.buffers()]
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
     # Plain: BN input (t*1), the activation's output or clone, statistics. Lean: the BN input.
-    assert _bytes_held(lambda t: plain(bn_mod(t * 1)), z, fixed) == 4 * n + 4 * n + 2 * c * 4
-    assert _bytes_held(lambda t: BnActLean.apply(t * 1, bn_mod.weight, bn_mod.bias, bn_mod,
+    assert bytes_held(lambda t: plain(bn_mod(t * 1)), z, fixed) == 4 * n + 4 * n + 2 * c * 4
+    assert bytes_held(lambda t: BnActLean.apply(t * 1, bn_mod.weight, bn_mod.bias, bn_mod,
                                                  lean_act), z, fixed) == 4 * n
-    assert _held_by_op(g, bn, 0) == 4 * n + 4 * n + 2 * c * 4
-    assert _held_by_op(g, bn, 1) == 4 * n + 2 * c * 4 + n // 8
-    assert _held_by_op(g, bn, 2) == 4 * n
+    assert held_by_op(g, bn, 0) == 4 * n + 4 * n + 2 * c * 4
+    assert held_by_op(g, bn, 1) == 4 * n + 2 * c * 4 + n // 8
+    assert held_by_op(g, bn, 2) == 4 * n
 
 
 def test_declared_bytes_hardtanh_mask():
@@ -386,10 +385,10 @@ def test_declared_bytes_hardtanh_mask():
     relu6 = Hardtanh(0.0, 6.0)
     # Out of place the default holds its input Value; in place, autograd's clone of the input
     # (it is about to be overwritten), a storage of no Value: internal. The mask: 1 bit each.
-    assert _bytes_held(lambda t: F.relu6(t * 1), z) == 4 * n
-    assert _bytes_held(lambda t: F.relu6(t * 1, inplace=True), z) == 4 * n
-    assert _bytes_held(lambda t: ActMask.apply(t * 1, relu6, False), z) == n // 8
-    assert _bytes_held(lambda t: ActMask.apply(t * 1, relu6, True), z) == n // 8
+    assert bytes_held(lambda t: F.relu6(t * 1), z) == 4 * n
+    assert bytes_held(lambda t: F.relu6(t * 1, inplace=True), z) == 4 * n
+    assert bytes_held(lambda t: ActMask.apply(t * 1, relu6, False), z) == n // 8
+    assert bytes_held(lambda t: ActMask.apply(t * 1, relu6, True), z) == n // 8
     for inplace in (False, True):
         torch.manual_seed(0)
         model = ConvAct(nn.ReLU6(inplace=inplace)).train()
@@ -405,7 +404,7 @@ def test_declared_bytes_hardtanh_mask():
         else:  # its own Op: the conv output Value is saved
             assert default.saved == g.ops[0].outputs and default.internal_bytes == 0
         assert mask.saved == () and mask.internal_bytes == n // 8
-        assert _held_by_op(g, op, 0) == 4 * n and _held_by_op(g, op, 1) == n // 8
+        assert held_by_op(g, op, 0) == 4 * n and held_by_op(g, op, 1) == n // 8
 
 
 def _same_as_default(x, grad, default, impl):
@@ -610,10 +609,10 @@ def test_declared_bytes_maxpool_compact(pool, per_sample):
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
     args = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, False)
     args = tuple((a, a) if isinstance(a, int) else a for a in args[:4]) + (False,)
-    assert _bytes_held(lambda t: F.max_pool2d(t * 1, *args), z) == 4 * 2 * 4 * 8 * 8 + 8 * out
+    assert bytes_held(lambda t: F.max_pool2d(t * 1, *args), z) == 4 * 2 * 4 * 8 * 8 + 8 * out
     for fmt in (torch.contiguous_format, torch.channels_last):
         zf = z.detach().to(memory_format=fmt).requires_grad_()
-        assert _bytes_held(lambda t: MaxPoolCompact.apply(t * 1, *args), zf) == 2 * per_sample
+        assert bytes_held(lambda t: MaxPoolCompact.apply(t * 1, *args), zf) == 2 * per_sample
         assert _allocator_held(lambda t: MaxPoolCompact.apply(t, *args), zf) == 2 * per_sample
 
 
@@ -626,7 +625,7 @@ def test_held_bytes_maxpool_compact_odd_sample(fmt):
     z = torch.randn(3, 1, 7, 7).to(memory_format=fmt).requires_grad_()
     fn = lambda t: MaxPoolCompact.apply(t, (3, 3), (2, 2), (0, 0), (1, 1), False)  # noqa: E731
     assert fn(z).shape == (3, 1, 3, 3)
-    assert _bytes_held(lambda t: fn(t * 1), z) == _allocator_held(fn, z) == 3 * 5
+    assert bytes_held(lambda t: fn(t * 1), z) == _allocator_held(fn, z) == 3 * 5
 
 
 def test_declared_bytes_dropout_regen():
@@ -643,11 +642,11 @@ def test_declared_bytes_dropout_regen():
     from monetlike.impls.dropout import DropoutRegen
 
     z = torch.randn(8, 32, requires_grad=True)
-    assert _bytes_held(lambda t: F.dropout(t, 0.3, True), z) == 8 * 32 * 4
-    assert _bytes_held(lambda t: DropoutRegen.apply(t, 0.3), z) == rng
+    assert bytes_held(lambda t: F.dropout(t, 0.3, True), z) == 8 * 32 * 4
+    assert bytes_held(lambda t: DropoutRegen.apply(t, 0.3), z) == rng
     from monetlike.impls.dropout import DropoutMask
 
-    assert _bytes_held(lambda t: DropoutMask.apply(t, 0.3), z) == 8 * 32
+    assert bytes_held(lambda t: DropoutMask.apply(t, 0.3), z) == 8 * 32
     # On a GPU profile the default holds a bool mask (1 byte per element), as dropout_mask would:
     # it is not offered there (ImplSpec.devices), so GPU graphs keep their columns and
     # fingerprints.
@@ -669,7 +668,7 @@ def test_dropout_mask_exact_through_runtime(functional):
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -725,7 +724,7 @@ def test_full_mode_picks_dropout_mask_on_a_cpu_profile():
         assert simulate(g, r.schedule).peak_bytes <= low_full
     ref = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, r.schedule)
-    _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
+    assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
 
 
 def test_impls_are_registered_and_checkpoint_mode_ignores_them():
@@ -812,7 +811,7 @@ def test_end_to_end_full_mode_picks_impls(net, families):
     predicted = simulate(g, s).peak_bytes
     ref = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, s, graph=g)
-    _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
+    assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
     measured = measured_peak(g, model, wrapped, x)
     picked = [g.ops[j].impls[k].name for j, k in enumerate(s.impl) if k]
     assert measured <= budget, (picked, measured, budget)

@@ -24,14 +24,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import monetlike
-from monetlike.impls.attention import SdpaMask, SdpaProbsMask, _match, _match_probs
+from monetlike.impls import registry
+from monetlike.impls.attention import SdpaMask, SdpaProbsMask
 from monetlike.capture.trace import trace
-from test_impls import _assert_same, _bytes_held
-from test_impls_internals import _with_impl
+from test_impls import assert_same, bytes_held
+from test_impls_internals import with_impl
 from runtime_support import PEAK_TOLERANCE, measured_peak, weighted_step
 from solver.simulate import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+match_mask, match_probs = registry.get("sdpa_mask").match, registry.get("sdpa_probs_mask").match
 
 NAMES = ("sdpa_mask", "sdpa_probs_mask")
 
@@ -134,7 +136,7 @@ def test_broadcast_batch_shapes():
     gm = trace(Heads())
     node = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
     args = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    out = _match_probs(gm, [node])[node.name](gm, node, args, {"dropout_p": 0.2})
+    out = match_probs(gm, [node])[node.name](gm, node, args, {"dropout_p": 0.2})
     assert type(out.grad_fn).__name__ != "SdpaProbsMaskBackward"  # the default's call
 
 
@@ -169,15 +171,15 @@ def test_holds_inputs_and_mask(name):
 
     gm = trace(model)
     node = next(n for n in gm.graph.nodes if n.name == op.name)
-    run = (_match if name == "sdpa_mask" else _match_probs)(gm, [node])[node.name]
+    run = (match_mask if name == "sdpa_mask" else match_probs)(gm, [node])[node.name]
 
     def heads(f):
         return f.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
 
     fused = torch.randn(b, t, 48, requires_grad=True)
-    held = _bytes_held(lambda f: run(gm, node, tuple(heads(f * 1)), {"dropout_p": 0.1}), fused)
+    held = bytes_held(lambda f: run(gm, node, tuple(heads(f * 1)), {"dropout_p": 0.1}), fused)
     assert held == 4 * b * t * 48 + own
-    plain = _bytes_held(lambda f: F.scaled_dot_product_attention(*heads(f * 1), dropout_p=0.1),
+    plain = bytes_held(lambda f: F.scaled_dot_product_attention(*heads(f * 1), dropout_p=0.1),
                         fused)
     assert plain == default.internal_bytes and default.saved == ()
 
@@ -203,7 +205,7 @@ def test_runs_the_default_where_it_does_not_fit():
     cases = ((lambda: torch.autocast("cpu", torch.bfloat16), (q, k, v)),
              (torch.no_grad, (q, k, v)),
              (torch.enable_grad, tuple(t.bfloat16() for t in (q, k, v))))
-    for (ctx, args), match in itertools.product(cases, (_match, _match_probs)):
+    for (ctx, args), match in itertools.product(cases, (match_mask, match_probs)):
         run = match(gm, [node])[node.name]
         with ctx():
             torch.manual_seed(0)
@@ -221,12 +223,12 @@ def test_exact_through_runtime_with_measured_peak(kw, name):
     model = Heads(p=0.2, **kw).train()
     x = torch.randn(4, 9, 16).requires_grad_()
     graph = monetlike.profile(model, x, cost="measured", repeat=1)
-    schedule, picked = _with_impl(graph, name)
+    schedule, picked = with_impl(graph, name)
     assert picked
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
     predicted = simulate(graph, schedule).peak_bytes
     measured = measured_peak(graph, model, wrapped, x)
     assert abs(measured - predicted) <= predicted * PEAK_TOLERANCE, (measured, predicted)
@@ -238,14 +240,14 @@ def test_transformers_models_bitwise(family):
     # dropout: GPT-2's causal attention, Llama's grouped heads, BERT's padding mask), every
     # attention Op on each Impl, two steps: logits and every gradient bit for bit.
     pytest.importorskip("transformers")
-    from test_hf_models import _batch, _loss, _model
+    from test_hf_models import hf_batch, hf_loss, hf_model
 
     torch.manual_seed(0)
-    model = _model(family).train()
-    batch = _batch(family, torch.Generator().manual_seed(1))
+    model = hf_model(family).train()
+    batch = hf_batch(family, torch.Generator().manual_seed(1))
     graph = monetlike.profile(model, batch, cost="measured", repeat=1)
     for name in NAMES:
-        schedule, picked = _with_impl(graph, name)
+        schedule, picked = with_impl(graph, name)
         assert len(picked) == 2  # both layers' attention
         ref, copied = copy.deepcopy(model), copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(copied, schedule, graph=graph)
@@ -254,10 +256,10 @@ def test_transformers_models_bitwise(family):
                 m.zero_grad(set_to_none=True)
             torch.manual_seed(seed)
             want = ref(**batch)
-            _loss(want).backward()
+            hf_loss(want).backward()
             torch.manual_seed(seed)
             got = wrapped(**batch)
-            _loss(got).backward()
+            hf_loss(got).backward()
             assert torch.equal(got.logits, want.logits)
             for (n, p), (_, q) in zip(copied.named_parameters(), ref.named_parameters()):
                 assert (p.grad is None) == (q.grad is None), n

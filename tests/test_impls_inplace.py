@@ -16,7 +16,7 @@ import monetlike
 import solver
 from solver.simulate import simulate, store_all_schedule
 from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
-from test_impls import _assert_same, _bytes_held, _held_by_op
+from test_impls import assert_same, bytes_held, held_by_op
 
 A100 = "analytical:A100-40GB"
 
@@ -119,7 +119,7 @@ def test_inplace_exact_through_runtime(case):
         wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), s)
         wrapped.load_state_dict(ref_model.state_dict())
         for seed in (1, 2):  # two steps: BN running statistics stay in step
-            _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+            assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 @pytest.mark.parametrize("net, name, adds", [("mobilenet_v2", "add_inplace_rhs", 10),
@@ -153,7 +153,7 @@ def test_zoo_models_with_every_residual_add_in_place_are_exact(net, name, adds):
         wrapped = monetlike.ScheduleWrapper(copy.deepcopy(model), s)
         wrapped.load_state_dict(ref_model.state_dict())
         for seed in (1, 2):
-            _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+            assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def test_inplace_forward_and_recomputation_are_what_the_simulator_counts():
@@ -196,7 +196,7 @@ def test_declared_bytes_inplace(case, name, per_element):
     im = op.impls[k]
     n = 2 * 4 * 8 * 8
     assert im.saved == op.impls[0].saved and im.internal_bytes == 0
-    assert _held_by_op(g, op, k) == per_element * n
+    assert held_by_op(g, op, k) == per_element * n
     # What autograd holds for the in-place kernels (the pre-activation t*1 is not saved by *):
     z = torch.randn(2, 4, 8, 8, requires_grad=True)
     other = torch.randn(2, 4, 8, 8, requires_grad=True)
@@ -204,7 +204,7 @@ def test_declared_bytes_inplace(case, name, per_element):
             "sigmoid_inplace": lambda t: torch.sigmoid_(t * 1),
             "add_inplace": lambda t: (t * 1).add_(other),
             "add_inplace_rhs": lambda t: (other * 1).add_(t)}[name]
-    assert _bytes_held(held, z, fixed=(other,)) == per_element * n
+    assert bytes_held(held, z, fixed=(other,)) == per_element * n
     # The Impl's value is the Value it overwrites: the BN output, the activation's input.
     assert im.overwrites in op.inputs and g.ops[g.values[im.overwrites].producer].kind \
         == "BatchNorm2d"
@@ -323,7 +323,7 @@ def test_end_to_end_full_mode_picks_inplace_impls():
         ref = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(model, s, graph=g)
         for seed in (5, 6):
-            _assert_same(_step(ref, x, seed), _step(wrapped, x, seed))
+            assert_same(_step(ref, x, seed), _step(wrapped, x, seed))
 
         measured = measured_peak(g, model, wrapped, x)
         assert abs(measured - predicted) <= PEAK_TOLERANCE * predicted, (picked, measured,

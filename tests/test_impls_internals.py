@@ -18,13 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import monetlike
+from monetlike.impls import registry
 import solver
 from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
 from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
 from runtime_support import weighted_step
-from test_impls import _assert_same, _bytes_held
+from test_impls import assert_same, bytes_held
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +33,7 @@ A100 = "analytical:A100-40GB"
 NAME = "recompute_internals"
 
 
-def _with_impl(graph, name: str):
+def with_impl(graph, name: str):
     """Store-all schedule (for the Impls chosen) with Impl `name` on every Op that has it: this
     Impl saves the Op's inputs, which the default may not, so store-all must keep them."""
     from dataclasses import replace
@@ -144,12 +145,12 @@ def test_exact_through_runtime(case, cost):
     x = torch.randn(*shape).requires_grad_()  # the input gradient is compared too
     graph = monetlike.profile(model, x, cost=cost, repeat=1) if cost == "measured" else \
         monetlike.profile(model, x, cost=cost)
-    schedule, picked = _with_impl(graph, NAME)
+    schedule, picked = with_impl(graph, NAME)
     assert picked, f"{NAME} did not apply to {case}"
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
     for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 class ExportedAttention(nn.Module):
@@ -183,12 +184,12 @@ def test_exported_attention_and_dropout_get_their_impls(name):
     sdpa = next(op for op in graph.ops if op.kind == "scaled_dot_product_attention.default")
     alt = next(im for im in sdpa.impls if im.name == NAME)
     assert alt.internal_bytes < sdpa.impls[0].internal_bytes
-    schedule, picked = _with_impl(graph, name)
+    schedule, picked = with_impl(graph, name)
     assert picked
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule, graph=graph)
     for seed in (1, 2):  # dropout draws differ between the steps; the masks must match in each
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
     from runtime_support import PEAK_TOLERANCE, measured_peak
     predicted = simulate(graph, schedule).peak_bytes
     measured = measured_peak(graph, model, wrapped, x)
@@ -224,7 +225,7 @@ def test_exact_when_its_input_is_recomputed():
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, s)
     for seed in (1, 2):
-        _assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
+        assert_same(weighted_step(ref_model, x, seed), weighted_step(wrapped, x, seed))
 
 
 def test_declared_bytes():
@@ -248,22 +249,22 @@ def test_declared_bytes():
     # RNG state; the plain module far more.
     h = torch.randn(b, l, e, requires_grad=True)
     mod = model.mha
-    from monetlike.impls.internals import _match
+    match = registry.get("recompute_internals").match
     from monetlike.capture.trace import trace
 
     # The replacement the registry gives the runtime for this Op, called as the runtime calls it.
     gm = trace(model)
     node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "mha")
-    run = _match(gm, [node])[node.name]
+    run = match(gm, [node])[node.name]
 
     def with_impl(t):
         u = t * 1  # a fresh tensor, so that the Function's saved input is not the leaf
         return run(gm, node, (u, u, u), {})[0]
 
     params = tuple(mod.parameters())
-    held = _bytes_held(with_impl, h, fixed=params)
+    held = bytes_held(with_impl, h, fixed=params)
     assert held == 4 * b * l * e + rng
-    plain = _bytes_held(lambda t: mod(t * 1, t * 1, t * 1)[0], h, fixed=params)
+    plain = bytes_held(lambda t: mod(t * 1, t * 1, t * 1)[0], h, fixed=params)
     assert plain >= 2 * 4 * b * heads * l * l + 4 * b * l * e
 
 
@@ -281,21 +282,21 @@ def test_declared_bytes_hand_written_matmul():
     assert [g.values[v].bytes for v in alt.saved] == [4 * b * t * 48]
     assert default.saved == () and default.internal_bytes == 2 * 4 * b * 2 * t * 8
 
-    from monetlike.impls.internals import _match
+    match = registry.get("recompute_internals").match
     from monetlike.capture.trace import trace
 
     gm = trace(model)
     node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.name == mm.name)
-    run = _match(gm, [node])[node.name]
+    run = match(gm, [node])[node.name]
 
     def heads(fused):
         q, k, _ = fused.unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
         return q, k.transpose(-2, -1)
 
     fused = torch.randn(b, t, 48, requires_grad=True)
-    held = _bytes_held(lambda f: run(gm, node, heads(f * 1), {}), fused)
+    held = bytes_held(lambda f: run(gm, node, heads(f * 1), {}), fused)
     assert held == 4 * b * t * 48
-    plain = _bytes_held(lambda f: torch.matmul(*heads(f * 1)), fused)
+    plain = bytes_held(lambda f: torch.matmul(*heads(f * 1)), fused)
     assert plain == default.internal_bytes
     # Where the operands are contiguous nothing is held besides them: the Impl is not offered.
     class Contiguous(nn.Module):
@@ -312,7 +313,7 @@ def test_declared_bytes_hand_written_matmul():
 
 
 def test_matching_refuses_what_it_cannot_do():
-    from monetlike.impls.internals import _match
+    match = registry.get("recompute_internals").match
     from monetlike.capture.trace import trace
 
     class WithBuffer(nn.Module):
@@ -337,7 +338,7 @@ def test_matching_refuses_what_it_cannot_do():
         gm = trace(m)
         for n in gm.graph.nodes:
             if n.op in ("call_module", "call_function"):
-                assert _match(gm, [n]) is None, n.format_node()
+                assert match(gm, [n]) is None, n.format_node()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_autocast_bf16():
     x = torch.randn(*X_SEQ, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
-    schedule, picked = _with_impl(graph, NAME)
+    schedule, picked = with_impl(graph, NAME)
     assert picked
     ref_model = copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(model, schedule)
@@ -478,7 +479,7 @@ def test_end_to_end_full_mode_below_checkpoints_least_peak():
         assert predicted <= budget
         ref = copy.deepcopy(model)
         wrapped = monetlike.ScheduleWrapper(model, s)
-        _assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
+        assert_same(weighted_step(ref, x, 5), weighted_step(wrapped, x, 5))
         measured = measured_peak(g, model, wrapped, x)
         assert measured <= predicted * (1 + PEAK_TOLERANCE), (measured, predicted)
         if all(g.ops[j].impls[k].name == NAME for j, k in enumerate(s.impl)

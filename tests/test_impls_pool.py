@@ -151,13 +151,13 @@ def test_maxpool_compact_paths(case, channels_last, sliced):
     leaf0, leaf1 = x.clone().requires_grad_(), x.clone().requires_grad_()
     F.max_pool2d(leaf0, *args).backward(g)
     with mock.patch.object(pool, "MIN_SLICE", 1 if sliced else pool.MIN_SLICE), \
-            mock.patch.object(pool, "_forward_lookup", spy("_forward_lookup")), \
-            mock.patch.object(pool, "_backward_lookup", spy("_backward_lookup")):
+            mock.patch.object(pool, "forward_lookup", spy("forward_lookup")), \
+            mock.patch.object(pool, "backward_lookup", spy("backward_lookup")):
         y1 = pool.MaxPoolCompact.apply(leaf1, *args)
         y1.backward(g)
-    fwd = seen["_forward_lookup"]
+    fwd = seen["forward_lookup"]
     assert (None if fwd is None else "plane" if fwd[1] is None else "window") == fwd_path
-    bwd = seen["_backward_lookup"]
+    bwd = seen["backward_lookup"]
     bwd = None if bwd is None else "table" if bwd[1].dtype == torch.int32 else "offsets"
     # Unsliced, the batch is one slice: perhaps room for the table where a sample had none.
     assert bwd == bwd_path if sliced else (bwd is None) == (bwd_path is None)

@@ -205,7 +205,7 @@ def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype, in
     CUDA and the meta device run, forced here on the CPU."""
     bits = _BITS[dtype]
     with mock.patch.object(bitmask, "MIN_SLICE", min_slice), \
-            mock.patch.object(bitmask, "_integer_kernels", lambda device: integer_kernels):
+            mock.patch.object(bitmask, "INTEGER_KERNELS", integer_kernels):
         gen = torch.Generator().manual_seed(seed)
         m = torch.rand(n, generator=gen) < p
         g = torch.randn(n, generator=gen).to(dtype)
@@ -231,7 +231,7 @@ def test_packed_mask_is_where_bit_for_bit(n, p, nans, seed, min_slice, dtype, in
 def test_pack_gives_every_byte(integer_kernels):
     """All 256 patterns of 8 elements, each packed to its byte (bit i: element i)."""
     m = (torch.arange(256).unsqueeze(-1).bitwise_right_shift(torch.arange(8)) & 1).bool()
-    with mock.patch.object(bitmask, "_integer_kernels", lambda device: integer_kernels):
+    with mock.patch.object(bitmask, "INTEGER_KERNELS", integer_kernels):
         assert torch.equal(bitmask.pack(m.reshape(-1)), torch.arange(256).to(torch.uint8))
 
 
@@ -258,8 +258,8 @@ def test_maxpool_compact_in_slices_is_bitwise(args, channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     g = torch.randn(F.max_pool2d(x, *args).shape)
-    kernel, stride, padding, dilation = pool._params(*(list(args) + [None, 0, 1][len(args) - 1:])
-                                                    [:4])
+    kernel, stride, padding, dilation = pool.pool_params(
+        *(list(args) + [None, 0, 1][len(args) - 1:])[:4])
     ceil = len(args) > 4 and args[4]
     results = []
     for slicing in (None, 1):

@@ -31,7 +31,7 @@ def test_a_repeated_call_gives_fresh_outputs_laid_out_as_the_kernels():
     for func, args in calls:
         first = meta_memo.call(func, args, {})
         again = meta_memo.call(func, args, {})  # from the memo
-        assert (func, torch.float32, meta_memo._key((args, {}))) in meta_memo._memo
+        assert meta_memo.remembers(func, args, {})
         real = func(*args)
         firsts, agains, reals = ((o,) if isinstance(o, torch.Tensor) else o
                                  for o in (first, again, real))
@@ -50,11 +50,11 @@ def test_views_in_place_ops_and_random_ops_run_their_kernel():
                        (aten.bernoulli.default, (x,)), (aten.t.default, (x,))]:
         out = meta_memo.call(func, args, {})
         assert out is not None
-        assert not meta_memo._cacheable[func]
+        assert not meta_memo.cacheable(func)
     # an argument the memo cannot describe (a CPU tensor): the kernel runs, nothing is kept
-    size = len(meta_memo._memo)
+    size = meta_memo.entries()
     meta_memo.call(aten.mul.Tensor, (torch.ones(3), torch.ones(3)), {})
-    assert len(meta_memo._memo) == size
+    assert meta_memo.entries() == size
 
 
 def test_a_factory_op_follows_the_default_dtype():
@@ -73,9 +73,9 @@ def test_a_factory_op_follows_the_default_dtype():
 
 
 def test_floats_ints_and_bools_are_different_keys():
-    assert meta_memo._key(1.0) != meta_memo._key(1) != meta_memo._key(True)
-    assert meta_memo._key(0.0) != meta_memo._key(-0.0)
-    assert meta_memo._key(object()) is None
+    assert meta_memo.key_of(1.0) != meta_memo.key_of(1) != meta_memo.key_of(True)
+    assert meta_memo.key_of(0.0) != meta_memo.key_of(-0.0)
+    assert meta_memo.key_of(object()) is None
 
 
 def test_an_analytical_profile_is_the_same_with_and_without_the_memo(monkeypatch):
@@ -87,9 +87,11 @@ def test_an_analytical_profile_is_the_same_with_and_without_the_memo(monkeypatch
         d["meta"].pop("profile_seconds")
         return d
 
-    monkeypatch.setattr(meta_memo, "_memo", {})
+    meta_memo.clear()
     with_memo = graph()
-    assert len(meta_memo._memo) > 50  # the profile's meta calls went through the memo
-    monkeypatch.setattr(meta_memo, "_cacheable", {})
-    monkeypatch.setattr(meta_memo, "_is_cacheable", lambda func: False)
-    assert graph() == with_memo
+    assert meta_memo.entries() > 50  # the profile's meta calls went through the memo
+    meta_memo.clear()
+    monkeypatch.setattr(meta_memo, "ENABLED", False)
+    without = graph()
+    assert meta_memo.entries() == 0  # no call went through the memo
+    assert without == with_memo

@@ -112,14 +112,14 @@ def test_a_loss_that_is_not_a_scalar_to_differentiate_is_refused(bad, got):
 def test_the_schedule_cache_tells_losses_apart():
     """monetlike.optimize's cache key covers the memory figures, which a loss changes (the first
     stage's); the same profile made twice keeps the same key (allocator counts, not times)."""
-    from monetlike.optimize import _cache_key
+    from monetlike.optimize import cache_key
 
     model, x = _wide_model()
     first, again = (monetlike.profile(model, x, repeat=1) for _ in range(2))
     with_loss = monetlike.profile(model, x, repeat=1, loss_fn=LOSSES["pow_mean"])
     assert first.fingerprint == with_loss.fingerprint  # the same structure
-    assert _cache_key(first, 10**7, {}) == _cache_key(again, 10**7, {})
-    assert _cache_key(first, 10**7, {}) != _cache_key(with_loss, 10**7, {})
+    assert cache_key(first, 10**7, {}) == cache_key(again, 10**7, {})
+    assert cache_key(first, 10**7, {}) != cache_key(with_loss, 10**7, {})
 
 
 def test_a_loss_in_an_analytical_profile_is_counted_by_the_tracker():

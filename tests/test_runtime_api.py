@@ -13,10 +13,7 @@ import torch
 import torch.nn as nn
 
 import monetlike
-import importlib as _il
 from monetlike.check import check_schedule
-
-opt_mod = _il.import_module("monetlike.optimize")  # the module (monetlike.optimize is the function)
 from runtime_support import compare_step, every, keep_schedule
 from solver.errors import InfeasibleBudgetError, ScheduleMismatchError
 from solver.schedule import SolveResult
@@ -102,21 +99,22 @@ class FakeSolver:
                            backend="fake")
 
 
-def test_optimize_caches_schedules_on_disk(tmp_path, monkeypatch):
+def test_optimize_caches_schedules_on_disk(tmp_path):
     fake = FakeSolver()
-    monkeypatch.setattr(opt_mod, "_solve", fake)
     model = small_cnn()
     x = torch.randn(4, 3, 16, 16)
     budget = "64MiB"
     wrapped = monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB",
-                                 cache_dir=tmp_path)
+                                 cache_dir=tmp_path, solve=fake)
     assert isinstance(wrapped, monetlike.ScheduleWrapper) and wrapped.model is model
     assert fake.calls == 1
     files = os.listdir(tmp_path)
     assert len(files) == 1 and files[0].endswith(".json")
-    monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB", cache_dir=tmp_path)
+    monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB", cache_dir=tmp_path,
+                       solve=fake)
     assert fake.calls == 1  # read from the cache
-    monetlike.optimize(model, x, budget="65MiB", cost="analytical:A100-40GB", cache_dir=tmp_path)
+    monetlike.optimize(model, x, budget="65MiB", cost="analytical:A100-40GB", cache_dir=tmp_path,
+                       solve=fake)
     assert fake.calls == 2  # another budget is another entry
     # A truncated cache file is solved again and rewritten.
     path = tmp_path / files[0]
@@ -124,17 +122,16 @@ def test_optimize_caches_schedules_on_disk(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=f"ignoring cache entry {path}: schedule file .* is not "
                                          f"valid JSON"):
         w = monetlike.optimize(model, x, budget=budget, cost="analytical:A100-40GB",
-                               cache_dir=tmp_path)
+                               cache_dir=tmp_path, solve=fake)
     assert fake.calls == 3
     json.loads(path.read_text())
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, w.schedule), (x,), steps=1)
 
 
-def test_optimize_infeasible_budget_names_the_minimum(tmp_path, monkeypatch):
-    monkeypatch.setattr(opt_mod, "_solve", FakeSolver())
+def test_optimize_infeasible_budget_names_the_minimum(tmp_path):
     with pytest.raises(InfeasibleBudgetError) as e:
         monetlike.optimize(small_cnn(), torch.randn(4, 3, 16, 16), budget=1000,
-                           cost="analytical:A100-40GB", cache_dir=tmp_path)
+                           cost="analytical:A100-40GB", cache_dir=tmp_path, solve=FakeSolver())
     assert e.value.min_budget and e.value.min_budget > 1000
 
 

@@ -12,6 +12,7 @@ from solver import (BackendUnavailableError, BudgetParseError, InfeasibleBudgetE
                     simulate, store_all_schedule)
 from solver.backends import available, get_backend, known
 from solver.backends.base import BackendResult
+from solver.backends.highs import HighsBackend
 from solver_cases import resnet_like
 from test_solver_catalogue import chain
 
@@ -83,27 +84,29 @@ def test_bad_mode_and_time_limit():
         solver.solve(chain(), 31, time_limit_s=0)
 
 
-def test_solver_crash_is_an_error_result(monkeypatch, full_search):
-    from solver.backends.highs import HighsBackend
+def test_solver_crash_is_an_error_result(full_search):
+    class Crashing(HighsBackend):
+        def _solve(self, milp, **kw):
+            raise RuntimeError("segfault simulated")
 
-    def boom(self, milp, **kw):
-        raise RuntimeError("segfault simulated")
-
-    monkeypatch.setattr(HighsBackend, "_solve", boom)
-    r = solver.solve(chain(), 21, time_limit_s=10)
+    r = solver.solve(chain(), 21, time_limit_s=10, backend=Crashing())
     assert r.status == "error" and r.schedule is None
     assert "highs failed: RuntimeError: segfault simulated" in r.message
 
 
-def test_time_out_without_a_schedule_is_an_error_result(monkeypatch):
-    from solver.backends.highs import HighsBackend
+class FindingNothing(HighsBackend):
+    """HiGHS timing out without a schedule, alone (no strategies beside it: no LP rounding, no
+    large neighbourhoods): a search starved, as a short limit starves it on a large graph."""
 
-    def nothing(self, milp, **kw):
+    CALLBACKS = False
+
+    def _solve(self, milp, **kw):
         return BackendResult(status="time_limit", x=None, objective=None, bound=None,
                              seconds=1.0, message="HiGHS: Time limit reached")
 
-    monkeypatch.setattr(HighsBackend, "_solve", nothing)
-    r = solver.solve(chain(), 21, time_limit_s=5, warm_start=False)
+
+def test_time_out_without_a_schedule_is_an_error_result():
+    r = solver.solve(chain(), 21, time_limit_s=5, warm_start=False, backend=FindingNothing())
     assert r.status == "error" and r.schedule is None
     assert "no schedule found within the time limit of 5 s" in r.message
     assert "raise --time-limit" in r.message
@@ -312,7 +315,7 @@ def test_an_unproven_least_budget_is_searched_again_with_a_longer_limit():
     pipeline._MIN_BUDGET_CACHE.clear()
 
 
-def test_the_least_budget_is_never_above_store_all(monkeypatch):
+def test_the_least_budget_is_never_above_store_all():
     """Where every recomputation costs more scratch than it frees (a DeiT profiled under
     autocast), the least-memory rules all peaked above store-all and a time-limited search
     reported a least budget above the store-all peak, a budget store-all itself fits (hunt53:
@@ -320,7 +323,6 @@ def test_the_least_budget_is_never_above_store_all(monkeypatch):
     search is starved, as a short limit starves it on a large graph; on this toy Chen's rule with
     segments of one Op is store-all already, so it guards the property rather than the case."""
     import dataclasses
-    import types
 
     from toy_graphs import chain as toy_chain
 
@@ -329,10 +331,7 @@ def test_the_least_budget_is_never_above_store_all(monkeypatch):
     g = toy_chain((100, 200, 300))
     g = dataclasses.replace(g, ops=tuple(dataclasses.replace(op, impls=tuple(
         dataclasses.replace(i, recompute_workspace=10_000) for i in op.impls)) for op in g.ops))
-    monkeypatch.setattr(pipeline, "_search", lambda *a, **k: types.SimpleNamespace(
-        bb_result=BackendResult(status="time_limit", x=None, objective=None, bound=None,
-                                seconds=0.0)))
-    assert pipeline.min_budget(g, "checkpoint", time_limit_s=5) == \
+    assert pipeline.min_budget(g, "checkpoint", time_limit_s=5, backend=FindingNothing()) == \
         simulate(g, store_all_schedule(g)).peak_bytes
     pipeline._MIN_BUDGET_CACHE.clear()
 
@@ -342,8 +341,6 @@ def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
     checkpoint's: a checkpoint answer already found is full mode's start. Here full mode's own
     search is starved (its rules give only store-all, its MILP finds nothing), as a time limit
     can starve it on a large graph, and still it reports checkpoint's least peak."""
-    import types
-
     pipeline = importlib.import_module("solver.search.pipeline")
     pipeline._MIN_BUDGET_CACHE.clear()
     g = resnet_like(blocks=(1, 1), batch=8)
@@ -353,13 +350,11 @@ def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
     monkeypatch.setattr(pipeline, "low_memory_schedules",
                         lambda graph, facts, deadline=None: [("store_all",
                                                               store_all_schedule(graph))])
-    monkeypatch.setattr(pipeline, "_search", lambda *a, **k: types.SimpleNamespace(
-        bb_result=BackendResult(status="time_limit", x=None, objective=None, bound=None,
-                                seconds=0.0)))
-    full = pipeline.min_budget_details(g, "full", time_limit_s=20)
+    full = pipeline.min_budget_details(g, "full", time_limit_s=20, backend=FindingNothing())
     assert full[0] == checkpoint[0]
     assert simulate(g, full[3]).peak_bytes == full[0]
     pipeline._MIN_BUDGET_CACHE.clear()
-    starved = pipeline.min_budget_details(g, "full", time_limit_s=20)  # no checkpoint answer
+    starved = pipeline.min_budget_details(g, "full", time_limit_s=20,
+                                          backend=FindingNothing())  # no checkpoint answer
     assert starved[0] == store
     pipeline._MIN_BUDGET_CACHE.clear()

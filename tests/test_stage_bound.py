@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from solver import simulate, store_all_schedule
 from solver.errors import ScheduleError
 from solver.analysis import GraphFacts
-from solver.stage_bound import _cheapest_cover, stage_bound, stage_extra_costs, \
+from solver.stage_bound import cheapest_cover, stage_bound, stage_extra_costs, \
     stage_least_peak, stages
 from solver_cases import GraphBuilder, random_chain, random_dag, random_inplace_dag, \
     random_schedules
@@ -185,10 +185,10 @@ def test_min_budget_proven_by_the_stage_bound_alone(monkeypatch):
 
 def test_cheapest_cover_takes_free_bytes_first_then_by_rate():
     items = [(2.0, 4), (0.0, 3), (1.0, 1), (3.0, 12)]
-    assert _cheapest_cover(items, 3) == 0.0
-    assert _cheapest_cover(items, 9) == pytest.approx(1.5)   # 3 free, then 6 of 12 at 0.25 s/B
-    assert _cheapest_cover(items, 20) == pytest.approx(6.0)  # 3 + 12 + 4 + 1
-    assert math.isinf(_cheapest_cover(items, 21))
+    assert cheapest_cover(items, 3) == 0.0
+    assert cheapest_cover(items, 9) == pytest.approx(1.5)   # 3 free, then 6 of 12 at 0.25 s/B
+    assert cheapest_cover(items, 20) == pytest.approx(6.0)  # 3 + 12 + 4 + 1
+    assert math.isinf(cheapest_cover(items, 21))
 
 
 @pytest.mark.parametrize("name", ["resnet18", "unet", "transformer"])

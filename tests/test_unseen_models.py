@@ -297,10 +297,10 @@ def test_gradient_hook_registered_in_forward_is_refused():
 
 
 def test_a_cache_object_in_the_outputs_is_named_with_its_way_out():
-    from monetlike.capture.api import _export_error
+    from monetlike.capture.api import export_error
     e = RuntimeError("Found <class 'transformers.cache_utils.EncoderDecoderCache'> in output, "
                      "which is not a known type.")
-    msg = str(_export_error(nn.Linear(2, 2), e))
+    msg = str(export_error(nn.Linear(2, 2), e))
     assert "The construct: a key-value cache object in the outputs" in msg
     assert "call the model with use_cache=False" in msg
 

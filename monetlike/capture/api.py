@@ -194,7 +194,7 @@ def _distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
+def export_error(model: torch.nn.Module, e: Exception) -> TraceError:
     """What cannot be exported, named, with the ways out."""
     name = type(model).__name__
     text = f"{type(e).__name__}: {e}".strip()
@@ -267,7 +267,7 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     except TraceError:
         raise
     except Exception as e:
-        raise _export_error(model, e) from e
+        raise export_error(model, e) from e
     finally:
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
     if drawn:

@@ -40,9 +40,13 @@ def _weights(device) -> torch.Tensor:
     return _WEIGHTS[key]
 
 
+INTEGER_KERNELS: bool | None = None
+"""None: the integer kernels on the CPU, the plain ones elsewhere (module docstring); True or
+False forces one way everywhere (tests run both on the CPU)."""
+
+
 def _integer_kernels(device) -> bool:
-    """The CPU's way (module docstring); tests force the other one on the CPU."""
-    return device.type == "cpu"
+    return device.type == "cpu" if INTEGER_KERNELS is None else INTEGER_KERNELS
 
 
 _GATHER = sum(1 << (56 - 7 * i) for i in range(8))  # 0x0102040810204080
@@ -135,6 +139,18 @@ def _keep_bytes(device) -> torch.Tensor:
         rows = (bits - 1).to(torch.int8)  # set: 0, clear: -1
         _KEEP[key] = rows.view(torch.int64).reshape(256).to(device)
     return _KEEP[key]
+
+
+def forget_tables() -> None:
+    """Drop the tables made so far, as in a fresh process (each is made again when used)."""
+    for tables in (_WEIGHTS, _CONSTANTS, _KEEP):
+        tables.clear()
+
+
+def tables_made() -> set[tuple[str, str]]:
+    """(table, device) of each table made so far: 'weights', 'constants' or 'keep'."""
+    return {(name, device) for name, tables in (("weights", _WEIGHTS), ("constants", _CONSTANTS),
+                                                ("keep", _KEEP)) for device in tables}
 
 
 def warm(device: torch.device) -> None:

@@ -127,7 +127,7 @@ def _base(W, out_hw, stride, padding, device):
     return h0 * W + w0
 
 
-def _forward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
+def forward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
     """(table, base) with position = table[index - base] (uint8; base None: table[index]), or
     None where the arithmetic of `_compact` must do. `m`: a slice's least output elements; the
     tables are held with the slice's int64 indices and uint8 positions (9 bytes an element),
@@ -150,7 +150,7 @@ def _forward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
     return inv, _base(W, out_hw, stride, padding, device)
 
 
-def _backward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
+def backward_lookup(hw, out_hw, kernel, stride, padding, dilation, m, device):
     """(table, window) with index = table[window * kernel area + position] (window: (H_out,
     W_out) int32 numbers of the windows), or (off, base) with index = off[position] + base;
     None where `_expand` must do. Held with the slice's int32 positions and int64 indices (12
@@ -215,7 +215,7 @@ class MaxPoolCompact(torch.autograd.Function):
         if x.dim() != 4:  # unbatched: one call
             fmt = torch.contiguous_format
             y, idx = torch.ops.aten.max_pool2d_with_indices(x, *args)
-            lookup = _forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
+            lookup = forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
                                      dilation, y.numel(), x.device)
             pos = _positions(idx, fmt, lookup, geo)
             del idx, lookup
@@ -237,7 +237,7 @@ class MaxPoolCompact(torch.autograd.Function):
                  torch.empty(y.shape, dtype=torch.int8, device=x.device, memory_format=fmt))
             parts = _slices(x.shape[0], per_sample)
             m = min((p.stop - p.start for p in parts), default=0) * per_sample
-            lookup = _forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
+            lookup = forward_lookup(x.shape[-2:], y.shape[-2:], kernel, stride, padding,
                                      dilation, m, x.device)
             for part in parts:
                 yp, ip = y[part], torch.empty(y[part].shape, dtype=torch.long, device=x.device,
@@ -267,7 +267,7 @@ class MaxPoolCompact(torch.autograd.Function):
         parts = [slice(0, 1)] if unbatched else _slices(shape[0], grad[0].numel())
         per_sample = grad.numel() if unbatched else grad[0].numel()
         m = min((p.stop - p.start for p in parts), default=0) * per_sample
-        lookup = _backward_lookup(shape[-2:], grad.shape[-2:], kernel, stride, padding, dilation,
+        lookup = backward_lookup(shape[-2:], grad.shape[-2:], kernel, stride, padding, dilation,
                                   m, grad.device)
 
         def indices(rows, out_shape):
@@ -315,7 +315,8 @@ class MaxPoolCompact(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
-def _params(kernel, stride, padding, dilation):
+def pool_params(kernel, stride, padding, dilation):
+    """max_pool2d's arguments as pairs, the stride defaulting to the kernel as PyTorch's does."""
     kernel = _pair(kernel)
     stride = _pair(stride) if stride not in (None, [], ()) else kernel
     return kernel, stride, _pair(padding), _pair(dilation)
@@ -329,7 +330,7 @@ def _match(gm, nodes):
         mod = gm.get_submodule(n.target)
         if type(mod) is not nn.MaxPool2d or mod.return_indices or n.kwargs or len(n.args) != 1:
             return None
-        kernel, stride, padding, dilation = _params(mod.kernel_size, mod.stride, mod.padding,
+        kernel, stride, padding, dilation = pool_params(mod.kernel_size, mod.stride, mod.padding,
                                                     mod.dilation)
         ceil = bool(mod.ceil_mode)
     elif n.op == "call_function" and n.target in (F.max_pool2d, torch.max_pool2d):
@@ -339,7 +340,7 @@ def _match(gm, nodes):
         if a.get("return_indices", False) or any(isinstance(v, torch.fx.Node)
                                                  for k, v in a.items() if k != "input"):
             return None
-        kernel, stride, padding, dilation = _params(a["kernel_size"], a.get("stride"),
+        kernel, stride, padding, dilation = pool_params(a["kernel_size"], a.get("stride"),
                                                     a.get("padding", 0), a.get("dilation", 1))
         ceil = bool(a.get("ceil_mode", False))
     else:

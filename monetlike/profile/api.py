@@ -82,7 +82,7 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """Deep copy with parameters and buffers on the meta device, without copying their data."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
@@ -116,7 +116,10 @@ def _device_name(dev: torch.device) -> str:
     return str(dev)
 
 
-def _progress(total: int):
+def progress_bar(total: int):
+    """The profile's progress bar over `total` node runs (one per node per pass), or None when
+    stderr is not a terminal. Looked up by `profile` at each call, so a caller can count the
+    passes a profile makes by putting its own object with `update(n)` and `close()` here."""
     if not sys.stderr.isatty():
         return None
     try:
@@ -204,7 +207,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     rng = save_rng()
     try:
         if kind == "analytical":
-            work = _meta_copy(model)
+            work = meta_copy(model)
             to_input = (lambda x: torch.empty_like(x, device="meta")
                         .requires_grad_(x.requires_grad))
             device = torch.device("meta")
@@ -234,7 +237,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                leaf_modules=leaf_modules)
         xs = tuple(xs)
         n_nodes = len(gm.graph.nodes)
-        bar = _progress(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
+        bar = progress_bar(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
         try:
             with loss_fn_in_use(loss_fn):  # every run of the step ends with it
                 # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).

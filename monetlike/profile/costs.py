@@ -241,14 +241,15 @@ class Timer:
     def __init__(self, device: torch.device, clock: str = "wall"):
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.device = device
-        self.thread = clock == "thread" and not self.cuda
+        # the CPU clock read by mark()
+        self.now = time.thread_time if clock == "thread" and not self.cuda else time.perf_counter
 
     def mark(self):
         if self.cuda:  # pragma: no cover - no GPU in CI
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.thread_time() if self.thread else time.perf_counter()
+        return self.now()
 
     def sync(self) -> None:
         if self.cuda:  # pragma: no cover

@@ -35,18 +35,37 @@ _UNCACHED_TAGS = tuple(getattr(torch.Tag, name) for name in (
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that dispatches on its own
 
+ENABLED = True
+"""False: every call runs its kernel (a test compares a profile made both ways)."""
+
 _memo: dict[tuple, tuple] = {}
 _cacheable: dict[Any, bool] = {}
+
+
+def clear() -> None:
+    """Forget every remembered call, as in a fresh process."""
+    _memo.clear()
+
+
+def entries() -> int:
+    """The number of calls remembered."""
+    return len(_memo)
+
+
+def remembers(func, args: tuple, kwargs: dict) -> bool:
+    """Whether `func` called on arguments of this metadata is answered from the memo."""
+    key = key_of((args, kwargs))
+    return key is not None and (func, torch.get_default_dtype(), key) in _memo
 
 
 def call(func, args: tuple, kwargs: dict) -> Any:
     """`func(*args, **kwargs)`, from the memo when it is a meta call seen before."""
     ok = _cacheable.get(func)
     if ok is None:
-        ok = _cacheable[func] = _is_cacheable(func)
-    if not ok:
+        ok = _cacheable[func] = cacheable(func)
+    if not ok or not ENABLED:
         return func(*args, **kwargs)
-    key = _key((args, kwargs))
+    key = key_of((args, kwargs))
     if key is None:
         return func(*args, **kwargs)
     # A factory op without a dtype (arange, full) makes the default dtype, which can change.
@@ -66,7 +85,8 @@ def call(func, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _is_cacheable(func) -> bool:
+def cacheable(func) -> bool:
+    """Whether calls of the aten op `func` may be remembered at all (its schema and tags)."""
     schema = getattr(func, "_schema", None)
     if schema is None or schema.is_mutable:
         return False
@@ -78,7 +98,7 @@ def _is_cacheable(func) -> bool:
     return not any(tag in _UNCACHED_TAGS for tag in getattr(func, "tags", ()))
 
 
-def _key(x: Any) -> Any:
+def key_of(x: Any) -> Any:
     """A hashable description of an argument's metadata, or None when it has none."""
     if isinstance(x, torch.Tensor):
         if (type(x) not in _PLAIN or x.device.type != "meta"
@@ -86,10 +106,10 @@ def _key(x: Any) -> Any:
             return None
         return ("t", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
     if isinstance(x, (tuple, list)):
-        keys = tuple(_key(a) for a in x)
+        keys = tuple(key_of(a) for a in x)
         return None if any(k is None for k in keys) else (type(x).__name__, keys)
     if isinstance(x, dict):
-        keys = tuple((k, _key(v)) for k, v in sorted(x.items()))
+        keys = tuple((k, key_of(v)) for k, v in sorted(x.items()))
         return None if any(k is None for _, k in keys) else ("d", keys)
     if isinstance(x, float):  # hex: -0.0 and 0.0 differ, 1.0 is not 1
         return ("f", x.hex())

@@ -37,8 +37,11 @@ def available() -> list[str]:
     return [name for name, cls in _REGISTRY.items() if cls.available()]
 
 
-def get_backend(name: str) -> Backend:
-    """A backend instance by name (or alias); BackendUnavailableError if unknown or missing."""
+def get_backend(name: str | Backend) -> Backend:
+    """A backend instance by name (or alias), or `name` itself when it is a Backend already (a
+    caller's own subclass); BackendUnavailableError if unknown or missing."""
+    if isinstance(name, Backend):
+        return name
     key = ALIASES.get(name, name)
     cls = _REGISTRY.get(key)
     installed = available()

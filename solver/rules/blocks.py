@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -336,11 +337,11 @@ def _periods(sig: np.ndarray) -> list[int]:
     return sorted(found)
 
 
-def _stretches(sig: np.ndarray, lo: int) -> list[tuple[int, int, int, int]]:
+def _stretches(sig: np.ndarray, lo: int, periods: list[int]) -> list[tuple[int, int, int, int]]:
     """(coverage, period, first op, length) of every maximal periodic stretch with >= 2
-    copies inside the interval starting at op `lo`."""
+    copies of a period in `periods` inside the interval starting at op `lo`."""
     out = []
-    for L in _periods(sig):
+    for L in periods:
         eq = sig[:-L] == sig[L:]
         if np.count_nonzero(eq) < L:
             continue
@@ -375,8 +376,12 @@ def _evaluate(prep: _Prep, L: int, a: int, length: int):
     return best
 
 
-def find_blocks(graph: OpGraph, *, digits: int = DIGITS) -> BlockChain:
-    """The chain of segments of `graph` and the classes of identical ones (module docstring)."""
+def find_blocks(graph: OpGraph, *, digits: int = DIGITS,
+                on_step: Callable[[int, int, int], None] | None = None) -> BlockChain:
+    """The chain of segments of `graph` and the classes of identical ones (module docstring).
+    `on_step(ops, periods, evaluated)`, when given, is called once per search step with the
+    interval's number of ops, its candidate periods and the stretches encoded exactly: the work
+    the module docstring's cost counts."""
     prep = _Prep(graph, digits)
     n = len(graph.ops)
     fixed: list[tuple[int, int, tuple]] = []  # (start, stop, encoding)
@@ -387,13 +392,16 @@ def find_blocks(graph: OpGraph, *, digits: int = DIGITS) -> BlockChain:
             continue
         best = None
         evaluations = 0
-        for cover, L, a, length in _stretches(prep.sig[lo:hi], lo):
+        periods = _periods(prep.sig[lo:hi])
+        for cover, L, a, length in _stretches(prep.sig[lo:hi], lo, periods):
             if (best is not None and cover <= best[0][0]) or evaluations >= _MAX_EVALUATIONS:
                 break
             evaluations += 1
             res = _evaluate(prep, L, a, length)
             if res[0][0] > 0 and (best is None or res[0][0] > best[0][0]):
                 best = res
+        if on_step is not None:
+            on_step(hi - lo, len(periods), evaluations)
         if best is None:
             continue
         _, blocks, good, encs = best

@@ -50,6 +50,10 @@ from .run import Run
 from .structured import BlockCopy, repeated_classes
 
 MIN_BUDGET_TIME_LIMIT_S = 120.0
+SHORTCUTS = True
+"""Whether solve may answer without the MILP (store-all on the fastest Impls when it fits, the
+best rule once the floor and stage bound prove it, which also leaves the costly rules out).
+Tests of the search and of the backends set it False (tests/solver_cases.no_search_shortcuts)."""
 PHASE1_SHARE = 0.7
 """Share of the time left the min-peak phase may take when the budget is undecided."""
 MIN_PEAK_SHARE = 0.3
@@ -260,6 +264,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     """The fastest schedule of `graph` within `budget` (bytes, or a string such as '8GiB').
 
     mode: 'full' (keep/recompute and an Impl per op) or 'checkpoint' (keep/recompute, Impl 0).
+    backend: a name from solver.backends.known(), or a Backend instance.
     offload: also let the MILP copy Values to host memory and back (full mode; needs the graph's
     host_bandwidth, a GPU feature at run time).
     on_incumbent: called as on_incumbent(schedule, lower_bound) each time a better schedule is
@@ -488,6 +493,8 @@ def _store_all_if_optimal(run: Run) -> SolveResult | None:
     """Store-all on each Op's fastest Impl, when it fits the budget: its time is the time floor
     (no schedule is faster), so it is optimal without building the MILP (which takes seconds
     even on a ResNet-18; maxbatch and generous budgets ask this often). None otherwise."""
+    if not SHORTCUTS:
+        return None
     graph, facts = run.graph, run.facts
     schedule = store_all_schedule(graph, facts.fastest_impls)
     tl = simulate(graph, schedule)
@@ -506,8 +513,9 @@ def _rounded(seconds: float | None) -> float | None:
 
 
 def _proven_within(lower: float, seconds: float, mip_gap: float) -> bool:
-    """Whether the bound `lower` proves a schedule of `seconds` within `mip_gap` of optimal."""
-    return lower >= (1 - mip_gap) * seconds
+    """Whether the bound `lower` proves a schedule of `seconds` within `mip_gap` of optimal
+    (never without SHORTCUTS: no rule is then the answer, and the costly rules all run)."""
+    return SHORTCUTS and lower >= (1 - mip_gap) * seconds
 
 
 def _rule_if_proven(run: Run, best, timelines: dict, lower: float, stage_lower: float
