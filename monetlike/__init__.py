@@ -13,7 +13,7 @@ __all__ = ["profile", "measure_step", "Measurement", "TraceError"]
 
 # The runtime (ScheduleWrapper), the one-line entry point and the check behind `monetlike check`.
 from .check import CheckReport, check_schedule  # noqa: E402
-from .optimize import optimize  # noqa: E402
+from .optimize import min_budget, optimize  # noqa: E402
 from .runtime import ScheduleWrapper  # noqa: E402
 
-__all__ += ["ScheduleWrapper", "optimize", "check_schedule", "CheckReport"]
+__all__ += ["ScheduleWrapper", "optimize", "min_budget", "check_schedule", "CheckReport"]

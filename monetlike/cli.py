@@ -858,7 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InfeasibleBudgetError, MonetlikeError, NotImplementedError, OSError) as e:
         if args.debug:
             raise
-        print(f"monetlike {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        # the Python message speaks of budgets; here the budget is a flag
+        flag = "; raise --budget" if isinstance(e, InfeasibleBudgetError) and "no schedule can " \
+            "help" not in str(e) and hasattr(args, "budget") else ""
+        print(f"monetlike {args.command}: error: {_one_line(e)}{flag}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if args.debug:

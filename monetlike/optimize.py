@@ -27,11 +27,17 @@ import torch
 from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
 from solver.graph import OpGraph
 from solver.schedule import Schedule, SolveResult
-from solver.units import format_bytes, parse_bytes
+from solver.search import min_budget as solver_min_budget
+from solver.search.budgets import check_feasible, resolve_budget
+from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S
+from solver.search.progress import phase
+from solver.units import auto_bytes, format_bytes, parse_budget, parse_bytes
 
+from .profile import profile
 from .runtime import ScheduleWrapper
+from .torch_private import tree_leaves
 
-__all__ = ["optimize", "solve_cached", "default_cache_dir"]
+__all__ = ["optimize", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
 
 CACHE_VERSION = 2
 
@@ -73,7 +79,7 @@ def _solve(graph: OpGraph, budget: int, **kwargs) -> SolveResult:
 
 
 def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None = None,
-                 **solve_kwargs) -> Schedule:
+                 verbose: bool = False, **solve_kwargs) -> Schedule:
     """Solve `graph` under `budget`, reading and writing the on-disk cache; return the Schedule.
 
     Raises InfeasibleBudgetError (with the minimum feasible budget when the solver found it) or
@@ -96,7 +102,7 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
             problem = str(e)
         warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
                       f"again and overwriting it", UserWarning, stacklevel=3)
-    result = _solve(graph, budget_bytes, **solve_kwargs)
+    result = _solve(graph, budget_bytes, verbose=verbose, **solve_kwargs)
     if not result.ok:
         message = (f"no schedule for {graph.model} batch {graph.batch} within "
                    f"{format_bytes(budget_bytes)}: {result.message}")
@@ -112,23 +118,89 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
-             leaf_modules: Iterable = (), loss_fn=None, **solve_kwargs) -> ScheduleWrapper:
+             leaf_modules: Iterable = (), loss_fn=None, verbose: bool = False,
+             **solve_kwargs) -> ScheduleWrapper:
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
 
-    budget: bytes or a string such as "8GiB" (the whole training-step peak: parameters,
-        gradients, optimizer state, inputs, activations, workspace).
+    budget: the whole training-step peak (parameters, gradients, optimizer state, inputs,
+        activations, workspace): bytes or a string such as "8GiB"; "min" (the least budget any
+        schedule fits); a share of the store-all (plain PyTorch) peak such as "90%"; or "auto"
+        (a CUDA device's free memory, less solver.units.AUTO_MARGIN of its total).
+        A budget no schedule fits raises InfeasibleBudgetError, naming the least budget and
+        what dominates it, before any step is timed.
     cost: "measured" (time each op here) or "analytical:<DEVICE>" (roofline; see
         monetlike.profile).
     optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
     loss_fn: the training loss of the model's output (monetlike.profile): its memory is part of
         the step's peak. None: the sum of the outputs.
+    verbose: the solver's own log (HiGHS) on the console; otherwise one line per phase on a
+        terminal and nothing elsewhere.
     solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
     """
-    from .profile import profile
+    spec = parse_budget(budget)
+    auto = auto_budget(model, example_inputs) if spec.kind == "auto" else None
+    mode, offload = solve_kwargs.get("mode", "full"), solve_kwargs.get("offload", False)
+    backend = solve_kwargs.get("backend", "highs")
+    resolved: list[int] = []
 
-    budget_bytes = parse_bytes(budget)
+    def feasible(graph: OpGraph) -> None:
+        # memory alone decides it: answered before the profile times anything
+        with phase("feasibility", str(spec)):
+            b = resolve_budget(graph, spec, mode=mode, backend=backend, auto=auto,
+                               offload=offload)
+            check_feasible(graph, b, mode=mode, backend=backend, offload=offload)
+        resolved.append(b)
+
     leaf_modules = list(leaf_modules)
     graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
-                    leaf_modules=leaf_modules, loss_fn=loss_fn)
-    schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, **solve_kwargs)
-    return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
+                    leaf_modules=leaf_modules, loss_fn=loss_fn, before_timing=feasible)
+    with phase("solve", format_bytes(resolved[0])):
+        schedule = solve_cached(graph, resolved[0], cache_dir=cache_dir, verbose=verbose,
+                                **solve_kwargs)
+    with phase("verify"):
+        return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
+
+
+def auto_budget(model: torch.nn.Module, example_inputs: Any) -> int:
+    """The budget "auto": the free memory of the CUDA device the model is on, plus the model's
+    parameters, buffers and the batch already there (part of the budget), less
+    solver.units.AUTO_MARGIN of the device's total memory."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type != "cuda":
+        raise MonetlikeError(
+            f"budget 'auto' reads the free memory of a CUDA device, and the model is on "
+            f"{device}; give the budget in bytes (e.g. '8GiB'), as 'min' (the least feasible) "
+            f"or as a share of the store-all peak (e.g. '90%')")
+    free, total = torch.cuda.mem_get_info(device)  # pragma: no cover - needs a GPU
+    seen: dict = {}
+    for t in tensors:  # pragma: no cover - needs a GPU
+        if t.device == device:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return auto_bytes(free, total, sum(seen.values()))  # pragma: no cover - needs a GPU
+
+
+def min_budget(model: torch.nn.Module, example_inputs: Any, *, optimizer: str | None = None,
+               loss_fn=None, leaf_modules: Iterable = (), mode: str = "full",
+               offload: bool = False, cost: str = "measured",
+               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S) -> int:
+    """The least budget (bytes) at which a training step of `model` on `example_inputs` has a
+    schedule: its memory profiled (nothing timed), then the solver's exact min-peak search
+    (solver.min_budget: exact when proven within `time_limit_s`, else the least found)."""
+    found: list[OpGraph] = []
+
+    def stop(graph: OpGraph) -> None:
+        found.append(graph)
+        raise _MemoryProfiled
+
+    try:
+        profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn,
+                leaf_modules=list(leaf_modules), before_timing=stop)
+    except _MemoryProfiled:
+        pass
+    return solver_min_budget(found[0], mode, time_limit_s=time_limit_s, offload=offload)
+
+
+class _MemoryProfiled(Exception):
+    """Stops a profile once its memory is known (min_budget needs no timing)."""

@@ -32,6 +32,7 @@ from ..backends.base import OPTIMAL as B_OPTIMAL
 from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
+from ..least_budget import infeasible_message
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
 from ..stage_bound import stage_bound, stage_least_peak
@@ -162,7 +163,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     least = stage_least_peak(form.facts, offload)  # exact bytes, no LP tolerance
     pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, s0, f"heuristic:{name}")
-    progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
+    progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, 1.0, 1.0,
+                        f"{graph.model} min budget",
                         peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
@@ -195,19 +197,11 @@ def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
 
 def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
                 why: str = "", offload: bool = False) -> InfeasibleBudgetError:
-    peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
+    peak, lower, proven, s = min_budget_details(graph, mode, backend=backend,
                                                 time_limit_s=time_limit_s, offload=offload)
-    what = f"{graph.model} batch {graph.batch}"
-    if proven:
-        msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
-               f"{format_bytes(peak)} for {what} ({mode} mode); raise --budget")
-    else:
-        msg = (f"budget {format_bytes(budget)} is infeasible for {what} ({mode} mode): the "
-               f"minimum feasible budget is between {format_bytes(max(lower, budget + 1))} and "
-               f"{format_bytes(peak)} (not proven within the time limit); raise --budget")
-    if why:
-        msg += f" ({why})"
-    return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
+    return InfeasibleBudgetError(
+        infeasible_message(graph, budget, mode, least=peak, lower=lower, proven=proven,
+                           schedule=s, why=why), budget=budget, min_budget=peak)
 
 
 def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, deadline: float,
@@ -227,7 +221,8 @@ def min_peak_below(graph: OpGraph, budget: int, mode: str, start: Schedule, dead
     pool = Pool([form, form_bb])
     pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, start, "min_peak")
-    progress = Progress(verbose, max(1.0, deadline - time.perf_counter()), 1.0, 1.0,
+    progress = Progress(verbose or sys.stderr.isatty(), max(1.0, deadline - time.perf_counter()),
+                        1.0, 1.0,
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
@@ -429,11 +424,9 @@ def _no_rule_fits(graph, budget, mode, be, form, pool, deadline, time_limit_s, v
             pool.offer_schedule(form, s1, "min_peak/phase1")
             least = s1
         elif lower1 > budget:
-            raise InfeasibleBudgetError(
-                f"budget {format_bytes(budget)} is infeasible for {graph.model} batch "
-                f"{graph.batch} ({mode} mode): proven, no schedule peaks at or below it "
-                f"(the least peak found is {format_bytes(peak)}); raise --budget",
-                budget=budget, min_budget=peak)
+            raise InfeasibleBudgetError(infeasible_message(
+                graph, budget, mode, least=peak, lower=lower1, proven=False, schedule=s,
+                why="proven: no schedule peaks at or below it"), budget=budget, min_budget=peak)
     return _least_rules(graph, budget, form, pool, least, deadline, stats)
 
 
