@@ -33,6 +33,7 @@ from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S
 from solver.search.progress import phase
 from solver.units import auto_bytes, format_bytes, parse_budget, parse_bytes
 
+from .max_shape import at_largest
 from .profile import profile
 from .runtime import ScheduleWrapper
 from .torch_private import tree_leaves
@@ -119,6 +120,7 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
              leaf_modules: Iterable = (), loss_fn=None, verbose: bool = False,
+             max_batch: int | None = None, max_seq_len: int | None = None,
              **solve_kwargs) -> ScheduleWrapper:
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
 
@@ -133,6 +135,10 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
     optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
     loss_fn: the training loss of the model's output (monetlike.profile): its memory is part of
         the step's peak. None: the sum of the outputs.
+    max_batch, max_seq_len: plan for this many rows (dim 0) and positions (dim 1 of the inputs
+        whose dim 1 is the first input's) and run any shape up to them, each new smaller shape
+        replayed within the budget by the simulator before it runs (monetlike.max_shape).
+        A loss_fn that closes over labels must accept the largest shape's output.
     verbose: the solver's own log (HiGHS) on the console; otherwise one line per phase on a
         terminal and nothing elsewhere.
     solve_kwargs: passed to solver.solve (mode, backend, time_limit_s, ...).
@@ -152,6 +158,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
         resolved.append(b)
 
     leaf_modules = list(leaf_modules)
+    example_inputs = at_largest(example_inputs, max_batch=max_batch, max_seq_len=max_seq_len)
     graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
                     leaf_modules=leaf_modules, loss_fn=loss_fn, before_timing=feasible)
     with phase("solve", format_bytes(resolved[0])):
