@@ -31,9 +31,11 @@ def pareto(graph: solver.OpGraph, budgets: Sequence["int | str"], *,
                                      time_limit_s=time_limit_s)
                 else:
                     r = getattr(baselines, method)(graph, budget)
-            except solver.InfeasibleBudgetError:
+            except solver.InfeasibleBudgetError as e:
+                least = (f"the least budget is {format_bytes(e.min_budget)} ({e.min_budget} B)"
+                         if e.min_budget is not None else "no schedule fits")
                 rows.append({"budget_bytes": budget, "method": method, "status": "infeasible",
-                             "peak_bytes": None, "overhead_pct": None})
+                             "peak_bytes": None, "overhead_pct": None, "reason": least})
                 continue
             ok = r.schedule is not None and r.predicted_peak_bytes <= budget
             rows.append({
@@ -41,10 +43,35 @@ def pareto(graph: solver.OpGraph, budgets: Sequence["int | str"], *,
                 "status": r.status if ok else ("over budget" if r.schedule else r.status),
                 "peak_bytes": r.predicted_peak_bytes if ok else None,
                 "overhead_pct": 100 * (r.predicted_time / base.total_time - 1) if ok else None,
+                "reason": "" if ok else _why_not(r, budget),
             })
     df = pd.DataFrame(rows)
     df["budget"] = df["budget_bytes"].map(format_bytes)
+    df["peak"] = df["peak_bytes"].map(lambda b: "-" if b is None or b != b
+                                      else format_bytes(int(b)))
+    df["overhead"] = df["overhead_pct"].map(lambda p: "-" if p is None or p != p
+                                            else f"{p:.2f}%")
     return df
+
+
+def _why_not(r, budget: int) -> str:
+    """Why a method gave no point at `budget`, in words."""
+    if r.schedule is not None:
+        return (f"its schedule peaks at {format_bytes(r.predicted_peak_bytes)}, over the "
+                f"budget")
+    return (r.message or r.status).splitlines()[0][:120]
+
+
+def table(df) -> str:
+    """The curve as a printed table: sizes and percentages with their units, a reason for
+    every point that failed."""
+    return df[["budget", "method", "status", "peak", "overhead", "reason"]].to_string(
+        index=False)
+
+
+def _axis_unit(max_bytes: float) -> tuple[str, int]:
+    """The unit the budget axis reads in: GiB from 1 GiB up, MiB below."""
+    return ("GiB", 2**30) if max_bytes >= 2**30 else ("MiB", 2**20)
 
 
 def plot_pareto(df, path: str, title: str) -> None:
@@ -57,10 +84,11 @@ def plot_pareto(df, path: str, title: str) -> None:
     from .plotting import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    unit, scale = _axis_unit(float(df["budget_bytes"].max()))
     for method, part in df.groupby("method", sort=False):
         part = part.dropna(subset=["overhead_pct"])
-        ax.plot(part["budget_bytes"] / 2**30, part["overhead_pct"], marker="o", label=method)
-    ax.set_xlabel("memory budget (GiB)")
+        ax.plot(part["budget_bytes"] / scale, part["overhead_pct"], marker="o", label=method)
+    ax.set_xlabel(f"memory budget ({unit})")
     ax.set_ylabel("predicted overhead over plain PyTorch (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -60,10 +60,25 @@ def test_pick_is_the_cheapest_that_fits_and_refuses_clearly():
     big = max(x.budget_bytes for x in same)
     picked = zoo.pick(e.model.rsplit(".", 1)[-1], e.batch, big)
     assert picked.predicted_time == min(x.predicted_time for x in same)
-    with pytest.raises(zoo.ZooError, match="none fits for this model and batch.*the zoo has"):
+    with pytest.raises(zoo.ZooError, match="none fits for this model and batch.*the nearest "
+                                           "entries: ") as miss:
         zoo.pick(e.model, e.batch, min(x.predicted_peak_bytes for x in same) - 1)
     with pytest.raises(zoo.ZooError, match="none exists"):
         zoo.pick(e.model, e.batch + 1, big)
+    # a miss names a few entries, never the whole zoo on one line
+    listed = [x.name for x in ENTRIES if f"{x.name} (" in str(miss.value)]
+    assert 1 <= len(listed) <= zoo.NEAREST < len(ENTRIES)
+    assert all(x in same for x in ENTRIES if x.name in listed)
+
+
+def test_a_miss_on_another_model_names_similar_models_not_every_entry():
+    with pytest.raises(zoo.ZooError, match="models of similar name in the zoo: resnet50"):
+        zoo.pick("resnet5O", 8, "8GiB")
+    with pytest.raises(zoo.ZooError, match="the zoo has no nosuchmodel; its models: ") as e:
+        zoo.pick("nosuchmodel", 8, "8GiB")
+    assert not any(f"{x.name} (" in str(e.value) for x in ENTRIES)
+    with pytest.raises(zoo.ZooError, match=f"the nearest names: {ENTRIES[0].name}"):
+        zoo.get(ENTRIES[0].name + "x")
 
 
 def test_load_refuses_another_model():
