@@ -153,6 +153,22 @@ def _nearest(model: str, batch: int, budget: int) -> str:
             else "the zoo is empty")
 
 
+def dominated(items: list[ZooEntry] | None = None) -> list[tuple[ZooEntry, ZooEntry]]:
+    """(entry, the fastest entry of a smaller budget for the same graph, mode and costs that is
+    faster than it): a plan that fits a smaller budget fits every larger one, so such an entry
+    is not the best known for its budget, whatever its status says. The zoo build replaces it
+    (scripts/build_zoo.py, take_smaller_plans); the shipped zoo has none (tests/test_zoo.py)."""
+    items = entries() if items is None else items
+    out = []
+    for e in items:
+        better = [s for s in items if (s.fingerprint, s.mode, s.cost_provenance)
+                  == (e.fingerprint, e.mode, e.cost_provenance)
+                  and s.budget_bytes < e.budget_bytes and s.predicted_time < e.predicted_time]
+        if better:
+            out.append((e, min(better, key=lambda s: (s.predicted_time, s.budget_bytes))))
+    return out
+
+
 def schedule(name: str) -> Schedule:
     """The schedule of a zoo entry, unchecked (use `load` to check it against a model)."""
     get(name)

@@ -220,3 +220,22 @@ def test_zoo_pick_returns_the_transformers_entries(spec, batch, capsys, tmp_path
     assert code == 0, err
     assert low.name in stdout
     assert solver.Schedule.load(str(out)).fingerprint == low.fingerprint
+
+
+def test_no_entry_is_worse_than_a_smaller_budget_entry_of_the_same_model():
+    """A plan that fits a smaller budget fits a larger one: no entry may be slower than one of
+    a smaller budget for the same graph (vgg16_176_8GiB was, labelled optimal; issue 52)."""
+    bad = [(e.name, s.name) for e, s in zoo.dominated()]
+    assert bad == []
+
+
+def test_dominated_finds_a_slower_entry_of_a_larger_budget_only_for_the_same_graph():
+    def entry(name, budget, time, fingerprint="f"):
+        return zoo.ZooEntry(name=name, model="m", batch=1, input_shape=(3,), budget_bytes=budget,
+                            predicted_peak_bytes=budget - 1, predicted_time=time,
+                            store_all_time=1.0, store_all_peak_bytes=100, mode="full",
+                            status="optimal", mip_gap=None, cost_provenance="analytical:X",
+                            fingerprint=fingerprint)
+    small, mid, big = entry("a", 10, 1.2), entry("b", 20, 1.1), entry("c", 30, 1.3)
+    other = entry("d", 40, 1.4, fingerprint="g")  # another graph: not comparable
+    assert [(e.name, s.name) for e, s in zoo.dominated([small, mid, big, other])] == [("c", "b")]
