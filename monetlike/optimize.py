@@ -29,7 +29,7 @@ from solver.graph import OpGraph
 from solver.schedule import Schedule, SolveResult
 from solver.search import min_budget as solver_min_budget
 from solver.search.budgets import check_feasible, resolve_budget
-from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S
+from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S, MIN_PEAK_SHARE
 from solver.search.progress import phase
 from solver.units import auto_bytes, format_bytes, parse_budget, parse_bytes
 
@@ -147,14 +147,19 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
     auto = auto_budget(model, example_inputs) if spec.kind == "auto" else None
     mode, offload = solve_kwargs.get("mode", "full"), solve_kwargs.get("offload", False)
     backend = solve_kwargs.get("backend", "highs")
+    # the min-peak search the solve itself would run when no rule fits, with its time share
+    # (cached: the solve then finds it done)
+    least_s = min(MIN_BUDGET_TIME_LIMIT_S,
+                  max(1.0, MIN_PEAK_SHARE * solve_kwargs.get("time_limit_s", 600)))
     resolved: list[int] = []
 
     def feasible(graph: OpGraph) -> None:
         # memory alone decides it: answered before the profile times anything
         with phase("feasibility", str(spec)):
             b = resolve_budget(graph, spec, mode=mode, backend=backend, auto=auto,
-                               offload=offload)
-            check_feasible(graph, b, mode=mode, backend=backend, offload=offload)
+                               offload=offload, time_limit_s=least_s)
+            check_feasible(graph, b, mode=mode, backend=backend, offload=offload,
+                           time_limit_s=least_s)
         resolved.append(b)
 
     leaf_modules = list(leaf_modules)
