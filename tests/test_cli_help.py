@@ -6,7 +6,8 @@ import shlex
 
 import pytest
 
-from monetlike.cli import EXAMPLES, build_parser
+from monetlike.cli import build_parser
+from monetlike.cli_help import EXAMPLES
 
 
 @pytest.mark.parametrize("command", [c for c in EXAMPLES if c])
