@@ -16,9 +16,11 @@ is solved again and overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import platform
 import warnings
 from typing import Any, Iterable
 
@@ -161,11 +163,18 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
             check_feasible(graph, b, mode=mode, backend=backend, offload=offload,
                            time_limit_s=least_s)
         resolved.append(b)
+        timed = cached_profile(cache_dir, graph)
+        if timed is not None:
+            raise _Profiled(timed)  # the same structure and memory timed here before
 
     leaf_modules = list(leaf_modules)
     example_inputs = at_largest(example_inputs, max_batch=max_batch, max_seq_len=max_seq_len)
-    graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
-                    leaf_modules=leaf_modules, loss_fn=loss_fn, before_timing=feasible)
+    try:
+        graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
+                        leaf_modules=leaf_modules, loss_fn=loss_fn, before_timing=feasible)
+        keep_profile(cache_dir, graph)
+    except _Profiled as done:
+        graph = done.graph
     with phase("solve", format_bytes(resolved[0])):
         schedule = solve_cached(graph, resolved[0], cache_dir=cache_dir, verbose=verbose,
                                 **solve_kwargs)
@@ -200,19 +209,77 @@ def min_budget(model: torch.nn.Module, example_inputs: Any, *, optimizer: str | 
     """The least budget (bytes) at which a training step of `model` on `example_inputs` has a
     schedule: its memory profiled (nothing timed), then the solver's exact min-peak search
     (solver.min_budget: exact when proven within `time_limit_s`, else the least found)."""
-    found: list[OpGraph] = []
-
     def stop(graph: OpGraph) -> None:
-        found.append(graph)
-        raise _MemoryProfiled
+        raise _Profiled(graph)
 
     try:
-        profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn,
-                leaf_modules=list(leaf_modules), before_timing=stop)
-    except _MemoryProfiled:
-        pass
-    return solver_min_budget(found[0], mode, time_limit_s=time_limit_s, offload=offload)
+        graph = profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn,
+                        leaf_modules=list(leaf_modules), before_timing=stop)
+    except _Profiled as done:
+        graph = done.graph
+    return solver_min_budget(graph, mode, time_limit_s=time_limit_s, offload=offload)
 
 
-class _MemoryProfiled(Exception):
-    """Stops a profile once its memory is known (min_budget needs no timing)."""
+class _Profiled(Exception):
+    """Stops a profile once its memory is known, with the graph to go on with: the memory-only
+    one (min_budget needs no timing) or one timed before (cached_profile)."""
+
+    def __init__(self, graph: OpGraph):
+        super().__init__()
+        self.graph = graph
+
+
+# NOTE [The profile in the cache]
+# Measured costs take most of optimize's time (ResNet-18: minutes on a loaded 2-core CPU) and
+# change only with the model and the device; the structure and memory are profiled on every
+# call anyway (they decide feasibility, before any timing). So a measured graph is kept beside
+# the schedules, keyed by the memory-only graph's fingerprint and memory figures, the settings
+# of the timing and the device's model, and reused when all of them are the same.
+def _profile_path(cache_dir: str | None, graph: OpGraph) -> str | None:
+    if not graph.cost_provenance.startswith("memory-only:"):
+        return None  # analytical: nothing is timed, nothing to keep
+    meta = graph.meta
+    key = {"version": CACHE_VERSION, "fingerprint": graph.fingerprint,
+           "memory": _memory_figures(graph), "fixed": [graph.param_bytes, graph.optimizer_bytes,
+                                                        graph.input_bytes],
+           "device": _device_model(meta.get("device", "")),
+           **{k: meta.get(k) for k in ("cost", "repeat", "clock", "torch_version", "optimizer",
+                                       "loss", "autocast", "capture", "leaf_modules")}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()
+    cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
+    return os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-profile-{digest[:16]}.json")
+
+
+def _device_model(device: str) -> str:
+    """What the timings depend on: the GPU's model, or the CPU's architecture and cores."""
+    if device.startswith("cuda") and torch.cuda.is_available():  # pragma: no cover - GPU
+        return f"{device} {torch.cuda.get_device_name(torch.device(device))}"
+    return f"{device} {platform.machine()} {os.cpu_count()} cores"
+
+
+def cached_profile(cache_dir: str | None, memory_graph: OpGraph) -> OpGraph | None:
+    """The measured graph kept for this memory-only graph (NOTE [The profile in the cache]), if
+    it has the same structure and memory; None otherwise (a bad file is timed again)."""
+    path = _profile_path(cache_dir, memory_graph)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        graph = OpGraph.load(path)
+    except FormatError as e:
+        warnings.warn(f"monetlike.optimize: ignoring cached profile {path}: {e}; profiling "
+                      f"again", UserWarning, stacklevel=3)
+        return None
+    same = (graph.fingerprint == memory_graph.fingerprint
+            and _memory_figures(graph) == _memory_figures(memory_graph))
+    return graph if same else None
+
+
+def keep_profile(cache_dir: str | None, graph: OpGraph) -> None:
+    """Keep a measured graph for the next optimize of the same model here (atomic write)."""
+    if not graph.cost_provenance.startswith("measured:"):
+        return
+    memory_view = dataclasses.replace(graph, cost_provenance="memory-only:" +
+                                      graph.cost_provenance.partition(":")[2])
+    path = _profile_path(cache_dir, memory_view)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    graph.save(path)

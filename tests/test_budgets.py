@@ -153,3 +153,28 @@ def test_no_highs_banner_unless_verbose():
                              text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert ("Running HiGHS" in out.stdout) == banner, out.stdout
+
+
+def test_a_second_optimize_reuses_the_timed_profile(tmp_path):
+    """NOTE [The profile in the cache]: the second call profiles memory only (the steps
+    min_budget runs) and reads the timings kept by the first; another model is timed again."""
+    model = small_cnn()
+    CALLS[0] = 0
+    monetlike.min_budget(model, x(), leaf_modules=[Counting])
+    memory_steps = CALLS[0]
+    kw = dict(budget="90%", cache_dir=tmp_path, time_limit_s=10, leaf_modules=[Counting])
+    CALLS[0] = 0
+    first = monetlike.optimize(model, x(), **kw)
+    assert CALLS[0] > memory_steps + 5  # timed
+    assert len([f for f in os.listdir(tmp_path) if "-profile-" in f]) == 1
+    CALLS[0] = 0
+    second = monetlike.optimize(model, x(), **kw)
+    assert CALLS[0] == memory_steps  # nothing timed
+    assert second.schedule.to_dict() == first.schedule.to_dict()
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, second.schedule,
+                                                            leaf_modules=[Counting]), (x(),))
+    other = small_cnn()
+    other[-1] = nn.Linear(8 * 8 * 8, 12)  # another model: timed again
+    CALLS[0] = 0
+    monetlike.optimize(other, x(), **kw)
+    assert CALLS[0] > memory_steps + 5
