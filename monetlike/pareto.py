@@ -11,6 +11,8 @@ from typing import Sequence
 import solver
 from solver.units import format_bytes, parse_bytes
 
+from .plotting import axis_unit, save_figure
+
 METHODS = ("full", "checkpoint", "chen_sqrt_n", "greedy")
 
 
@@ -69,11 +71,6 @@ def table(df) -> str:
         index=False)
 
 
-def _axis_unit(max_bytes: float) -> tuple[str, int]:
-    """The unit the budget axis reads in: GiB from 1 GiB up, MiB below."""
-    return ("GiB", 2**30) if max_bytes >= 2**30 else ("MiB", 2**20)
-
-
 def plot_pareto(df, path: str, title: str) -> None:
     """Overhead against budget, one line per method, saved as PNG."""
     import matplotlib
@@ -81,10 +78,8 @@ def plot_pareto(df, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plotting import save_figure
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    unit, scale = _axis_unit(float(df["budget_bytes"].max()))
+    unit, scale = axis_unit(float(df["budget_bytes"].max()))
     for method, part in df.groupby("method", sort=False):
         part = part.dropna(subset=["overhead_pct"])
         ax.plot(part["budget_bytes"] / scale, part["overhead_pct"], marker="o", label=method)

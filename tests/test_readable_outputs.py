@@ -8,7 +8,8 @@ import torch.nn as nn
 import monetlike
 import solver
 from monetlike.maxbatch import MaxBatchResult
-from monetlike.pareto import _axis_unit, pareto, table
+from monetlike.pareto import pareto, table
+from monetlike.plotting import axis_unit
 from solver.units import format_bytes
 
 
@@ -34,8 +35,8 @@ def test_pareto_table_names_units_and_why_a_point_failed():
     high = df[(df.budget_bytes == top) & (df.method == "full")].iloc[0]
     assert high.reason == "" and high.peak == format_bytes(high.peak_bytes)
     assert high.overhead == f"{high.overhead_pct:.2f}%"
-    assert _axis_unit(top) == ("MiB", 2**20) if top < 2**30 else ("GiB", 2**30)
-    assert _axis_unit(100 * 2**20) == ("MiB", 2**20) and _axis_unit(3 * 2**30)[0] == "GiB"
+    assert axis_unit(top) == ("MiB", 2**20) if top < 2**30 else ("GiB", 2**30)
+    assert axis_unit(100 * 2**20) == ("MiB", 2**20) and axis_unit(3 * 2**30)[0] == "GiB"
 
 
 def test_maxbatch_lists_every_batch_tried_with_its_outcome():
