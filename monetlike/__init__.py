@@ -8,9 +8,9 @@ in one line; `check_schedule` runs a schedule here against plain PyTorch.
 from .capture.trace import TraceError
 from .check import CheckReport, check_schedule
 from .measure import Measurement, measure_step
-from .optimize import optimize
+from .optimize import min_budget, optimize
 from .profile import profile
 from .wrapper import ScheduleWrapper
 
 __all__ = ["profile", "measure_step", "Measurement", "TraceError", "ScheduleWrapper", "optimize",
-           "check_schedule", "CheckReport"]
+           "min_budget", "check_schedule", "CheckReport"]

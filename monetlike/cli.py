@@ -34,11 +34,12 @@ from solver.units import format_bytes, parse_bytes
 from . import zoo
 from .calibrate import calibrate
 from .check import check_schedule
+from .cli_help import add_examples
 from .core.torch_private import tree_leaves
 from .explain import explain
 from .maxbatch import max_batch, model_batch_maker
 from .modelspec import LOSSES, ModelSpecError, build_model, load_loss
-from .pareto import pareto, plot_pareto
+from .pareto import pareto, plot_pareto, table
 from .profile import profile
 from .profile.costs import parse_cost
 from .profile.records import ProfileError
@@ -635,7 +636,7 @@ def cmd_pareto(args) -> int:
     with interruptible("monetlike pareto"):
         df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
     print(f"{graph.model} batch {graph.batch}, figures: {graph.cost_provenance}")
-    print(df[["budget", "method", "status", "overhead_pct"]].to_string(index=False))
+    print(table(df))
     if df["overhead_pct"].isna().all():
         print(f"monetlike pareto: error: no method fits any of the budgets "
               f"{', '.join(format_bytes(b) for b in args.budgets)}; raise --budgets (`monetlike "
@@ -671,6 +672,7 @@ def cmd_maxbatch(args) -> int:
                           loss_fn=load_loss(args.loss))
     base = solver.simulate(found.graph, solver.store_all_schedule(found.graph))
     print(f"largest batch that fits: {found.batch} ({found.refusal()})")
+    print(found.tried_table())
     print(summary_table(found.graph, found.result, args.budget, base))
     if args.output:
         _save_schedule(found.result.schedule, found.graph, args)
@@ -827,7 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_seconds, default=60.0, help="seconds per solve")
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.set_defaults(run=cmd_maxbatch)
+    add_examples(parser, sub)
     return parser
+
 
 
 def _one_line(e: BaseException) -> str:
@@ -851,7 +855,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InfeasibleBudgetError, MonetlikeError, NotImplementedError, OSError) as e:
         if args.debug:
             raise
-        print(f"monetlike {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        # the Python message speaks of budgets; here the budget is a flag
+        flag = "; raise --budget" if isinstance(e, InfeasibleBudgetError) and "no schedule can " \
+            "help" not in str(e) and hasattr(args, "budget") else ""
+        print(f"monetlike {args.command}: error: {_one_line(e)}{flag}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if args.debug:

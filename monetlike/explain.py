@@ -18,6 +18,8 @@ from solver.units import format_bytes
 from .plotting import save_figure
 from .profile import profile
 
+from .plotting import axis_unit, save_figure
+
 # Below this fraction of the store-all peak, a saving is not worth scheduling for.
 NEGLIGIBLE_SAVING = 0.10
 
@@ -87,21 +89,22 @@ class Explanation:
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5),
                                        gridspec_kw={"width_ratios": [3, 1]})
-        gib = [b / 2**30 for b in self.timeline]
-        ax1.plot(range(len(gib)), gib, lw=1.2, label="store-all (plain PyTorch)")
-        ax1.axhline(self.min_budget_bytes / 2**30, color="tab:red", ls="--",
+        unit, scale = axis_unit(max(self.timeline, default=self.store_all_peak_bytes))
+        ys = [b / scale for b in self.timeline]
+        ax1.plot(range(len(ys)), ys, lw=1.2, label="store-all (plain PyTorch)")
+        ax1.axhline(self.min_budget_bytes / scale, color="tab:red", ls="--",
                     label="minimum feasible budget")
         ax1.set_xlabel("point of the training step (forward ops, then backward stages)")
-        ax1.set_ylabel("tensor memory (GiB)")
+        ax1.set_ylabel(f"tensor memory ({unit})")
         ax1.set_ylim(bottom=0)
         ax1.set_title(f"{self.model} batch {self.batch}")
         ax1.legend(loc="upper left")
         bottom = 0.0
         for name, b in self.breakdown.items():
-            ax2.bar(0, b / 2**30, bottom=bottom, label=name)
-            bottom += b / 2**30
+            ax2.bar(0, b / scale, bottom=bottom, label=name)
+            bottom += b / scale
         ax2.set_xticks([])
-        ax2.set_ylabel("GiB at the peak")
+        ax2.set_ylabel(f"{unit} at the peak")
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
 

@@ -43,6 +43,16 @@ class MaxBatchResult:
     """batch -> 'ok', 'infeasible', 'overhead X%' or 'undecided: why' (no schedule found within
     the time limit, not proven infeasible) for each batch planned."""
 
+    def tried_table(self) -> str:
+        """Every batch planned, in order, with what became of it in words."""
+        import pandas as pd
+
+        words = {"ok": "fits", "infeasible": "does not fit (proven: no schedule fits the budget)"}
+        rows = [{"batch": b, "outcome": words.get(why, why if not why.startswith("overhead")
+                                                   else f"fits, but {why} is over the limit")}
+                for b, why in sorted(self.tried.items())]
+        return pd.DataFrame(rows).to_string(index=False)
+
     def refusal(self) -> str:
         """Why the next batch was refused, in words (whether that is proven)."""
         nxt = self.batch + 1

@@ -16,9 +16,11 @@ is solved again and overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import platform
 import warnings
 from typing import Any, Iterable
 
@@ -28,12 +30,18 @@ import solver
 from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
 from solver.graph import OpGraph
 from solver.schedule import Schedule
-from solver.units import format_bytes, parse_bytes
+from solver.search import min_budget as solver_min_budget
+from solver.search.budgets import check_feasible, resolve_budget
+from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S, MIN_PEAK_SHARE
+from solver.search.progress import phase
+from solver.units import auto_bytes, format_bytes, parse_budget, parse_bytes
 
-from .wrapper import ScheduleWrapper
+from .max_shape import at_largest
 from .profile import profile
+from .core.torch_private import tree_leaves
+from .wrapper import ScheduleWrapper
 
-__all__ = ["optimize", "solve_cached", "default_cache_dir"]
+__all__ = ["optimize", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
 
 CACHE_VERSION = 2
 
@@ -71,10 +79,10 @@ def _memory_figures(graph: OpGraph) -> str:
 
 
 def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None = None,
-                 solve=None, **solve_kwargs) -> Schedule:
+                 verbose: bool = False, solve=None, **solve_kwargs) -> Schedule:
     """Solve `graph` under `budget`, reading and writing the on-disk cache; return the Schedule.
-    solve: called as solve(graph, budget_bytes, **solve_kwargs) for a SolveResult when the cache
-    has no entry; None: solver.solve.
+    solve: called as solve(graph, budget_bytes, verbose=..., **solve_kwargs) for a SolveResult
+    when the cache has no entry; None: solver.solve.
 
     Raises InfeasibleBudgetError (with the minimum feasible budget when the solver found it) or
     MonetlikeError when no schedule was found.
@@ -96,7 +104,8 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
             problem = str(e)
         warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
                       f"again and overwriting it", UserWarning, stacklevel=3)
-    result = (solver.solve if solve is None else solve)(graph, budget_bytes, **solve_kwargs)
+    result = (solver.solve if solve is None else solve)(graph, budget_bytes, verbose=verbose,
+                                                        **solve_kwargs)
     if not result.ok:
         message = (f"no schedule for {graph.model} batch {graph.batch} within "
                    f"{format_bytes(budget_bytes)}: {result.message}")
@@ -112,25 +121,166 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
-             leaf_modules: Iterable = (), loss_fn=None, solve=None,
+             leaf_modules: Iterable = (), loss_fn=None, verbose: bool = False,
+             max_batch: int | None = None, max_seq_len: int | None = None, solve=None,
              **solve_kwargs) -> ScheduleWrapper:
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
 
-    budget: bytes or a string such as "8GiB" (the whole training-step peak: parameters,
-        gradients, optimizer state, inputs, activations, workspace).
+    budget: the whole training-step peak (parameters, gradients, optimizer state, inputs,
+        activations, workspace): bytes or a string such as "8GiB"; "min" (the least budget any
+        schedule fits); a share of the store-all (plain PyTorch) peak such as "90%"; or "auto"
+        (a CUDA device's free memory, less solver.units.AUTO_MARGIN of its total).
+        A budget no schedule fits raises InfeasibleBudgetError, naming the least budget and
+        what dominates it, before any step is timed.
     cost: "measured" (time each op here) or "analytical:<DEVICE>" (roofline; see
         monetlike.profile).
     optimizer: None, "sgd" or "adam": optimizer state counted in the budget.
     loss_fn: the training loss of the model's output (monetlike.profile): its memory is part of
         the step's peak. None: the sum of the outputs.
+    max_batch, max_seq_len: plan for this many rows (dim 0) and positions (dim 1 of the inputs
+        whose dim 1 is the first input's) and run any shape up to them, each new smaller shape
+        replayed within the budget by the simulator before it runs (monetlike.max_shape).
+        A loss_fn that closes over labels must accept the largest shape's output.
+    verbose: the solver's own log (HiGHS) on the console; otherwise one line per phase on a
+        terminal and nothing elsewhere.
     solve, solve_kwargs: the solve (None: solver.solve) and what is passed to it (mode, backend,
         time_limit_s, ...), as in solve_cached.
     """
+    spec = parse_budget(budget)
+    auto = auto_budget(model, example_inputs) if spec.kind == "auto" else None
+    mode, offload = solve_kwargs.get("mode", "full"), solve_kwargs.get("offload", False)
+    backend = solve_kwargs.get("backend", "highs")
+    # the min-peak search the solve itself would run when no rule fits, with its time share
+    # (cached: the solve then finds it done)
+    least_s = min(MIN_BUDGET_TIME_LIMIT_S,
+                  max(1.0, MIN_PEAK_SHARE * solve_kwargs.get("time_limit_s", 600)))
+    resolved: list[int] = []
 
-    budget_bytes = parse_bytes(budget)
+    def feasible(graph: OpGraph) -> None:
+        # memory alone decides it: answered before the profile times anything
+        with phase("feasibility", str(spec)):
+            b = resolve_budget(graph, spec, mode=mode, backend=backend, auto=auto,
+                               offload=offload, time_limit_s=least_s)
+            check_feasible(graph, b, mode=mode, backend=backend, offload=offload,
+                           time_limit_s=least_s)
+        resolved.append(b)
+        timed = cached_profile(cache_dir, graph)
+        if timed is not None:
+            raise _Profiled(timed)  # the same structure and memory timed here before
+
     leaf_modules = list(leaf_modules)
-    graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
-                    leaf_modules=leaf_modules, loss_fn=loss_fn)
-    schedule = solve_cached(graph, budget_bytes, cache_dir=cache_dir, solve=solve,
-                            **solve_kwargs)
-    return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
+    example_inputs = at_largest(example_inputs, max_batch=max_batch, max_seq_len=max_seq_len)
+    try:
+        graph = profile(model, example_inputs, cost=cost, optimizer=optimizer,
+                        leaf_modules=leaf_modules, loss_fn=loss_fn, before_timing=feasible)
+        keep_profile(cache_dir, graph)
+    except _Profiled as done:
+        graph = done.graph
+    with phase("solve", format_bytes(resolved[0])):
+        schedule = solve_cached(graph, resolved[0], cache_dir=cache_dir, verbose=verbose,
+                                solve=solve, **solve_kwargs)
+    with phase("verify"):
+        return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
+
+
+def auto_budget(model: torch.nn.Module, example_inputs: Any) -> int:
+    """The budget "auto": the free memory of the CUDA device the model is on, plus the model's
+    parameters, buffers and the batch already there (part of the budget), less
+    solver.units.AUTO_MARGIN of the device's total memory."""
+    tensors = [*model.parameters(), *model.buffers(),
+               *(t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type != "cuda":
+        raise MonetlikeError(
+            f"budget 'auto' reads the free memory of a CUDA device, and the model is on "
+            f"{device}; give the budget in bytes (e.g. '8GiB'), as 'min' (the least feasible) "
+            f"or as a share of the store-all peak (e.g. '90%')")
+    free, total = torch.cuda.mem_get_info(device)  # pragma: no cover - needs a GPU
+    seen: dict = {}
+    for t in tensors:  # pragma: no cover - needs a GPU
+        if t.device == device:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return auto_bytes(free, total, sum(seen.values()))  # pragma: no cover - needs a GPU
+
+
+def min_budget(model: torch.nn.Module, example_inputs: Any, *, optimizer: str | None = None,
+               loss_fn=None, leaf_modules: Iterable = (), mode: str = "full",
+               offload: bool = False, cost: str = "measured",
+               time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S) -> int:
+    """The least budget (bytes) at which a training step of `model` on `example_inputs` has a
+    schedule: its memory profiled (nothing timed), then the solver's exact min-peak search
+    (solver.min_budget: exact when proven within `time_limit_s`, else the least found)."""
+    def stop(graph: OpGraph) -> None:
+        raise _Profiled(graph)
+
+    try:
+        graph = profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn,
+                        leaf_modules=list(leaf_modules), before_timing=stop)
+    except _Profiled as done:
+        graph = done.graph
+    return solver_min_budget(graph, mode, time_limit_s=time_limit_s, offload=offload)
+
+
+class _Profiled(Exception):
+    """Stops a profile once its memory is known, with the graph to go on with: the memory-only
+    one (min_budget needs no timing) or one timed before (cached_profile)."""
+
+    def __init__(self, graph: OpGraph):
+        super().__init__()
+        self.graph = graph
+
+
+# NOTE [The profile in the cache]
+# Measured costs take most of optimize's time (ResNet-18: minutes on a loaded 2-core CPU) and
+# change only with the model and the device; the structure and memory are profiled on every
+# call anyway (they decide feasibility, before any timing). So a measured graph is kept beside
+# the schedules, keyed by the memory-only graph's fingerprint and memory figures, the settings
+# of the timing and the device's model, and reused when all of them are the same.
+def _profile_path(cache_dir: str | None, graph: OpGraph) -> str | None:
+    if not graph.cost_provenance.startswith("memory-only:"):
+        return None  # analytical: nothing is timed, nothing to keep
+    meta = graph.meta
+    key = {"version": CACHE_VERSION, "fingerprint": graph.fingerprint,
+           "memory": _memory_figures(graph), "fixed": [graph.param_bytes, graph.optimizer_bytes,
+                                                        graph.input_bytes],
+           "device": _device_model(meta.get("device", "")),
+           **{k: meta.get(k) for k in ("cost", "repeat", "clock", "torch_version", "optimizer",
+                                       "loss", "autocast", "capture", "leaf_modules")}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()
+    cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
+    return os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-profile-{digest[:16]}.json")
+
+
+def _device_model(device: str) -> str:
+    """What the timings depend on: the GPU's model, or the CPU's architecture and cores."""
+    if device.startswith("cuda") and torch.cuda.is_available():  # pragma: no cover - GPU
+        return f"{device} {torch.cuda.get_device_name(torch.device(device))}"
+    return f"{device} {platform.machine()} {os.cpu_count()} cores"
+
+
+def cached_profile(cache_dir: str | None, memory_graph: OpGraph) -> OpGraph | None:
+    """The measured graph kept for this memory-only graph (NOTE [The profile in the cache]), if
+    it has the same structure and memory; None otherwise (a bad file is timed again)."""
+    path = _profile_path(cache_dir, memory_graph)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        graph = OpGraph.load(path)
+    except FormatError as e:
+        warnings.warn(f"monetlike.optimize: ignoring cached profile {path}: {e}; profiling "
+                      f"again", UserWarning, stacklevel=3)
+        return None
+    same = (graph.fingerprint == memory_graph.fingerprint
+            and _memory_figures(graph) == _memory_figures(memory_graph))
+    return graph if same else None
+
+
+def keep_profile(cache_dir: str | None, graph: OpGraph) -> None:
+    """Keep a measured graph for the next optimize of the same model here (atomic write)."""
+    if not graph.cost_provenance.startswith("measured:"):
+        return
+    memory_view = dataclasses.replace(graph, cost_provenance="memory-only:" +
+                                      graph.cost_provenance.partition(":")[2])
+    path = _profile_path(cache_dir, memory_view)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    graph.save(path)

@@ -1,4 +1,5 @@
-"""Saving matplotlib figures as PNG atomically (a reader never sees half a file)."""
+"""Saving matplotlib figures as PNG atomically (a reader never sees half a file), and the unit
+byte axes read in."""
 
 from __future__ import annotations
 
@@ -13,3 +14,9 @@ def save_figure(fig, path: str, dpi: int = 120) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png")
     atomic_write_bytes(path, buf.getvalue())
+
+
+def axis_unit(max_bytes: float) -> tuple[str, int]:
+    """The unit a byte axis reads in: GiB from 1 GiB up, MiB below (a small model's curve is
+    not squeezed into 0.01 GiB)."""
+    return ("GiB", 2**30) if max_bytes >= 2**30 else ("MiB", 2**20)

@@ -79,6 +79,37 @@ DATAPARALLEL_MESSAGE = (
     "schedule), ...).")
 
 
+_OBJECT_CLASS = object.__dict__["__class__"]
+
+
+def _new_wrapper(cls):
+    """An empty wrapper of class `cls` for pickle and copy to fill with __setstate__."""
+    return cls.__new__(cls)
+
+
+class _ModelSignature:
+    """`wrapper.forward`: the scheduled forward, under the wrapped model's own signature
+    (inspect.signature), so that code that reads the model's arguments from its forward, as
+    Hugging Face Trainer's column filter does, sees the model's and not (*args, **kwargs)."""
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return cls._forward
+        bound = obj._forward
+        model = obj.__dict__.get("_model")
+        if model is None:
+            return bound
+
+        def forward(*args, **kwargs):
+            return bound(*args, **kwargs)
+
+        try:
+            forward.__signature__ = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a builtin forward without one: the wrapper's own
+            pass
+        return forward
+
+
 @dataclass
 class _Entry:
     plan: Plan
@@ -144,6 +175,9 @@ class ScheduleWrapper(torch.nn.Module):
                                                   else None)
                                       or schedule.meta.get("capture") or "auto")
         self._given_graph = graph
+        # the arguments the schedule's graph takes, by name (a keyword outside them is refused)
+        self._input_names = None if graph is None else frozenset(
+            v.name for v in graph.values if v.producer is None)
         # The train/eval flags the given graph was taken with (trusted only while they hold).
         self._given_training = None if graph is None else _training_flags(model)
         # The solved graph's optimizer state, for schedules whose summary does not record it
@@ -178,6 +212,33 @@ class ScheduleWrapper(torch.nn.Module):
             if model is None:
                 raise
             return getattr(model, name)
+
+    # NOTE [The class trainers see]
+    # Hugging Face Trainer decides by isinstance(model, PreTrainedModel) whether to save with
+    # save_pretrained (which drops tied weights' duplicates; its other branch writes the raw
+    # state_dict with safetensors, which refuses GPT-2's tied embedding) and reads the label
+    # names off the class's forward. For such a model (duck-typed: its class has
+    # save_pretrained and config_class) the wrapper reports the model's class as `__class__`,
+    # as proxies such as wrapt's do; type(wrapper) stays ScheduleWrapper, and its methods and
+    # the model's (by __getattr__) are what run. Pickling names the real class
+    # (`__reduce_ex__`): pickle compares __class__ with the class it records.
+    @property
+    def __class__(self):
+        model = self.__dict__.get("_model")
+        cls = type(model)
+        if model is not None and hasattr(cls, "save_pretrained") and hasattr(cls, "config_class"):
+            return cls
+        return type(self)
+
+    @__class__.setter
+    def __class__(self, cls):
+        _OBJECT_CLASS.__set__(self, cls)
+
+    def __reduce_ex__(self, protocol):
+        return _new_wrapper, (type(self),), self.__getstate__()
+
+    def _get_name(self) -> str:
+        return type(self).__name__
 
     def train(self, mode: bool = True) -> "ScheduleWrapper":
         self._model.train(mode)
@@ -250,7 +311,7 @@ class ScheduleWrapper(torch.nn.Module):
         return self._entry_for(inputs).plan.schedule
 
     # -- the step ---------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def _forward(self, *args, **kwargs):
         if getattr(self, "_is_replica", False):
             raise RuntimeError(DATAPARALLEL_MESSAGE)
         model = self._model
@@ -263,6 +324,8 @@ class ScheduleWrapper(torch.nn.Module):
                 "scheduled forward would not call; register them on the wrapper instead "
                 "(hooks on its submodules are fine)")
         return self._scheduled_step(args, kwargs)
+
+    forward = _ModelSignature()
 
     # torch.compile does not trace into the scheduled step: compiled, its forward's random ops
     # (dropout) draw inductor's random numbers while the recomputations in the backward run
@@ -287,7 +350,45 @@ class ScheduleWrapper(torch.nn.Module):
             raise
         return out
 
+    def _graph_inputs(self) -> set[str]:
+        """Names of the arguments the schedule's graph takes (empty when not known: an
+        exported graph's, without the graph the schedule was solved for)."""
+        if self._input_names is not None:
+            return set(self._input_names)
+        if self._capture == "fx" or self._placeholders is not None:
+            return set(self._placeholders or [n.target for n in self._traced().graph.nodes
+                                              if n.op == "placeholder"])
+        return set()
+
+    def _keywords(self, kwargs: dict) -> dict:
+        """The keywords that can change the call: one equal to its default in the model's
+        signature is left out (the same call), and one the graph did not take, such as a
+        trainer's num_items_in_batch, is refused in words (it could change what forward
+        computes, which the schedule's graph does not)."""
+        if not kwargs:
+            return kwargs
+        try:
+            params = inspect.signature(self._model.forward).parameters
+        except (TypeError, ValueError):
+            return kwargs
+        kept = {k: v for k, v in kwargs.items() if not (
+            k in params and params[k].default is not inspect.Parameter.empty
+            and is_plain_value(v) and type(v) is type(params[k].default)
+            and v == params[k].default)}
+        taken = self._graph_inputs()
+        foreign = sorted(k for k in kept if k not in params and taken and k not in taken)
+        if foreign:
+            raise ScheduleMismatchError(
+                f"ScheduleWrapper: forward was called with {', '.join(foreign)}, which the "
+                f"example the schedule was made for did not pass; it can change what the "
+                f"forward computes (a loss normalised by it), so this schedule does not "
+                f"describe the call. Pass it in the example given to monetlike.optimize or "
+                f"monetlike.profile as the caller will (Hugging Face Trainer passes "
+                f"num_items_in_batch as a 0-dim float tensor), or call without it")
+        return kept
+
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        kwargs = self._keywords(kwargs)
         if self._exported(args, kwargs):
             return call_spec(self._model, args, kwargs)  # FlatInputs (monetlike.capture)
         names = self._placeholders

@@ -14,6 +14,8 @@ Models that make their own keyword batch (the named transformers shapes of monet
 
 from __future__ import annotations
 
+import difflib
+
 import json
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -109,8 +111,11 @@ def get(name: str) -> ZooEntry:
     for e in entries():
         if e.name == name:
             return e
-    names = ", ".join(e.name for e in entries()) or "(the zoo is empty)"
-    raise ZooError(f"no zoo schedule named {name!r}; the zoo has: {names}")
+    close = difflib.get_close_matches(name, [e.name for e in entries()], n=NEAREST, cutoff=0.5)
+    have = (f"the nearest names: {', '.join(close)}" if close else
+            f"its models: {', '.join(sorted({_short(e.model) for e in entries()}))}"
+            if entries() else "the zoo is empty")
+    raise ZooError(f"no zoo schedule named {name!r}; {have} (all of them: zoo list)")
 
 
 def pick(model: str, batch: int, budget: "int | str") -> ZooEntry:
@@ -119,13 +124,51 @@ def pick(model: str, batch: int, budget: "int | str") -> ZooEntry:
     same = [e for e in entries() if _short(e.model) == _short(model) and e.batch == batch]
     fits = [e for e in same if e.predicted_peak_bytes <= budget]
     if not fits:
-        have = ", ".join(f"{e.name} (peak {format_bytes(e.predicted_peak_bytes)})"
-                         for e in (same or entries())) or "(the zoo is empty)"
         what = "for this model and batch" if same else "at all for this model and batch"
         raise ZooError(f"no zoo schedule for {model} batch {batch} fits {format_bytes(budget)} "
-                       f"({'none fits' if same else 'none exists'} {what}); the zoo has: {have}; "
-                       f"solve one with `monetlike solve`")
+                       f"({'none fits' if same else 'none exists'} {what}); "
+                       f"{_nearest(model, batch, budget)}; solve one for this model, batch "
+                       f"and budget (solver.solve, or monetlike solve on the command line)")
     return min(fits, key=lambda e: (e.predicted_time, e.predicted_peak_bytes))
+
+
+NEAREST = 5
+"""How many entries a miss lists."""
+
+
+def _nearest(model: str, batch: int, budget: int) -> str:
+    """The few entries nearest a miss, in words: the same model and batch by peak nearest the
+    budget; else the same model by nearest batch; else the models of similar name."""
+    short = _short(model)
+    same_model = [e for e in entries() if _short(e.model) == short]
+    if same_model:
+        near = sorted(same_model, key=lambda e: (abs(e.batch - batch),
+                                                 abs(e.predicted_peak_bytes - budget)))[:NEAREST]
+        return "the nearest entries: " + ", ".join(
+            f"{e.name} (batch {e.batch}, peak {format_bytes(e.predicted_peak_bytes)})"
+            for e in near)
+    models = sorted({_short(e.model) for e in entries()})
+    close = difflib.get_close_matches(short, models, n=NEAREST, cutoff=0.5)
+    if close:
+        return f"models of similar name in the zoo: {', '.join(close)}"
+    return (f"the zoo has no {short}; its models: {', '.join(models)}" if models
+            else "the zoo is empty")
+
+
+def dominated(items: list[ZooEntry] | None = None) -> list[tuple[ZooEntry, ZooEntry]]:
+    """(entry, the fastest entry of a smaller budget for the same graph, mode and costs that is
+    faster than it): a plan that fits a smaller budget fits every larger one, so such an entry
+    is not the best known for its budget, whatever its status says. The zoo build replaces it
+    (scripts/build_zoo.py, take_smaller_plans); the shipped zoo has none (tests/test_zoo.py)."""
+    items = entries() if items is None else items
+    out = []
+    for e in items:
+        better = [s for s in items if (s.fingerprint, s.mode, s.cost_provenance)
+                  == (e.fingerprint, e.mode, e.cost_provenance)
+                  and s.budget_bytes < e.budget_bytes and s.predicted_time < e.predicted_time]
+        if better:
+            out.append((e, min(better, key=lambda s: (s.predicted_time, s.budget_bytes))))
+    return out
 
 
 def schedule(name: str) -> Schedule:

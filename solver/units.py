@@ -1,6 +1,15 @@
-"""Byte budgets: parsing '8GiB' / '8GB' / '123' and printing bytes with their unit."""
+"""Byte budgets: parsing '8GiB' / '8GB' / '123', the relative budgets 'min', '90%' and 'auto',
+and printing bytes with their unit.
 
+The one grammar of budgets. `parse_budget` reads every form into a `BudgetSpec`; a relative one
+is turned into bytes against a graph by `solver.search.budgets.resolve_budget` (and 'auto'
+against a device's free memory, which the torch side reads). `parse_bytes` is the absolute
+subset, for the places where a budget must already be bytes.
+"""
+
+import math
 import re
+from dataclasses import dataclass
 
 from .errors import BudgetParseError
 
@@ -12,8 +21,61 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
+RELATIVE_FORMS = "'min' (the least feasible budget), 'auto' (a CUDA device's free memory) or " \
+    "a share of the store-all peak such as '90%'"
+_SHARE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
+AUTO_MARGIN = 0.05
+"""'auto' leaves this share of the device's total memory unbudgeted: the CUDA context, cuBLAS
+workspaces and the caching allocator's rounding and fragmentation, which the budget (tensor
+bytes) does not count."""
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A budget as the caller wrote it."""
+
+    kind: str
+    """'bytes', 'min', 'share' (of the store-all peak) or 'auto'."""
+    value: float = 0.0
+    """The bytes ('bytes') or the fraction ('share', 0.9 for '90%'); unused otherwise."""
+
+    def __str__(self) -> str:
+        return {"bytes": f"{int(self.value)} B", "min": "min", "auto": "auto",
+                "share": f"{100 * self.value:g}% of the store-all peak"}[self.kind]
+
+
+def parse_budget(budget: "int | float | str | BudgetSpec") -> BudgetSpec:
+    """Read any budget form: bytes (an int, '8GiB', '8GB'), 'min', 'auto' or '90%'."""
+    if isinstance(budget, BudgetSpec):
+        return budget
+    if isinstance(budget, str):
+        word = budget.strip().lower()
+        if word in ("min", "auto"):
+            return BudgetSpec(word)
+        m = _SHARE.match(budget)
+        if m:
+            share = float(m.group(1)) / 100
+            if not 0 < share:
+                raise BudgetParseError(f"budget {budget!r}: expected a share of the store-all "
+                                       f"peak above 0%, e.g. '90%'")
+            return BudgetSpec("share", share)
+    return BudgetSpec("bytes", parse_bytes(budget))
+
+
+def auto_bytes(free: int, total: int, resident: int) -> int:
+    """The 'auto' budget: the device's free memory plus what the step already holds there (the
+    model's parameters and the batch, part of the budget), less AUTO_MARGIN of its total."""
+    return max(0, int(free + resident - math.ceil(AUTO_MARGIN * total)))
+
+
 def parse_bytes(budget: "int | float | str") -> int:
     """Return a byte count from an int, or a string like '8GiB' (8 x 2^30) or '8GB' (8 x 10^9)."""
+    if isinstance(budget, str) and (budget.strip().lower() in ("min", "auto")
+                                    or _SHARE.match(budget)):
+        raise BudgetParseError(
+            f"budget {budget!r} is relative to a model and here a budget in bytes is expected, "
+            f"e.g. '8GiB'; {RELATIVE_FORMS} are read by monetlike.optimize, or turned into "
+            f"bytes with solver.resolve_budget(graph, {budget!r})")
     if isinstance(budget, bool):
         raise BudgetParseError(f"expected a byte count or a string like '8GiB', got {budget!r}")
     if isinstance(budget, (int, float)):
@@ -36,7 +98,7 @@ def parse_bytes(budget: "int | float | str") -> int:
         raise BudgetParseError(
             f"cannot parse budget {budget!r}: expected a non-negative number with an optional unit "
             f"B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
-            f"e.g. '8GiB' or '8000000000'")
+            f"e.g. '8GiB' or '8000000000', or {RELATIVE_FORMS}")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 

@@ -92,7 +92,7 @@ def test_checkpoint_only_is_the_checkpoint_milp():
     assert r.status == "optimal" and r.schedule.mode == "checkpoint"
     assert r.objective == pytest.approx(12.0)
     assert baselines.checkpoint_only(g).objective == pytest.approx(11.0)  # store-all budget
-    with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible 21 B"):
+    with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible budget 21 B"):
         baselines.checkpoint_only(g, 20)
 
 

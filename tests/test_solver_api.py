@@ -48,8 +48,9 @@ def test_budget_units():
 def test_infeasible_budget_names_the_minimum():
     with pytest.raises(InfeasibleBudgetError) as e:
         solver.solve(chain(), 20, time_limit_s=30)
-    assert str(e.value).startswith("budget 20 B is below the minimum feasible 21 B for chain "
-                                   "batch 1 (full mode); raise --budget")
+    assert str(e.value).startswith("budget 20 B is below the minimum feasible budget 21 B "
+                                   "for chain batch 1 (full mode); its peak is dominated by ")
+    assert "--" not in str(e.value)  # the caller's vocabulary: no command-line flag
     assert e.value.budget == 20 and e.value.min_budget == 21
 
 

@@ -26,7 +26,7 @@ FLOORS = ["base", "model", "backends", "rules", "search", "entry"]
 MODULE_FLOOR = {
     "solver.errors": "base", "solver.units": "base", "solver.graph": "base",
     "solver.schedule": "base", "solver.release": "base", "solver.canonical": "base",
-    "solver.simulate": "base", "solver.analysis": "base",
+    "solver.simulate": "base", "solver.analysis": "base", "solver.least_budget": "base",
     "solver.milp": "model", "solver.formulation": "model", "solver.formulation_rows": "model",
     "solver.cuts": "model", "solver.stage_bound": "model",
     "solver.baselines": "entry", "solver": "entry",

@@ -60,10 +60,25 @@ def test_pick_is_the_cheapest_that_fits_and_refuses_clearly():
     big = max(x.budget_bytes for x in same)
     picked = zoo.pick(e.model.rsplit(".", 1)[-1], e.batch, big)
     assert picked.predicted_time == min(x.predicted_time for x in same)
-    with pytest.raises(zoo.ZooError, match="none fits for this model and batch.*the zoo has"):
+    with pytest.raises(zoo.ZooError, match="none fits for this model and batch.*the nearest "
+                                           "entries: ") as miss:
         zoo.pick(e.model, e.batch, min(x.predicted_peak_bytes for x in same) - 1)
     with pytest.raises(zoo.ZooError, match="none exists"):
         zoo.pick(e.model, e.batch + 1, big)
+    # a miss names a few entries, never the whole zoo on one line
+    listed = [x.name for x in ENTRIES if f"{x.name} (" in str(miss.value)]
+    assert 1 <= len(listed) <= zoo.NEAREST < len(ENTRIES)
+    assert all(x in same for x in ENTRIES if x.name in listed)
+
+
+def test_a_miss_on_another_model_names_similar_models_not_every_entry():
+    with pytest.raises(zoo.ZooError, match="models of similar name in the zoo: resnet50"):
+        zoo.pick("resnet5O", 8, "8GiB")
+    with pytest.raises(zoo.ZooError, match="the zoo has no nosuchmodel; its models: ") as e:
+        zoo.pick("nosuchmodel", 8, "8GiB")
+    assert not any(f"{x.name} (" in str(e.value) for x in ENTRIES)
+    with pytest.raises(zoo.ZooError, match=f"the nearest names: {ENTRIES[0].name}"):
+        zoo.get(ENTRIES[0].name + "x")
 
 
 def test_load_refuses_another_model():
@@ -205,3 +220,22 @@ def test_zoo_pick_returns_the_transformers_entries(spec, batch, capsys, tmp_path
     assert code == 0, err
     assert low.name in stdout
     assert solver.Schedule.load(str(out)).fingerprint == low.fingerprint
+
+
+def test_no_entry_is_worse_than_a_smaller_budget_entry_of_the_same_model():
+    """A plan that fits a smaller budget fits a larger one: no entry may be slower than one of
+    a smaller budget for the same graph (vgg16_176_8GiB was, labelled optimal; issue 52)."""
+    bad = [(e.name, s.name) for e, s in zoo.dominated()]
+    assert bad == []
+
+
+def test_dominated_finds_a_slower_entry_of_a_larger_budget_only_for_the_same_graph():
+    def entry(name, budget, time, fingerprint="f"):
+        return zoo.ZooEntry(name=name, model="m", batch=1, input_shape=(3,), budget_bytes=budget,
+                            predicted_peak_bytes=budget - 1, predicted_time=time,
+                            store_all_time=1.0, store_all_peak_bytes=100, mode="full",
+                            status="optimal", mip_gap=None, cost_provenance="analytical:X",
+                            fingerprint=fingerprint)
+    small, mid, big = entry("a", 10, 1.2), entry("b", 20, 1.1), entry("c", 30, 1.3)
+    other = entry("d", 40, 1.4, fingerprint="g")  # another graph: not comparable
+    assert [(e.name, s.name) for e, s in zoo.dominated([small, mid, big, other])] == [("c", "b")]

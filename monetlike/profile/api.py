@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from solver.graph import Impl, Op, OpGraph, Value
+from solver.search.progress import phase
 
 from ..capture.api import capture as capture_graph
 from ..impls.registry import stashed_recompute_of
@@ -34,11 +35,12 @@ from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
 from .gpu_like import GpuLike
+from .impl_timing import (alternatives_from, inplace_alternatives, measure_alternatives,
+                          profile_rounds)
 from .interpreter import ProfileRun
 from .records import ProfileError, loss_fn_in_use
 from .timing import TimingRun
 from .memory import storage_of
-from .impl_timing import inplace_alternatives, measure_alternatives
 
 __all__ = ["profile", "OPTIMIZER_STATE_MULTIPLIER"]
 
@@ -137,14 +139,15 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             leaf_modules: Iterable = (), impls: bool = True,
             host_bandwidth: float | None = None, clock: str = "wall",
             impl_target: str | None = None, capture: str = "auto",
-            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> OpGraph:
+            loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            before_timing: Callable[[OpGraph], None] | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
         "analytical:<DEVICE>" (roofline on a preset GPU, run on the meta device; see
         monetlike.profile.costs.PRESETS).
     optimizer: None, "sgd" (momentum: 1x trainable parameter bytes of state) or "adam" (2x).
-    leaf_modules: extra module names or classes to keep as single ops (see monetlike.trace).
+    leaf_modules: extra module names or classes to keep as single ops (see monetlike.capture.trace).
     impls: also measure the registered operator implementations (monetlike.impls) as extra
         Impls of the Ops they apply to. The runtime's structure check profiles with the default
         (True) unless it is given a graph whose Ops offer no Impl: a graph made with
@@ -172,6 +175,10 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         (monetlike.capture); `meta["capture"]` records which one made the graph. A mapping of
         keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels) is accepted as
         `example_inputs`.
+    before_timing: called with the step's graph once its memory is profiled and before any
+        step is timed (its costs all 0.0, provenance 'memory-only:<device>'), so that what
+        depends on memory alone (is a budget feasible?) is answered first; it may raise to stop.
+        For analytical costs it is called with the finished graph.
     """
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
@@ -233,85 +240,122 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         for p in work.parameters():
             p.grad = None  # a step starts from zero_grad(set_to_none=True)
         call_args, call_kwargs = tree_map_only(torch.Tensor, to_input, (call_args, call_kwargs))
-        gm, xs = capture_graph(work, call_args, call_kwargs, mode=capture,
-                               leaf_modules=leaf_modules)
+        with phase("capture"):
+            gm, xs = capture_graph(work, call_args, call_kwargs, mode=capture,
+                                   leaf_modules=leaf_modules)
         xs = tuple(xs)
+        measured = kind == "measured"
         n_nodes = len(gm.graph.nodes)
-        bar = progress_bar(n_nodes * (1 + (repeat + 1 if kind == "measured" else 0)))
+        bar = progress_bar(n_nodes * (1 + (repeat + 1 if measured else 0)))
+        if host_bandwidth is None:
+            host_bandwidth = _host_bandwidth(kind, preset, device)
+        meta = {"torch_version": torch.__version__, "optimizer": optimizer,
+                "device": _device_name(device) if measured else preset.name, "cost": cost,
+                "repeat": repeat if measured else 0, "clock": clock if measured else None,
+                "leaf_modules": [m if isinstance(m, str) else f"{m.__module__}.{m.__qualname__}"
+                                 for m in leaf_modules],
+                "training": bool(model.training),
+                # the wrapper trusts a given graph only under the same state
+                "autocast": autocast, "capture": gm.meta["capture"],
+                # the peaks predicted hold for a step ending with this loss
+                "loss": "sum of the outputs" if loss_fn is None else
+                getattr(loss_fn, "__qualname__", repr(loss_fn))}
+
+        def assemble(fwd_times, bwd_times, alternatives, provenance) -> OpGraph:
+            return _assemble(run, gm, work, model, xs, batch=batch, measured=measured,
+                             fwd_times=fwd_times, bwd_times=bwd_times, opt_mult=opt_mult,
+                             alternatives=alternatives, provenance=provenance,
+                             host_bandwidth=host_bandwidth,
+                             meta={**meta, "profile_seconds":
+                                   round(time.perf_counter() - t_start, 3)})
+
         try:
             with loss_fn_in_use(loss_fn):  # every run of the step ends with it
                 # On meta, dropout and attention run the preset GPU's kernels (gpu_like.py).
                 gpu_like = ((lambda: GpuLike(preset.compute_capability)) if kind == "analytical"
                             else contextlib.nullcontext)
                 rc.warm()  # what a recomputation asks once, outside the measured steps
-                with torch.enable_grad(), gpu_like():
-                    run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
-                                     device_note=note, progress=bar, device=device)
-                    run.profile_step(xs)
-                    fwd_times: dict[int, list[float]] = {}
-                    bwd_times: dict[int, list[float]] = {}
-                    if kind == "measured":
-                        timing = TimingRun(gm, run.node_gid, Timer(device, clock), progress=bar)
-                        timing.step(xs)  # warm-up without the instrumentation's overhead
-                        for _ in range(repeat):
-                            f, b = timing.step(xs)
-                            for gid in range(len(run.groups)):
-                                fwd_times.setdefault(gid, []).append(f.get(gid, 0.0))
-                                bwd_times.setdefault(gid, []).append(b.get(gid, 0.0))
-                alternatives = {}
-                if impls:
-
-                    alternatives = measure_alternatives(
-                        gm, work, xs, run, measured=kind == "measured", preset=preset,
-                        device=device, repeat=repeat, note=note, clock=clock, target=impl_target,
-                        context=gpu_like)
-
-                    for gid, alts in inplace_alternatives(gm, xs, run, measured=kind == "measured",
-                                                          device=device, repeat=repeat,
-                                                          clock=clock).items():
-                        alternatives.setdefault(gid, []).extend(alts)
+                with phase("memory"):
+                    with torch.enable_grad(), gpu_like():
+                        run = ProfileRun(gm, work, roofline=Roofline(preset) if preset else None,
+                                         device_note=note, progress=bar, device=device)
+                        run.profile_step(xs)
+                    rounds = (profile_rounds(gm, work, xs, run, measured=measured, preset=preset,
+                                             device=device, note=note, context=gpu_like,
+                                             target=impl_target) if impls else [])
+                if measured and before_timing is not None:
+                    # Memory alone decides feasibility: answered before any step is timed.
+                    memory_only = alternatives_from(run, rounds, None)
+                    if impls:
+                        _merge(memory_only, inplace_alternatives(gm, xs, run, measured=False,
+                                                                 device=device, repeat=repeat))
+                    before_timing(assemble({}, {}, memory_only,
+                                           f"memory-only:{_device_name(device)}"))
+                fwd_times: dict[int, list[float]] = {}
+                bwd_times: dict[int, list[float]] = {}
+                alternatives: dict[int, list[dict]] = {}
+                with phase("timing") if measured else contextlib.nullcontext():
+                    if measured:
+                        fwd_times, bwd_times = _time_steps(gm, work, xs, run, device, clock,
+                                                           repeat, bar)
+                    if impls:
+                        alternatives = measure_alternatives(
+                            gm, work, xs, run, measured=measured, preset=preset, device=device,
+                            repeat=repeat, note=note, clock=clock, target=impl_target,
+                            context=gpu_like, rounds=rounds)
+                        _merge(alternatives, inplace_alternatives(
+                            gm, xs, run, measured=measured, device=device, repeat=repeat,
+                            clock=clock))
         finally:
             if bar is not None:
                 bar.close()
-        param_bytes = _unique_storage_bytes(list(work.parameters()) + list(work.buffers())
-                                            + _get_attr_tensors(gm, work))
-        trainable = _unique_storage_bytes(p for p in work.parameters() if p.requires_grad)
-        input_bytes = _unique_storage_bytes(xs)
-        provenance = (f"measured:{_device_name(device)}" if kind == "measured"
+        provenance = (f"measured:{_device_name(device)}" if measured
                       else f"analytical:{preset.name}")
-        if host_bandwidth is None:
-            host_bandwidth = _host_bandwidth(kind, preset, device)
-        graph = _build_graph(run, model_name=type(model).__name__, batch=batch,
-                             measured=kind == "measured", fwd_times=fwd_times,
-                             bwd_times=bwd_times, param_bytes=param_bytes,
-                             optimizer_bytes=opt_mult * trainable, input_bytes=input_bytes,
-                             provenance=provenance, alternatives=alternatives,
-                             host_bandwidth=host_bandwidth, params=_param_records(model),
-                             meta={
-                                 "torch_version": torch.__version__,
-                                 "profile_seconds": round(time.perf_counter() - t_start, 3),
-                                 "optimizer": optimizer,
-                                 "device": _device_name(device) if kind == "measured"
-                                 else preset.name,
-                                 "cost": cost,
-                                 "repeat": repeat if kind == "measured" else 0,
-                                 "clock": clock if kind == "measured" else None,
-                                 "leaf_modules": [m if isinstance(m, str) else
-                                                  f"{m.__module__}.{m.__qualname__}"
-                                                  for m in leaf_modules],
-                                 "training": bool(model.training),
-                                 # the wrapper trusts a given graph only under the same state
-                                 "autocast": autocast,
-                                 "capture": gm.meta["capture"],
-                                 # the peaks predicted hold for a step ending with this loss
-                                 "loss": "sum of the outputs" if loss_fn is None else
-                                 getattr(loss_fn, "__qualname__", repr(loss_fn)),
-                             })
-        graph = dataclasses.replace(graph, meta={**graph.meta,
-                                                 "op_modules": _op_modules(gm, graph)})
+        graph = assemble(fwd_times, bwd_times, alternatives, provenance)
+        if not measured and before_timing is not None:
+            before_timing(graph)  # nothing was timed
     finally:
         restore_rng(rng)
     return graph
+
+
+def _merge(alternatives: dict, more: dict) -> None:
+    for gid, alts in more.items():
+        alternatives.setdefault(gid, []).extend(alts)
+
+
+def _time_steps(gm, work, xs, run: ProfileRun, device, clock: str, repeat: int, bar
+                ) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Per group, the forward and backward times of `repeat` plain timed steps."""
+    for t in (*work.parameters(), *xs):
+        t.grad = None  # as after the memory rounds' steps: a step from zero_grad
+    fwd_times: dict[int, list[float]] = {}
+    bwd_times: dict[int, list[float]] = {}
+    with torch.enable_grad():
+        timing = TimingRun(gm, run.node_gid, Timer(device, clock), progress=bar)
+        timing.step(xs)  # warm-up without the instrumentation's overhead
+        for _ in range(repeat):
+            f, b = timing.step(xs)
+            for gid in range(len(run.groups)):
+                fwd_times.setdefault(gid, []).append(f.get(gid, 0.0))
+                bwd_times.setdefault(gid, []).append(b.get(gid, 0.0))
+    return fwd_times, bwd_times
+
+
+def _assemble(run: ProfileRun, gm, work, model, xs, *, batch: int, measured: bool, fwd_times,
+              bwd_times, opt_mult: int, alternatives: dict, provenance: str,
+              host_bandwidth, meta: dict) -> OpGraph:
+    """The OpGraph of a profiled step: the run's structure and memory, the given costs."""
+    param_bytes = _unique_storage_bytes(list(work.parameters()) + list(work.buffers())
+                                        + _get_attr_tensors(gm, work))
+    trainable = _unique_storage_bytes(p for p in work.parameters() if p.requires_grad)
+    graph = _build_graph(run, model_name=type(model).__name__, batch=batch, measured=measured,
+                         fwd_times=fwd_times, bwd_times=bwd_times, param_bytes=param_bytes,
+                         optimizer_bytes=opt_mult * trainable,
+                         input_bytes=_unique_storage_bytes(xs), provenance=provenance,
+                         alternatives=alternatives, host_bandwidth=host_bandwidth,
+                         params=_param_records(model), meta=meta)
+    return dataclasses.replace(graph, meta={**graph.meta, "op_modules": _op_modules(gm, graph)})
 
 
 def _param_records(model: torch.nn.Module) -> tuple:

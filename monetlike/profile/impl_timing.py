@@ -108,21 +108,35 @@ def _rounds(gm, run: ProfileRun, cands: dict[int, list]) -> list[tuple[int, dict
 
 def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, preset, device,
                          repeat: int, note: str, context,
-                         clock: str = "wall", target: str | None = None
-                         ) -> dict[int, list[dict]]:
+                         clock: str = "wall", target: str | None = None,
+                         rounds: list | None = None) -> dict[int, list[dict]]:
     """Main-run group id -> list of measured Impls (dicts with main-run value tids).
 
     target: the device type whose Impls are offered; None: the measured device, or a GPU for an
-    analytical profile (it plans for a GPU preset whatever device it runs on)."""
+    analytical profile (it plans for a GPU preset whatever device it runs on).
+    rounds: what `profile_rounds` returned for the same run, when the memory was profiled
+    before (the profile answers feasibility from memory before any timing); None: profiled
+    here."""
+    if rounds is None:
+        rounds = profile_rounds(gm, work, xs, run, measured=measured, preset=preset,
+                                device=device, note=note, context=context, target=target)
+    times = _time_levels(gm, work, xs, run, rounds, device=device, repeat=repeat,
+                         context=context, clock=clock) if measured and rounds else {}
+    return alternatives_from(run, rounds, times if measured else None)
+
+
+def profile_rounds(gm, work, xs, run: ProfileRun, *, measured: bool, preset, device, note: str,
+                   context, target: str | None = None) -> list:
+    """The memory half of `measure_alternatives`: one instrumented step per round of Impls,
+    nothing timed. Returns the rounds as `alternatives_from` and the timing steps read them."""
     if target is None:
         target = torch.device(device).type if measured else "cuda"
     cands = candidates(gm, run, target)
     if not cands:
-        return {}
+        return []
     for spec in {spec.name: spec for found in cands.values() for spec, _ in found}.values():
         if spec.warm is not None:
             spec.warm(torch.device(device))
-    main_tid = {(v.name, v.index): v.tid for v in run.values}
     # (level, chosen, the round's Values as (creator node, index), its groups by name): the
     # round's ProfileRun itself is let go before the timing steps
     profiled = []
@@ -143,13 +157,20 @@ def measure_alternatives(gm, work, xs, run: ProfileRun, *, measured: bool, prese
             continue
         profiled.append((level, chosen, [(v.name, v.index) for v in sub.values],
                          {g.name: g for g in sub.groups}))
-    times = _time_levels(gm, work, xs, run, profiled, device=device, repeat=repeat,
-                         context=context, clock=clock) if measured else {}
+    return profiled
+
+
+def alternatives_from(run: ProfileRun, profiled: list, times: dict | None
+                      ) -> dict[int, list[dict]]:
+    """Main-run group id -> its Impls from the rounds `profiled`, with the round timings
+    `times` (None: costs from the instrumented step, zero without a roofline)."""
+    measured = times is not None
+    main_tid = {(v.name, v.index): v.tid for v in run.values}
     result: dict[int, list[dict]] = {}
     for i, (_, chosen, names, by_name) in enumerate(profiled):
         if measured and i not in times:
             continue  # its timing steps failed (warned)
-        fwd_t, bwd_t = times.get(i, ({}, {}))
+        fwd_t, bwd_t = (times or {}).get(i, ({}, {}))
         for gid, (spec, _) in chosen.items():
             g = run.groups[gid]
             sg = by_name.get(g.name)

@@ -9,11 +9,45 @@ serial, so the solver runs with one thread and the other core stays free for the
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+import threading
 import time
 
 import numpy as np
 
 from .base import ERROR, INFEASIBLE, OPTIMAL, TIME_LIMIT, Backend, BackendResult
+
+
+_FIRST = threading.Lock()
+_banner_done = False
+
+
+def new_highs(highspy, verbose: bool):
+    """A highspy.Highs; the first one in a process prints HiGHS's banner to the C stdout before
+    any option can be set, so unless `verbose` that one is made with file descriptor 1 pointed at
+    /dev/null (and the C buffer flushed before it is restored)."""
+    global _banner_done
+    with _FIRST:
+        if _banner_done or verbose:
+            _banner_done = True
+            return highspy.Highs()
+        sys.stdout.flush()
+        saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+            h = highspy.Highs()
+            try:
+                ctypes.CDLL(None).fflush(None)
+            except (OSError, AttributeError):  # no C library handle here: nothing to flush
+                pass
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(null)
+        _banner_done = True
+        return h
 
 
 class HighsBackend(Backend):
@@ -34,7 +68,7 @@ class HighsBackend(Backend):
         import highspy
 
         start = time.perf_counter()
-        h = highspy.Highs()
+        h = new_highs(highspy, verbose)
         h.setOptionValue("output_flag", bool(verbose))
         h.setOptionValue("log_to_console", bool(verbose))
         h.setOptionValue("time_limit", float(max(time_limit_s, 0.01)))

@@ -32,6 +32,7 @@ from ..backends.base import OPTIMAL as B_OPTIMAL
 from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
+from ..least_budget import infeasible_message
 from ..rules.blocks import find_blocks
 from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
                                least_memory, low_memory_schedules)
@@ -171,7 +172,8 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     least = stage_least_peak(form.facts, offload)  # exact bytes, no LP tolerance
     pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, s0, f"heuristic:{name}")
-    progress = Progress(verbose, time_limit_s, 1.0, 1.0, f"{graph.model} min budget",
+    progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, 1.0, 1.0,
+                        f"{graph.model} min budget",
                         peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
@@ -207,19 +209,11 @@ def _infeasible(run: Run, why: str = "", time_limit_s: float = MIN_BUDGET_TIME_L
     """The run's budget fits no schedule: the error, with the least budget found in
     `time_limit_s` (and whether it is proven)."""
     graph, budget, mode = run.graph, run.budget, run.mode
-    peak, lower, proven, _ = min_budget_details(graph, mode, backend=run.backend.name,
+    peak, lower, proven, s = min_budget_details(graph, mode, backend=run.backend.name,
                                                 time_limit_s=time_limit_s, offload=run.offload)
-    what = f"{graph.model} batch {graph.batch}"
-    if proven:
-        msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
-               f"{format_bytes(peak)} for {what} ({mode} mode); raise --budget")
-    else:
-        msg = (f"budget {format_bytes(budget)} is infeasible for {what} ({mode} mode): the "
-               f"minimum feasible budget is between {format_bytes(max(lower, budget + 1))} and "
-               f"{format_bytes(peak)} (not proven within the time limit); raise --budget")
-    if why:
-        msg += f" ({why})"
-    return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
+    return InfeasibleBudgetError(
+        infeasible_message(graph, budget, mode, least=peak, lower=lower, proven=proven,
+                           schedule=s, why=why), budget=budget, min_budget=peak)
 
 
 def min_peak_below(run: Run, start: Schedule) -> tuple[Schedule | None, int]:
@@ -239,7 +233,8 @@ def min_peak_below(run: Run, start: Schedule) -> tuple[Schedule | None, int]:
     pool = Pool([form, form_bb])
     pool.raise_bound("stages", least / form.mem_scale)
     pool.offer_schedule(form, start, "min_peak")
-    progress = Progress(run.verbose, max(1.0, run.deadline - time.perf_counter()), 1.0, 1.0,
+    progress = Progress(run.verbose or sys.stderr.isatty(),
+                        max(1.0, run.deadline - time.perf_counter()), 1.0, 1.0,
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
@@ -456,11 +451,9 @@ def _no_rule_fits(run: Run, form: Formulation, pool: Pool) -> list[tuple[str, Sc
             pool.offer_schedule(form, s1, "min_peak/phase1")
             least = s1
         elif lower1 > budget:
-            raise InfeasibleBudgetError(
-                f"budget {format_bytes(budget)} is infeasible for {graph.model} batch "
-                f"{graph.batch} ({run.mode} mode): proven, no schedule peaks at or below it "
-                f"(the least peak found is {format_bytes(peak)}); raise --budget",
-                budget=budget, min_budget=peak)
+            raise InfeasibleBudgetError(infeasible_message(
+                graph, budget, run.mode, least=peak, lower=lower1, proven=False, schedule=s,
+                why="proven: no schedule peaks at or below it"), budget=budget, min_budget=peak)
     return _least_rules(run, form, pool, least)
 
 
