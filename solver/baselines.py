@@ -22,9 +22,8 @@ import dataclasses
 import math
 import time
 
-from .analysis import GraphFacts
 from .graph import OpGraph
-from .rules.simple import chen_schedule, greedy_schedule
+from .rules.simple import chen_sqrt_n_schedule, greedy_baseline_schedule
 from .schedule import ERROR, HEURISTIC, Schedule, SolveResult
 from .search import solve
 from .simulate import simulate, store_all_schedule
@@ -72,10 +71,8 @@ def chen_sqrt_n(graph: OpGraph, budget=None) -> SolveResult:
     """Chen et al.'s sqrt(n) checkpointing on the articulation Values of the forward graph."""
     started = time.perf_counter()
     budget = None if budget is None else parse_bytes(budget)
-    facts = GraphFacts(graph, "checkpoint")
-    length = math.sqrt(len(graph.ops))
-    return _result(graph, chen_schedule(graph, facts, length), budget, "chen_sqrt_n", started,
-                   {"segment_length": length})
+    return _result(graph, chen_sqrt_n_schedule(graph), budget, "chen_sqrt_n", started,
+                   {"segment_length": math.sqrt(len(graph.ops))})
 
 
 def greedy(graph: OpGraph, budget=None) -> SolveResult:
@@ -83,10 +80,9 @@ def greedy(graph: OpGraph, budget=None) -> SolveResult:
     store-all schedule)."""
     started = time.perf_counter()
     budget = None if budget is None else parse_bytes(budget)
-    facts = GraphFacts(graph, "checkpoint")
     if budget is None:
         return _result(graph, store_all_schedule(graph), None, "greedy", started)
-    return _result(graph, greedy_schedule(graph, budget, facts), budget, "greedy", started)
+    return _result(graph, greedy_baseline_schedule(graph, budget), budget, "greedy", started)
 
 
 BASELINES = {"store_all": store_all, "checkpoint_only": checkpoint_only,

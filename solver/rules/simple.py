@@ -8,6 +8,7 @@ warmstart.py offers them all to the MILP as first incumbents.
 
 from __future__ import annotations
 
+import math
 import time
 
 from ..analysis import GraphFacts
@@ -183,6 +184,24 @@ def greedy_schedule(graph: OpGraph, budget: int, facts: GraphFacts, *, impl=None
                 lo = mid
     return keep_more(graph, budget, kept - set(order[:hi]), reversed(order[:hi]), build,
                      deadline, start=dropping(hi)[0])
+
+
+def chen_sqrt_n_schedule(graph: OpGraph) -> Schedule:
+    """The chen_sqrt_n baseline: Chen et al.'s sqrt(n) segments on Impl 0."""
+    return chen_schedule(graph, GraphFacts(graph, "checkpoint"), math.sqrt(len(graph.ops)))
+
+
+def greedy_baseline_schedule(graph: OpGraph, budget: int) -> Schedule:
+    """The greedy baseline: kept Values dropped by bytes per recompute second, on Impl 0."""
+    return greedy_schedule(graph, budget, GraphFacts(graph, "checkpoint"))
+
+
+def baseline_schedules(graph: OpGraph, budget: int) -> list[tuple[str, Schedule]]:
+    """The simple baselines' schedules (solver/baselines.py): store-all, Chen's sqrt(n), the
+    greedy. A solve runs them to the end whatever its time limit and the machine's load, so its
+    answer is never worse than any of them that fits."""
+    return [("store_all", store_all_schedule(graph)), ("chen_sqrt_n", chen_sqrt_n_schedule(graph)),
+            ("greedy", greedy_baseline_schedule(graph, budget))]
 
 
 def ranked_values(graph: OpGraph, facts: GraphFacts, values, impl, exclude=frozenset()

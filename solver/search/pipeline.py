@@ -34,6 +34,7 @@ from ..formulation import Formulation
 from ..graph import OpGraph
 from ..least_budget import infeasible_message
 from ..rules.blocks import find_blocks
+from ..rules.simple import baseline_schedules
 from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
                                least_memory, low_memory_schedules)
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
@@ -412,7 +413,11 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
                 if on_incumbent is not None:
                     on_incumbent(s, lower["known"])
 
-        starts = family_starts(graph, budget, heuristic_schedules(
+        # The baselines first, run to the end whatever the deadline: the answer is never worse.
+        baselines = [(f"baseline/{name}", s) for name, s in baseline_schedules(graph, budget)]
+        for name, s in baselines:
+            replay(name, s)
+        starts = family_starts(graph, budget, baselines + heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
             before_costly=closure_bound,
             enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
