@@ -60,22 +60,12 @@ def cache_key(graph: OpGraph, budget: int, solve_kwargs: dict) -> str:
         "param_bytes": graph.param_bytes,
         "optimizer_bytes": graph.optimizer_bytes,
         "input_bytes": graph.input_bytes,
-        "memory": _memory_figures(graph),
+        "memory": graph.memory_digest,
         "cost": graph.cost_provenance,
         "solve": {k: repr(v) for k, v in sorted(solve_kwargs.items())},
     }
     blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _memory_figures(graph: OpGraph) -> str:
-    """A digest of every byte count the simulator reads (the allocator's, so the same from run
-    to run; unlike measured times, which are left out of the key)."""
-    figures = [graph.stage_grad_bytes, graph.final_grad_bytes, [v.bytes for v in graph.values],
-               [[(i.saved, i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
-                  i.recompute_workspace, i.overwrites, i.early_release) for i in op.impls]
-                for op in graph.ops]]
-    return hashlib.sha256(json.dumps(figures).encode()).hexdigest()[:16]
 
 
 def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None = None,
@@ -241,8 +231,7 @@ def _profile_path(cache_dir: str | None, graph: OpGraph) -> str | None:
         return None  # analytical: nothing is timed, nothing to keep
     meta = graph.meta
     key = {"version": CACHE_VERSION, "fingerprint": graph.fingerprint,
-           "memory": _memory_figures(graph), "fixed": [graph.param_bytes, graph.optimizer_bytes,
-                                                        graph.input_bytes],
+           "memory": graph.memory_digest,
            "device": _device_model(meta.get("device", "")),
            **{k: meta.get(k) for k in ("cost", "repeat", "clock", "torch_version", "optimizer",
                                        "loss", "autocast", "capture", "leaf_modules")}}
@@ -271,7 +260,7 @@ def cached_profile(cache_dir: str | None, memory_graph: OpGraph) -> OpGraph | No
                       f"again", UserWarning, stacklevel=3)
         return None
     same = (graph.fingerprint == memory_graph.fingerprint
-            and _memory_figures(graph) == _memory_figures(memory_graph))
+            and graph.memory_digest == memory_graph.memory_digest)
     return graph if same else None
 
 

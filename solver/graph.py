@@ -445,6 +445,18 @@ class OpGraph:
         return fingerprint_of(self.fingerprint_structure())
 
     @cached_property
+    def memory_digest(self) -> str:
+        """A digest of every byte count the simulator reads: what a least budget, a schedule's
+        peak and a cached answer depend on besides the fingerprint (measured times are left out:
+        they differ from run to run, the allocator's counts do not)."""
+        figures = [self.stage_grad_bytes, self.final_grad_bytes, self.param_bytes,
+                   self.optimizer_bytes, self.input_bytes, [v.bytes for v in self.values],
+                   [[(i.saved, i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
+                      i.recompute_workspace, i.overwrites, i.early_release) for i in op.impls]
+                    for op in self.ops]]
+        return hashlib.sha256(json.dumps(figures).encode()).hexdigest()[:16]
+
+    @cached_property
     def shape_free_fingerprint(self) -> str:
         """The fingerprint without the batch and the Values' shapes and bytes: equal for the same
         model run at another batch or sequence length, where each Op, Value and backward stage

@@ -131,11 +131,7 @@ _MIN_BUDGET_CACHE: dict[tuple, tuple[tuple[int, int, bool, Schedule], float]] = 
 
 def _min_budget_key(graph: OpGraph, mode: str, offload: bool) -> tuple:
     """What a least budget depends on: the structure and every byte count, not the costs."""
-    return (graph.fingerprint, hash((graph.stage_grad_bytes, graph.final_grad_bytes,
-                                     graph.param_bytes, graph.optimizer_bytes,
-                                     tuple((i.internal_bytes, i.fwd_workspace, i.bwd_workspace,
-                                            i.recompute_transient, i.early_release)
-                                           for op in graph.ops for i in op.impls))), mode,
+    return (graph.fingerprint, graph.memory_digest, mode,
             graph.host_bandwidth if offload else None)
 
 
