@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from solver.graph import OpGraph
+from solver.graph import OpGraph, cost_kind
 from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate
 
@@ -97,7 +97,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Any, graph: OpGraph, *, st
 
 
 def _calibrate(model, example_inputs, graph: OpGraph, steps: int, clock: str | None) -> OpGraph:
-    if not graph.cost_provenance.startswith("measured"):
+    if cost_kind(graph.cost_provenance) != "measured":
         raise CalibrationError(
             f"calibrate: the graph's costs are {graph.cost_provenance!r}; calibration fits "
             f"measured costs to the device they were measured on. Profile with cost='measured' "

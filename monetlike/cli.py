@@ -217,7 +217,7 @@ def _profile_args(args):
 
 def cmd_profile(args) -> int:
     _check_writable(args.output, _model_file(args.model))
-    if args.calibrate and args.cost.strip().lower().startswith("analytical:"):
+    if args.calibrate and parse_cost(args.cost)[0] == "analytical":
         raise UsageError(f"--calibrate fits measured costs to the step as it runs on this "
                          f"device; --cost {args.cost} is a roofline for another one: use "
                          f"--cost measured, or leave out --calibrate")
@@ -271,7 +271,7 @@ def cmd_solve(args) -> int:
             raise UsageError(f"solve {args.model} needs --batch N (the batch to plan for), or "
                              f"--graph FILE from `monetlike profile`")
         if args.offload and args.host_bandwidth is None and \
-                not args.cost.strip().lower().startswith("analytical:"):
+                parse_cost(args.cost)[0] != "analytical":
             raise UsageError(_NO_LINK)  # before profiling: the profile would have no link
         graph = _profile_args(args)
     if args.offload and graph.host_bandwidth is None:
@@ -682,7 +682,7 @@ def cmd_maxbatch(args) -> int:
 
 def _profile_device(cost: str) -> str:
     """Analytical profiles never touch real data: build the example batch on the meta device."""
-    return "meta" if cost.startswith("analytical:") else "cpu"
+    return "meta" if parse_cost(cost)[0] == "analytical" else "cpu"
 
 
 def _percent(text: str) -> float:

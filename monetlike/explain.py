@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import solver
 from solver.units import format_bytes
-from .plotting import save_figure
-from .profile import profile
 
 from .plotting import axis_unit, save_figure
+from .profile import profile
 
 # Below this fraction of the store-all peak, a saving is not worth scheduling for.
 NEGLIGIBLE_SAVING = 0.10

@@ -31,6 +31,7 @@ import solver
 from solver.units import format_bytes, parse_bytes
 from .core.torch_private import tree_leaves, tree_map
 from .profile import profile
+from .profile.costs import parse_cost
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def max_batch(model, budget: "int | str", input_shape: Sequence[int] | None = No
     model's output, as monetlike.profile takes it."""
 
     budget = parse_bytes(budget)
-    device = "meta" if str(cost).strip().lower().startswith("analytical:") else "cpu"
+    device = "meta" if parse_cost(str(cost))[0] == "analytical" else "cpu"
     make_inputs = make_inputs or _batch_maker(model, input_shape, example_inputs, device)
     tried: dict[int, str] = {}
     plans: dict[int, tuple] = {}

@@ -28,7 +28,7 @@ import torch
 
 import solver
 from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
-from solver.graph import OpGraph
+from solver.graph import OpGraph, cost_device, cost_kind
 from solver.schedule import Schedule
 from solver.search import min_budget as solver_min_budget
 from solver.search.budgets import check_feasible, resolve_budget
@@ -227,7 +227,7 @@ class _Profiled(Exception):
 # the schedules, keyed by the memory-only graph's fingerprint and memory figures, the settings
 # of the timing and the device's model, and reused when all of them are the same.
 def _profile_path(cache_dir: str | None, graph: OpGraph) -> str | None:
-    if not graph.cost_provenance.startswith("memory-only:"):
+    if cost_kind(graph.cost_provenance) != "memory-only":
         return None  # analytical: nothing is timed, nothing to keep
     meta = graph.meta
     key = {"version": CACHE_VERSION, "fingerprint": graph.fingerprint,
@@ -266,10 +266,10 @@ def cached_profile(cache_dir: str | None, memory_graph: OpGraph) -> OpGraph | No
 
 def keep_profile(cache_dir: str | None, graph: OpGraph) -> None:
     """Keep a measured graph for the next optimize of the same model here (atomic write)."""
-    if not graph.cost_provenance.startswith("measured:"):
+    if cost_kind(graph.cost_provenance) != "measured":
         return
-    memory_view = dataclasses.replace(graph, cost_provenance="memory-only:" +
-                                      graph.cost_provenance.partition(":")[2])
+    memory_view = dataclasses.replace(
+        graph, cost_provenance=f"memory-only:{cost_device(graph.cost_provenance)}")
     path = _profile_path(cache_dir, memory_view)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     graph.save(path)

@@ -52,7 +52,7 @@ from typing import Any, Iterable
 import torch
 
 from solver.errors import ScheduleError, ScheduleMismatchError
-from solver.graph import OpGraph
+from solver.graph import OpGraph, cost_device, cost_kind
 from solver.schedule import Schedule
 
 from .capture.api import (FlatInputs, call_spec, check_capture, example_of, export_graph,
@@ -461,8 +461,8 @@ class ScheduleWrapper(torch.nn.Module):
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
         matched = self._match(graph, schedule)
-        if matched is None and graph.cost_provenance.startswith("analytical:") \
-                and schedule.cost_provenance.startswith("measured:"):
+        if matched is None and cost_kind(graph.cost_provenance) == "analytical" \
+                and cost_kind(schedule.cost_provenance) == "measured":
             # The meta device can capture another graph than the device the schedule was
             # measured on (the meta run imitates a GPU preset's kernel choices, and a fused
             # kernel's output layout or autocast's casts may differ): ask that device first.
@@ -714,8 +714,8 @@ def _training_flags(model: torch.nn.Module) -> list:
 def _impl_target(cost_provenance: str) -> str:
     """The device type a schedule's graph was profiled for: 'measured:cpu' -> 'cpu',
     'measured:cuda:0' -> 'cuda', 'analytical:<GPU preset>' (or unknown) -> 'cuda'."""
-    kind, _, rest = cost_provenance.partition(":")
-    return rest.split(":")[0] if kind == "measured" and rest else "cuda"
+    device = cost_device(cost_provenance)
+    return device.split(":")[0] if cost_kind(cost_provenance) == "measured" and device else "cuda"
 
 
 def _disable_compile_of_the_step() -> None:

@@ -104,6 +104,17 @@ def _strs(d: Any, key: str, where: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def cost_kind(provenance: str) -> str:
+    """The kind of a cost provenance ("measured:cpu", "analytical:A100-40GB", "memory-only:cpu"
+    for a measured profile's memory alone): the part before the first colon."""
+    return provenance.partition(":")[0]
+
+
+def cost_device(provenance: str) -> str:
+    """The device a cost provenance names: "cpu", "cuda:0", a GPU preset ("A100-40GB")."""
+    return provenance.partition(":")[2]
+
+
 def fingerprint_of(structure: dict) -> str:
     """The 16-hex-digit hash of a fingerprint structure (`OpGraph.fingerprint_structure`)."""
     blob = json.dumps(structure, sort_keys=True, separators=(",", ":")).encode()
