@@ -112,13 +112,20 @@ class JointGraph:
             return None
         return (node.name, 0)
 
-    def storages_of(self, name: str) -> list[tuple[str, int]]:
+    @cached_property
+    def _storages(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        out = {}
+        for node in self.nodes:
+            if node.multi:
+                out[node.name] = tuple((node.name, k) for k in range(node.multi))
+            else:
+                s = self.storage(node.name)
+                out[node.name] = () if s is None else (s,)
+        return out
+
+    def storages_of(self, name: str) -> tuple[tuple[str, int], ...]:
         """Every storage a value keeps alive (all outputs of a multi-output tuple)."""
-        node = self.by_name[name]
-        if node.multi:
-            return [(name, k) for k in range(node.multi)]
-        s = self.storage(name)
-        return [] if s is None else [s]
+        return self._storages[name]
 
     def bytes_of(self, storage: tuple[str, int]) -> int:
         return self.by_name[storage[0]].out_bytes[storage[1]]
@@ -244,6 +251,10 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
                 last[s] = i
         if name in states:
             last[states[name]] = i
+    frees: dict[int, list[tuple[str, int]]] = {}
+    for s, i in last.items():
+        if s not in keep:
+            frees.setdefault(i, []).append(s)
     peak, where = level, f"{phase}:start"
     for s in [s for s in live if s not in last and s not in keep]:
         level -= live.pop(s)  # nothing in this graph reads it: freed as the graph starts
@@ -257,8 +268,9 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
             level += g.rng_state_bytes
         if level + node.scratch > peak:
             peak, where = level + node.scratch, f"{phase}:{name}"
-        for s in [s for s in live if last.get(s) == i and s not in keep]:
-            level -= live.pop(s)
+        for s in frees.get(i, ()):
+            if s in live:
+                level -= live.pop(s)
     return peak, where, level
 
 
@@ -311,36 +323,43 @@ def torch_default_saved(g: JointGraph) -> frozenset[str]:
                      if g.by_name[i].candidate)
 
 
-def _moves(g: JointGraph, current: Prediction, width: int) -> list[str]:
-    """Saved values worth trying to recompute, best first: bytes of own storage per cost."""
+def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
+    """Saved values worth trying to recompute, in shortlists to simulate one after another: the
+    `width` that free the most bytes of their own, and the `width` that do among those without
+    FLOPs (pointwise: nearly free to recompute), then the rest in chunks."""
     held: dict[tuple[str, int], int] = {}
     for s in current.saved:
         for st in g.storages_of(s):
             held[st] = held.get(st, 0) + 1
 
-    def score(name: str) -> float:
-        own = sum(g.bytes_of(st) for st in g.storages_of(name) if held[st] == 1)
-        node = g.by_name[name]
-        return own / (1.0 + node.cost)
+    def own(name: str) -> int:
+        return sum(g.bytes_of(st) for st in g.storages_of(name) if held[st] == 1)
 
-    ranked = sorted(current.saved, key=lambda n: (-score(n), g.order[n]))
-    return [n for n in ranked if score(n) > 0][:width]
+    ranked = sorted((n for n in current.saved if own(n) > 0),
+                    key=lambda n: (-own(n), g.by_name[n].cost, g.order[n]))
+    cheap = [n for n in ranked if g.by_name[n].flops == 0]
+    first = list(dict.fromkeys(ranked[:width] + cheap[:width]))
+    rest = [n for n in ranked if n not in set(first)]
+    return [first] + [rest[i:i + 4 * width] for i in range(0, len(rest), 4 * width)]
 
 
 def _descend(g: JointGraph, budget: int, start: Prediction, width: int):
-    """Greedy: recompute the saved value whose removal lowers the peak most per unit of cost,
-    until the peak fits `budget` or no removal lowers it. Returns (prediction, trail)."""
+    """Greedy: recompute the saved value whose removal lowers the peak most per unit of added
+    cost, until the peak fits `budget` or no removal lowers it. Returns (prediction, trail)."""
     cur, trail = start, [start.peak_bytes]
     while cur.peak_bytes > budget:
         best, best_key = None, None
-        for name in _moves(g, cur, width):
-            p = predict(g, cur.saved - {name})
-            gain = cur.peak_bytes - p.peak_bytes
-            if gain <= 0:
-                continue
-            key = gain / (1.0 + max(0.0, p.recompute_cost - cur.recompute_cost))
-            if best_key is None or key > best_key:
-                best, best_key = p, key
+        for shortlist in _moves(g, cur, width):
+            for name in shortlist:
+                p = predict(g, cur.saved - {name})
+                gain = cur.peak_bytes - p.peak_bytes
+                if gain <= 0:
+                    continue
+                key = gain / (1.0 + max(0.0, p.recompute_cost - cur.recompute_cost))
+                if best_key is None or key > best_key:
+                    best, best_key = p, key
+            if best is not None:
+                break  # widen the search only when a shortlist has nothing that helps
         if best is None:
             break
         cur = best
