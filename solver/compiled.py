@@ -32,9 +32,13 @@ __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "
            "torch_default_saved", "least_peak"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
-# Recomputing a pointwise op is a pass over its output; a fused kernel makes it nearly free
-# next to a matmul's 2*M*N*K FLOPs, so it is priced at a quarter FLOP per output byte.
-POINTWISE_COST_PER_BYTE = 0.25
+# Where an op's time was not measured, a roofline at nominal CPU rates prices it: its FLOPs at
+# 100 GFLOP/s plus its output bytes at 10 GB/s (an unfused pointwise op is one pass over memory).
+NOMINAL_FLOPS = 1e11
+NOMINAL_BYTES = 1e10
+# Gains per second of added recomputation are compared with this floor on the seconds, so that
+# free moves (views) rank by their gain.
+MIN_SECONDS = 1e-7
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class JointNode:
     """Bytes the kernel allocates beyond its outputs while it runs (measured on the device)."""
     flops: int = 0
     """Floating-point operations of one run (matmuls, convolutions); 0 for other ops."""
+    seconds: float | None = None
+    """Measured time of one run of its kernel on the device (None: not measured)."""
     candidate: bool = False
     """Whether it may be saved: a forward value that is one tensor (not a multi-output tuple)."""
     rng: bool = False
@@ -66,8 +72,10 @@ class JointNode:
 
     @property
     def cost(self) -> float:
-        """Recomputation cost, FLOP-equivalents."""
-        return self.flops + POINTWISE_COST_PER_BYTE * sum(self.out_bytes)
+        """Seconds one recomputation costs: measured, or the nominal roofline; views cost 0."""
+        if self.seconds is not None:
+            return self.seconds
+        return self.flops / NOMINAL_FLOPS + sum(self.out_bytes) / NOMINAL_BYTES
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ class Prediction:
     transient_peak_bytes: int
     """The peak above the fixed bytes (what the allocator sees the step allocate)."""
     recompute_cost: float
-    """Sum of the recomputed nodes' costs, FLOP-equivalents."""
+    """Sum of the recomputed nodes' costs, seconds."""
     where: str
     """The node at which the peak falls ('forward:<name>' or 'backward:<name>')."""
 
@@ -355,7 +363,7 @@ def _descend(g: JointGraph, budget: int, start: Prediction, width: int):
                 gain = cur.peak_bytes - p.peak_bytes
                 if gain <= 0:
                     continue
-                key = gain / (1.0 + max(0.0, p.recompute_cost - cur.recompute_cost))
+                key = gain / max(MIN_SECONDS, p.recompute_cost - cur.recompute_cost)
                 if best_key is None or key > best_key:
                     best, best_key = p, key
             if best is not None:
@@ -393,7 +401,8 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     cur, trail = _descend(g, budget, default, width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(
-            f"budget {format_bytes(budget)} is below the least peak the compiled plan reaches, "
+            f"budget {format_bytes(budget)} is below the least peak the compiled plan's search "
+            f"reaches, "
             f"{format_bytes(cur.peak_bytes)} ({cur.peak_bytes} bytes: fixed "
             f"{format_bytes(g.fixed_bytes)} for parameters and inputs, peak at {cur.where}); "
             f"raise the budget to at least that, or lower the batch",

@@ -9,6 +9,8 @@ node AOTAutograd tagged as traced in the forward.
 from __future__ import annotations
 
 import operator
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -20,7 +22,7 @@ from solver.compiled import JointGraph, JointNode
 from ...core import torch_private
 from ...core.allocator import AllocatorLog
 
-__all__ = ["describe", "measure_scratch", "tag_saved", "saved_names"]
+__all__ = ["OpMeasures", "describe", "measure_ops", "tag_saved", "saved_names"]
 
 # Ops that return a tensor on their input's storage without saying so in their schema.
 _UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
@@ -89,49 +91,75 @@ def _real(v):
     return v
 
 
-def measure_scratch(joint: fx.GraphModule) -> tuple[dict[str, int], list[str]]:
-    """Bytes each op allocates beyond its outputs while it runs (a kernel's temporaries), by the
-    CPU allocator's own events, running each distinct op once on zero tensors of its inputs'
-    shapes. Returns ({node name: bytes}, names of ops that could not run on zeros). CPU only:
-    on other devices nothing is measured. The RNG state is restored afterwards."""
+@dataclass(frozen=True)
+class OpMeasures:
+    """What running the joint graph's ops once each on this device showed."""
+
+    scratch: dict[str, int]
+    """Node name -> bytes its kernel allocates beyond its outputs while it runs."""
+    seconds: dict[str, float]
+    """Node name -> seconds of one run (the least of `TIMING_RUNS`, wall clock)."""
+    failed: tuple[str, ...]
+    """Nodes whose op would not run on zero tensors (it needs real indices or sizes)."""
+
+
+TIMING_RUNS = 3
+
+
+def measure_ops(joint: fx.GraphModule) -> OpMeasures:
+    """Run each distinct op of the joint graph (same target, argument shapes and constants) on
+    zero tensors: its scratch by the CPU allocator's own events, then its time. CPU only: on
+    other devices nothing is measured (the model then prices ops by their FLOPs and bytes).
+    The RNG state is restored afterwards."""
     todo = [n for n in joint.graph.nodes if n.op == "call_function" and n.target is not
             operator.getitem and _view_of(n) is None]
     if any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
            for n in todo for v in [n.meta.get("val")]):
-        return {}, []
-    found: dict[str, int] = {}
-    failed: list[str] = []
-    seen: dict[str, int] = {}
+        return OpMeasures({}, {}, ())
+    first: dict[str, fx.Node] = {}
+    for n in todo:
+        first.setdefault(_key(n), n)
+    failed: set[str] = set()  # keys
+    seconds: dict[str, float] = {}
     state = torch.get_rng_state()
     try:
         # the partition runs under the compile's fake-tensor mode: set it aside to run for real
-        with torch_private.outside_dispatch_modes(), torch.no_grad(), AllocatorLog() as log:
-            for i, n in enumerate(todo):
-                key = _key(n)
-                if key in seen:
+        with torch_private.outside_dispatch_modes(), torch.no_grad():
+            with AllocatorLog() as log:
+                for i, (key, n) in enumerate(first.items()):
+                    args, kwargs = _real(n.args), {k: _real(v) for k, v in n.kwargs.items()}
+                    log.mark(f"{i}a")
+                    try:
+                        out = n.target(*args, **kwargs)
+                    except Exception:  # an op that needs real data (indices, sizes) to run
+                        failed.add(key)
+                        out = None
+                    log.mark(f"{i}b")
+                    del out, args, kwargs
+            for key, n in first.items():
+                if key in failed:
                     continue
-                seen[key] = i
-                args = _real(n.args)
-                kwargs = {k: _real(v) for k, v in n.kwargs.items()}
-                log.mark(f"{i}a")
-                try:
-                    out = n.target(*args, **kwargs)
-                except Exception:  # an op that needs real data (indices, sizes) to run
-                    failed.append(n.name)
-                    out = None
-                log.mark(f"{i}b")
-                del out, args, kwargs
-        for n in todo:
-            i = seen.get(_key(n))
-            if i is None or n.name in failed:
-                continue
-            val = n.meta.get("val")
-            outs = sum(_nbytes(v) for v in (val if isinstance(val, (tuple, list)) else [val]))
-            found[n.name] = max(0, log.peak_between(f"{i}a", f"{i}b") - log.level(f"{i}a")
-                                - outs)
+                args, kwargs = _real(n.args), {k: _real(v) for k, v in n.kwargs.items()}
+                runs = []
+                for _ in range(TIMING_RUNS):
+                    t = time.perf_counter()
+                    n.target(*args, **kwargs)
+                    runs.append(time.perf_counter() - t)
+                seconds[key] = min(runs)
     finally:
         torch.set_rng_state(state)
-    return found, failed
+    index = {key: i for i, key in enumerate(first)}
+    scratch, times = {}, {}
+    for n in todo:
+        key = _key(n)
+        if key in failed:
+            continue
+        val = n.meta.get("val")
+        outs = sum(_nbytes(v) for v in (val if isinstance(val, (tuple, list)) else [val]))
+        i = index[key]
+        scratch[n.name] = max(0, log.peak_between(f"{i}a", f"{i}b") - log.level(f"{i}a") - outs)
+        times[n.name] = seconds[key]
+    return OpMeasures(scratch, times, tuple(n.name for n in todo if _key(n) in failed))
 
 
 def _signature(a):
@@ -150,13 +178,14 @@ def _key(n: fx.Node) -> str:
 
 
 def describe(joint: fx.GraphModule, num_fwd_outputs: int,
-             scratch: "dict[str, int] | None" = None) -> JointGraph:
-    """The joint graph as solver.compiled sees it; `scratch` from measure_scratch."""
-    scratch = scratch or {}
+             measures: OpMeasures | None = None) -> JointGraph:
+    """The joint graph as solver.compiled sees it, with `measures` from measure_ops."""
+    measures = measures or OpMeasures({}, {}, ())
     nodes = list(joint.graph.nodes)
-    last_forward = max((i for i, n in enumerate(nodes)
-                        if n.op == "placeholder" and torch_private.joint_placeholder_kind(n)
-                        == "primal" or torch_private.joint_forward_tagged(n)), default=-1)
+    last_forward = max((i for i, n in enumerate(nodes) if torch_private.joint_forward_tagged(n)
+                        or (n.op == "placeholder"
+                            and torch_private.joint_placeholder_kind(n) == "primal")),
+                       default=-1)
     out, fixed, rng_state = [], 0, 0
     for i, n in enumerate(nodes):
         if n.op == "output":
@@ -189,7 +218,8 @@ def describe(joint: fx.GraphModule, num_fwd_outputs: int,
             rng_state = max(rng_state, torch.get_rng_state().numel())
         out.append(JointNode(
             n.name, phase, inputs=names, out_bytes=out_bytes, alias=alias, flops=_flops(n),
-            scratch=scratch.get(n.name, 0),
+            scratch=measures.scratch.get(n.name, 0),
+            seconds=measures.seconds.get(n.name, 0.0 if alias else None),
             candidate=phase == "forward" and isinstance(val, torch.Tensor), rng=rng,
             multi=len(val) if multi else 0))
     results = list(nodes[-1].args[0])

@@ -21,7 +21,7 @@ from solver.errors import MonetlikeError
 from solver.units import format_bytes, parse_bytes
 
 from ...core import torch_private
-from .joint import describe, measure_scratch, saved_names, tag_saved
+from .joint import describe, measure_ops, saved_names, tag_saved
 
 __all__ = ["CompiledBackend", "GraphBreakError", "PartitionRecord", "COMPILERS"]
 
@@ -43,7 +43,7 @@ class PartitionRecord:
     forward: fx.GraphModule
     backward: fx.GraphModule
     unmeasured: tuple[str, ...] = ()
-    """Ops whose scratch could not be measured (they would not run on zero tensors)."""
+    """Ops whose scratch and time could not be measured (they would not run on zeros)."""
 
 
 def _where(gm: fx.GraphModule | None) -> str:
@@ -97,8 +97,8 @@ class CompiledBackend:
                 f"A graph break (or a recompilation for other input shapes or dtypes) splits the "
                 f"step, and one plan per graph under one budget is not implemented yet: remove "
                 f"the break (torch._dynamo.explain lists them) or use one backend per shape")
-        scratch, unmeasured = measure_scratch(joint)
-        graph = describe(joint, num_fwd_outputs, scratch)
+        measures = measure_ops(joint)
+        graph = describe(joint, num_fwd_outputs, measures)
         plan = self.planner(graph, self.budget)
         if plan.prediction.peak_bytes > self.budget:
             raise MonetlikeError(f"the planner's saved set peaks at "
@@ -115,7 +115,7 @@ class CompiledBackend:
                 f"report it): saved but not planned {sorted(got - plan.saved)[:5]}, planned but "
                 f"not saved {sorted(plan.saved - got)[:5]}")
         self.records.append(PartitionRecord(graph=graph, plan=plan, saved=got, forward=forward,
-                                            backward=backward, unmeasured=tuple(unmeasured)))
+                                            backward=backward, unmeasured=measures.failed))
         return forward, backward
 
     def __repr__(self) -> str:
