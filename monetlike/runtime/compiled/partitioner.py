@@ -105,6 +105,7 @@ class CompiledBackend:
                                  f"{format_bytes(plan.prediction.peak_bytes)}, over the budget "
                                  f"{format_bytes(self.budget)}; expected a plan within it")
         tag_saved(joint, graph, plan.saved)
+        kwargs.pop("compiler", None)  # Inductor names itself for its min-cut's op lists
         forward, backward = torch_private.default_partition(
             joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         got = frozenset(n for n in saved_names(forward, num_fwd_outputs)
