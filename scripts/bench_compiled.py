@@ -10,8 +10,8 @@ Rows: compile plain (torch's min-cut partition), compile at activation_memory_bu
 reaches. Each row: first-step (compile) seconds, the step's transient peak by the CPU allocator's
 own events (AllocatorLog; the step holds its output until its backward ends), ours' predicted
 peak, the median thread-time step over interleaved rounds, and whether gradients equal eager's
-(bitwise under aot_eager; torch.testing.assert_close under inductor). Thread time, not wall time:
-this machine's cores are shared. Prints a markdown table.
+(bitwise under aot_eager; torch.testing.assert_close under inductor). Thread time with one torch
+thread, not wall time: this machine's cores are shared. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--knob", type=float, default=0.5, help="torch's activation_memory_budget")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # thread time counts the calling thread only: no intra-op pool
     torch._dynamo.config.cache_size_limit = 64
     base, x = build(args.model, args.batch, args.size)
     eager = copy.deepcopy(base)
@@ -155,7 +156,8 @@ def main(argv=None) -> int:
         for row in rows:
             row.time_once(x)
     plain = statistics.median(rows[0].times)
-    print(f"\n{args.model}, batch {args.batch}, {args.compiler}, CPU, thread time, median of "
+    print(f"\n{args.model}, batch {args.batch}, {args.compiler}, CPU, 1 torch thread, thread "
+          f"time, median of "
           f"{args.rounds} interleaved rounds; fixed (parameters, buffers, input) "
           f"{format_bytes(fixed)}\n")
     print("| row | compile s | step, x compile plain | measured transient peak | "
