@@ -39,7 +39,7 @@ SOLVER_FLOORS = {
         "errors", "units", "graph", "schedule", "release", "canonical", "simulate", "analysis",
         "least_budget")},
     **{f"solver.{m}": (1, "model", False) for m in (
-        "milp", "formulation", "formulation_rows", "cuts", "stage_bound")},
+        "milp", "formulation", "formulation_rows", "cuts", "stage_bound", "compiled")},
     "solver.backends": (2, "backends", True),
     "solver.rules": (3, "rules", True),
     "solver.search": (4, "search", True),

@@ -35,7 +35,9 @@ __all__ = [
     "checkpoint_hook_class", "neg_view", "parametrize_cache_on",
     "current_graph_task_id", "sole_owner",
     "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
-    "tensors_in", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
+    "tensors_in", "aot_backend", "default_partition", "joint_placeholder_kind",
+    "joint_forward_tagged",
+    "inductor_backend", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]
 
 # -- pytree and dispatch modes -------------------------------------------------------------------
@@ -192,3 +194,63 @@ def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int, int] | Non
             yield node.start_time_ns, node.name, (f.device.type, int(f.alloc_size), int(f.ptr))
         else:
             yield node.start_time_ns, node.name, None
+
+
+# -- AOTAutograd's partition (the compiled runtime) ----------------------------------------------
+# torch.compile has no public API for choosing which joint-graph values the forward saves: a
+# backend built with torch._dynamo's aot_autograd takes a partition function, and torch's own
+# partitioners live in torch._functorch.partitioners.
+def aot_backend(partition_fn: Callable, compiler: Callable | None = None) -> Callable:
+    """A torch.compile backend: AOTAutograd tracing the joint graph, `partition_fn` cutting it,
+    and `compiler` (default: aot_eager's boxed no-op, running the graphs' aten ops eagerly, their
+    inputs freed at last use) compiling the forward and the backward."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    return aot_autograd(fw_compiler=compiler or boxed_nop, bw_compiler=compiler or boxed_nop,
+                        partition_fn=partition_fn, keep_inference_input_mutations=True)
+
+
+def default_partition(joint, joint_inputs, **kwargs):
+    """torch's default partition: saves every forward value the backward reads, except those
+    tagged node.meta["recompute"] = MUST_RECOMPUTE, which the backward recomputes (random ops
+    replaying the forward's RNG state)."""
+    from torch._functorch.partitioners import default_partition as partition
+
+    return partition(joint, joint_inputs, **kwargs)
+
+
+def joint_placeholder_kind(node: torch.fx.Node) -> str:
+    """'primal', 'tangent' or 'other' for a placeholder of AOTAutograd's joint graph."""
+    from torch._functorch import partitioners as p
+
+    if p._is_primal(node):
+        return "primal"
+    return "tangent" if p._is_tangent(node) else "other"
+
+
+def joint_forward_tagged(node: torch.fx.Node) -> bool:
+    """Whether AOTAutograd traced `node` in the forward (default_partition's rule for where the
+    forward ends: at the last node so tagged)."""
+    from torch._functorch import partitioners as p
+
+    return p._has_tag_is_forward(node)
+
+
+def inductor_backend(partition_fn: Callable) -> Callable:
+    """A torch.compile backend: Inductor with `partition_fn` as its partitioner (Inductor's
+    joint-graph passes run first), through `torch._inductor.config.custom_partitioner_fn`."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class _Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition_fn(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None  # no caching: the plan depends on the budget and the graph
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs,
+                          config_patches={"custom_partitioner_fn": _Partitioner()})
+    return backend

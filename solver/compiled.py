@@ -1,0 +1,415 @@
+"""The compiled execution model: which values of AOTAutograd's joint graph the forward saves.
+
+Under `torch.compile` the training step is one joint forward+backward graph that AOTAutograd
+cuts in two. The decision is the saved set S (forward values handed to the backward); the
+backward graph recomputes every other forward value it needs, from S and the primals, just
+before its first use. This module is torch-free: the torch side (monetlike/runtime/compiled/)
+describes the joint graph as `JointNode`s, and this module predicts the peak of a saved set
+(`predict`) and searches for the cheapest saved set under a byte budget (`plan_saved`).
+
+The memory model (docs/execution-model.md, "The compiled execution model"), as torch 2.14's
+`default_partition` and the fx code it generates behave under an eager-kernel compiler:
+- primals (parameters, buffers, inputs) are fixed memory, held for the whole step;
+- the forward graph runs the forward nodes the outputs and S need, in joint order; a storage is
+  freed after the last node that reads any value on it, unless a graph output holds it;
+- the forward's user outputs are held by the caller until the backward ends; saved values are
+  held from their producer to their last use in the backward;
+- the backward allocates its tangents (a contiguous copy), then runs its nodes in the order
+  `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its first user);
+  its outputs (gradients) stay; a recomputed random op saves the RNG state in the forward.
+An op allocates its outputs, and briefly its kernel's scratch, while its inputs are live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from .errors import InfeasibleBudgetError
+from .units import format_bytes
+
+__all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
+           "torch_default_saved", "least_peak"]
+
+PHASES = ("primal", "tangent", "forward", "backward")
+# Where an op's time was not measured, a roofline at nominal CPU rates prices it: its FLOPs at
+# 100 GFLOP/s plus its output bytes at 10 GB/s (an unfused pointwise op is one pass over memory).
+NOMINAL_FLOPS = 1e11
+NOMINAL_BYTES = 1e10
+# Gains per second of added recomputation are compared with this floor on the seconds, so that
+# free moves (views) rank by their gain.
+MIN_SECONDS = 1e-7
+
+
+@dataclass(frozen=True)
+class JointNode:
+    """One node of the joint graph, as the model needs it."""
+
+    name: str
+    """The fx node's name (unique in its graph)."""
+    phase: str
+    """'primal' (a parameter, buffer or input), 'tangent', 'forward' or 'backward'."""
+    inputs: tuple[str, ...] = ()
+    """Names of the nodes it reads, in order, without repeats."""
+    out_bytes: tuple[int, ...] = ()
+    """Bytes of each fresh storage it allocates: one per output of a multi-output op, none for a
+    view, a getitem or a primal (counted by `fixed_bytes`); a tangent's own (contiguous) copy."""
+    alias: tuple[str, int] | None = None
+    """(node, output index) of the storage this value lives on when it is not its own: a view's
+    base storage, a getitem's output of its multi-output op. None: its own storage 0."""
+    scratch: int = 0
+    """Bytes the kernel allocates beyond its outputs while it runs (measured on the device)."""
+    flops: int = 0
+    """Floating-point operations of one run (matmuls, convolutions); 0 for other ops."""
+    seconds: float | None = None
+    """Measured time of one run of its kernel on the device (None: not measured)."""
+    candidate: bool = False
+    """Whether it may be saved: a forward value that is one tensor (not a multi-output tuple)."""
+    rng: bool = False
+    """A random op: recomputing it replays the forward's RNG state, saved by the forward."""
+    multi: int = 0
+    """Number of outputs of a multi-output op (read through getitems); 0 otherwise."""
+
+    @property
+    def cost(self) -> float:
+        """Seconds one recomputation costs: measured, or the nominal roofline; views cost 0."""
+        if self.seconds is not None:
+            return self.seconds
+        return self.flops / NOMINAL_FLOPS + sum(self.out_bytes) / NOMINAL_BYTES
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    """The joint graph in its topological (joint) order."""
+
+    nodes: tuple[JointNode, ...]
+    forward_outputs: tuple[str, ...]
+    """The values the forward returns to its caller (held until the backward ends)."""
+    backward_outputs: tuple[str, ...]
+    """The gradients the backward returns (held to the end of the step)."""
+    fixed_bytes: int = 0
+    """Bytes of the primals: parameters, buffers and inputs."""
+    rng_state_bytes: int = 0
+    """Bytes of one saved RNG state (what a recomputed random op makes the forward save)."""
+
+    @cached_property
+    def by_name(self) -> dict[str, JointNode]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def order(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    @cached_property
+    def users(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return out
+
+    def storage(self, name: str) -> tuple[str, int] | None:
+        """The storage a value lives on; None for a primal's (fixed) storage."""
+        node = self.by_name[name]
+        while node.alias is not None:
+            base, k = node.alias
+            node = self.by_name[base]
+            if node.multi:
+                return (base, k)
+        if node.phase == "primal" or not node.out_bytes:
+            return None
+        return (node.name, 0)
+
+    @cached_property
+    def _storages(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        out = {}
+        for node in self.nodes:
+            if node.multi:
+                out[node.name] = tuple((node.name, k) for k in range(node.multi))
+            else:
+                s = self.storage(node.name)
+                out[node.name] = () if s is None else (s,)
+        return out
+
+    def storages_of(self, name: str) -> tuple[tuple[str, int], ...]:
+        """Every storage a value keeps alive (all outputs of a multi-output tuple)."""
+        return self._storages[name]
+
+    def bytes_of(self, storage: tuple[str, int]) -> int:
+        return self.by_name[storage[0]].out_bytes[storage[1]]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a saved set gives: the step's peak and what the backward recomputes."""
+
+    saved: frozenset[str]
+    """The forward values the backward reads (S, pruned to those it uses)."""
+    recomputed: tuple[str, ...]
+    """Forward nodes the backward runs again, in joint order."""
+    peak_bytes: int
+    """Fixed bytes plus the highest level of everything else, over the step."""
+    transient_peak_bytes: int
+    """The peak above the fixed bytes (what the allocator sees the step allocate)."""
+    recompute_cost: float
+    """Sum of the recomputed nodes' costs, seconds."""
+    where: str
+    """The node at which the peak falls ('forward:<name>' or 'backward:<name>')."""
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """A searched saved set and its prediction, with torch's default partition beside it."""
+
+    prediction: Prediction
+    budget: int
+    default: Prediction
+    """torch's default partition (save every forward value the backward reads)."""
+    steps: int = 0
+    """Moves the search made."""
+    trail: tuple[int, ...] = field(default=(), repr=False)
+    """The peak after each move (for the least peak found)."""
+
+    @property
+    def saved(self) -> frozenset[str]:
+        return self.prediction.saved
+
+
+def _needed_backward(g: JointGraph, saved: frozenset[str]) -> tuple[list[str], list[str]]:
+    """(backward graph nodes in joint order, recomputed forward nodes in joint order)."""
+    need: set[str] = set()
+    stack = [o for o in g.backward_outputs]
+    while stack:
+        name = stack.pop()
+        if name in need:
+            continue
+        node = g.by_name[name]
+        if node.phase in ("primal", "tangent") or (node.phase == "forward" and name in saved):
+            need.add(name)  # an input of the backward graph
+            continue
+        need.add(name)
+        stack.extend(node.inputs)
+    body = [n.name for n in g.nodes if n.name in need and n.phase in ("forward", "backward")
+            and not (n.phase == "forward" and n.name in saved)]
+    recomputed = [n for n in body if g.by_name[n].phase == "forward"]
+    return body, recomputed
+
+
+def _backward_order(g: JointGraph, body: list[str], reorder: bool) -> list[str]:
+    """The order of torch's reordering_to_mimic_autograd_engine: from the first user of a
+    tangent on, each node after the nodes it needs that have not run yet (in joint order)."""
+    if not reorder:
+        return _raise_getitems(g, body)
+    members = set(body)
+    pos = {n: i for i, n in enumerate(body)}
+    tangents = {n.name for n in g.nodes if n.phase == "tangent"}
+    first = min((pos[n] for n in body if tangents & set(g.by_name[n].inputs)), default=None)
+    if first is None:
+        return _raise_getitems(g, body)
+    done: set[str] = set()
+    out: list[str] = []
+    for name in body[first:]:
+        pending, stack = set(), [name]
+        while stack:
+            n = stack.pop()
+            if n in pending or n in done or n not in members:
+                continue
+            pending.add(n)
+            stack.extend(g.by_name[n].inputs)
+        for n in sorted(pending, key=pos.__getitem__):
+            out.append(n)
+            done.add(n)
+    return _raise_getitems(g, out)
+
+
+def _raise_getitems(g: JointGraph, order: list[str]) -> list[str]:
+    """torch's raise_getitems: each getitem of a multi-output op right after the op."""
+    items: dict[str, list[str]] = {}
+    for n in order:
+        a = g.by_name[n].alias
+        if a is not None and g.by_name[a[0]].multi:
+            items.setdefault(a[0], []).append(n)
+    moved = {n for v in items.values() for n in v}
+    out = []
+    for n in order:
+        if n not in moved:
+            out.append(n)
+            out.extend(items.get(n, ()))
+    return out
+
+
+def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int], int],
+         keep: set[tuple[str, int]], phase: str, fresh: set[str],
+         states: dict[str, tuple[str, int]]) -> tuple[int, str, int]:
+    """Replay one graph: each node allocates its outputs (and briefly its scratch), then every
+    storage whose last reader it was is freed unless `keep` holds it. A storage of a node in
+    `fresh` is this graph's own copy (a recomputation), not the forward's of the same name.
+    `states` maps a random op to its saved RNG state: made by the forward, read by the
+    backward's recomputation. `live` maps live storages to bytes (updated).
+    Returns (peak, where, level after)."""
+    def storages(name: str) -> list[tuple[str, int]]:
+        return [(("re:" + b) if b in fresh else b, k) for b, k in g.storages_of(name)]
+
+    last: dict[tuple[str, int], int] = {}
+    for i, name in enumerate(order):
+        for s in storages(name):
+            last.setdefault(s, i)
+        for inp in g.by_name[name].inputs:
+            for s in storages(inp):
+                last[s] = i
+        if name in states:
+            last[states[name]] = i
+    frees: dict[int, list[tuple[str, int]]] = {}
+    for s, i in last.items():
+        if s not in keep:
+            frees.setdefault(i, []).append(s)
+    peak, where = level, f"{phase}:start"
+    for s in [s for s in live if s not in last and s not in keep]:
+        level -= live.pop(s)  # nothing in this graph reads it: freed as the graph starts
+    for i, name in enumerate(order):
+        node = g.by_name[name]
+        for k, b in enumerate(node.out_bytes):
+            live[(("re:" + name) if name in fresh else name, k)] = b
+            level += b
+        if name in states and states[name] not in live:
+            live[states[name]] = g.rng_state_bytes
+            level += g.rng_state_bytes
+        if level + node.scratch > peak:
+            peak, where = level + node.scratch, f"{phase}:{name}"
+        for s in frees.get(i, ()):
+            if s in live:
+                level -= live.pop(s)
+    return peak, where, level
+
+
+def predict(g: JointGraph, saved: "frozenset[str] | set[str]") -> Prediction:
+    """The peak and recomputation of the partition that saves `saved` (pruned to what the
+    backward reads)."""
+    bad = [s for s in saved if s not in g.by_name or not g.by_name[s].candidate]
+    if bad:
+        raise ValueError(f"saved set names values that are not savable forward values: "
+                         f"{sorted(bad)[:5]}; expected names of forward tensor values")
+    saved = frozenset(saved)
+    body, recomputed = _needed_backward(g, saved)
+    reads = {i for n in body for i in g.by_name[n].inputs}
+    saved = frozenset(s for s in saved if s in reads)
+    reorder = any(n.candidate and n.name not in saved for n in g.nodes)
+    rng = [n for n in recomputed if g.by_name[n].rng]
+    # forward: the nodes its outputs and the saved values need, in joint order
+    need: set[str] = set()
+    stack = list(g.forward_outputs) + sorted(saved) + rng
+    while stack:
+        n = stack.pop()
+        if n not in need and g.by_name[n].phase == "forward":
+            need.add(n)
+            stack.extend(g.by_name[n].inputs)
+    forward = [n.name for n in g.nodes if n.name in need]
+    outs = {s for n in g.forward_outputs for s in g.storages_of(n)}
+    states = {n: ("rng:" + n, 0) for n in rng}
+    keep = outs | {s for n in saved for s in g.storages_of(n)} | set(states.values())
+    live: dict[tuple[str, int], int] = {}
+    f_peak, f_where, level = _run(g, forward, 0, live, keep, "forward", set(), states)
+    # backward: tangents arrive, saved values are read and freed at their last use
+    for t in g.nodes:
+        if t.phase == "tangent" and t.out_bytes:
+            live[(t.name, 0)] = t.out_bytes[0]
+            level += t.out_bytes[0]
+    order = _backward_order(g, body, reorder)
+    grads = {s for n in g.backward_outputs for s in g.storages_of(n)}
+    fresh = set(body)
+    grads = {(("re:" + b) if b in fresh else b, k) for b, k in grads}
+    b_peak, b_where, _ = _run(g, order, level, live, grads | outs, "backward", fresh, states)
+    peak, where = (f_peak, f_where) if f_peak >= b_peak else (b_peak, b_where)
+    cost = sum(g.by_name[n].cost for n in recomputed)
+    return Prediction(saved=saved, recomputed=tuple(recomputed), peak_bytes=g.fixed_bytes + peak,
+                      transient_peak_bytes=peak, recompute_cost=cost, where=where)
+
+
+def torch_default_saved(g: JointGraph) -> frozenset[str]:
+    """What torch's default partition saves: every forward value a backward node reads."""
+    return frozenset(i for n in g.nodes if n.phase == "backward" for i in n.inputs
+                     if g.by_name[i].candidate)
+
+
+def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
+    """Saved values worth trying to recompute, in shortlists to simulate one after another: the
+    `width` that free the most bytes of their own, and the `width` that do among those without
+    FLOPs (pointwise: nearly free to recompute), then the rest in chunks."""
+    held: dict[tuple[str, int], int] = {}
+    for s in current.saved:
+        for st in g.storages_of(s):
+            held[st] = held.get(st, 0) + 1
+
+    def own(name: str) -> int:
+        return sum(g.bytes_of(st) for st in g.storages_of(name) if held[st] == 1)
+
+    ranked = sorted((n for n in current.saved if own(n) > 0),
+                    key=lambda n: (-own(n), g.by_name[n].cost, g.order[n]))
+    cheap = [n for n in ranked if g.by_name[n].flops == 0]
+    first = list(dict.fromkeys(ranked[:width] + cheap[:width]))
+    rest = [n for n in ranked if n not in set(first)]
+    return [first] + [rest[i:i + 4 * width] for i in range(0, len(rest), 4 * width)]
+
+
+def _descend(g: JointGraph, budget: int, start: Prediction, width: int):
+    """Greedy: recompute the saved value whose removal lowers the peak most per unit of added
+    cost, until the peak fits `budget` or no removal lowers it. Returns (prediction, trail)."""
+    cur, trail = start, [start.peak_bytes]
+    while cur.peak_bytes > budget:
+        best, best_key = None, None
+        for shortlist in _moves(g, cur, width):
+            for name in shortlist:
+                p = predict(g, cur.saved - {name})
+                gain = cur.peak_bytes - p.peak_bytes
+                if gain <= 0:
+                    continue
+                key = gain / max(MIN_SECONDS, p.recompute_cost - cur.recompute_cost)
+                if best_key is None or key > best_key:
+                    best, best_key = p, key
+            if best is not None:
+                break  # widen the search only when a shortlist has nothing that helps
+        if best is None:
+            break
+        cur = best
+        trail.append(cur.peak_bytes)
+    return cur, trail
+
+
+def _polish(g: JointGraph, budget: int, cur: Prediction) -> Prediction:
+    """Save again, most expensive first, whatever still fits the budget (lowers the cost)."""
+    for name in sorted(cur.recomputed, key=lambda n: -g.by_name[n].cost):
+        node = g.by_name[name]
+        if not node.candidate or name in cur.saved or node.cost <= 0:
+            continue
+        p = predict(g, cur.saved | {name})
+        if p.peak_bytes <= budget and p.recompute_cost < cur.recompute_cost:
+            cur = p
+    return cur
+
+
+def least_peak(g: JointGraph, width: int = 8) -> Prediction:
+    """The least peak the search reaches (the search run with no budget to stop it)."""
+    start = predict(g, torch_default_saved(g))
+    low, trail = _descend(g, -1, start, width)
+    return low
+
+
+def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
+    """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
+    torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
+    default = predict(g, torch_default_saved(g))
+    cur, trail = _descend(g, budget, default, width)
+    if cur.peak_bytes > budget:
+        raise InfeasibleBudgetError(
+            f"budget {format_bytes(budget)} is below the least peak the compiled plan's search "
+            f"reaches, "
+            f"{format_bytes(cur.peak_bytes)} ({cur.peak_bytes} bytes: fixed "
+            f"{format_bytes(g.fixed_bytes)} for parameters and inputs, peak at {cur.where}); "
+            f"raise the budget to at least that, or lower the batch",
+            budget=budget, min_budget=cur.peak_bytes)
+    cur = _polish(g, budget, cur)
+    # the plan runs only after the model has replayed it within its budget
+    check = predict(g, cur.saved)
+    assert check.peak_bytes <= budget and check.saved == cur.saved
+    return CompiledPlan(prediction=check, budget=budget, default=default, steps=len(trail) - 1,
+                        trail=tuple(trail))

@@ -1,0 +1,103 @@
+"""solver/compiled.py, the compiled execution model, on hand-built joint graphs with known peaks.
+
+The numbers are worked by hand in the comments (docs/execution-model.md, "The compiled
+execution model"); the measured side is tests/test_compiled_runtime.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from solver.compiled import JointGraph, JointNode, least_peak, plan_saved, predict, \
+    torch_default_saved
+from solver.errors import InfeasibleBudgetError
+
+K = 1000
+
+
+def chain() -> JointGraph:
+    """x -> a1 -> a2 -> a3 -> out (1000 bytes each but out, 10), pointwise; the backward reads
+    each a_i once, last-in first-out, as autograd would: g3(t, a3), g2(g3, a2), g1(g2, a1)."""
+    n = [JointNode("x", "primal"), JointNode("w", "primal"),
+         JointNode("a1", "forward", ("x",), (K,), candidate=True),
+         JointNode("a2", "forward", ("a1",), (K,), candidate=True),
+         JointNode("a3", "forward", ("a2", "w"), (K,), candidate=True, flops=10**6),
+         JointNode("out", "forward", ("a3",), (10,), candidate=True),
+         JointNode("t", "tangent", out_bytes=(10,)),
+         JointNode("g3", "backward", ("t", "a3"), (K,)),
+         JointNode("g2", "backward", ("g3", "a2"), (K,)),
+         JointNode("g1", "backward", ("g2", "a1"), (K,)),
+         JointNode("gw", "backward", ("g1", "x"), (100,))]
+    return JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gw",),
+                      fixed_bytes=200)
+
+
+def test_default_partition_saves_what_the_backward_reads():
+    g = chain()
+    assert torch_default_saved(g) == {"a1", "a2", "a3"}
+    p = predict(g, torch_default_saved(g))
+    # forward: a1, a2, a3 held, out: 3010. backward: tangent 10 -> 3020; g3 +1000 = 4020 (peak),
+    # then a3 is freed at its last use.
+    assert (p.transient_peak_bytes, p.peak_bytes, p.where) == (4020, 4220, "backward:g3")
+    assert p.recomputed == () and p.recompute_cost == 0
+
+
+def test_recomputing_a_value_moves_it_to_its_first_use():
+    g = chain()
+    p = predict(g, {"a2", "a3"})
+    # a1 is freed after a2 ran (forward peak 2000); the backward runs g3 at 2000 + 10 + 10 +
+    # 1000 = 3020 (peak) and recomputes a1 just before g1: a2 is gone by then (1000 + g2 + a1 +
+    # g1 = ... < 3020).
+    assert (p.transient_peak_bytes, p.where) == (3020, "backward:g3")
+    # unmeasured: the nominal roofline, 1000 bytes at 10 GB/s
+    assert p.recomputed == ("a1",) and p.recompute_cost == pytest.approx(K / 1e10)
+
+
+def test_a_measured_time_is_the_cost():
+    n = [x if x.name != "a3" else JointNode("a3", "forward", ("a2", "w"), (K,), candidate=True,
+                                           flops=10**6, seconds=0.5) for x in chain().nodes]
+    g = JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gw",))
+    assert predict(g, {"a1", "a2"}).recompute_cost == 0.5
+
+
+def test_a_matmul_costs_its_flops():
+    g = chain()
+    p = predict(g, {"a1", "a2"})   # a3 recomputed from a2 (saved) and w (a primal)
+    assert p.recomputed == ("a3",) and p.recompute_cost == pytest.approx(10**6 / 1e11 + K / 1e10)
+
+
+def test_a_view_saves_its_base_storage():
+    n = list(chain().nodes)
+    n.insert(3, JointNode("v1", "forward", ("a1",), (), alias=("a1", 0), candidate=True))
+    n[n.index(next(x for x in n if x.name == "g1"))] = JointNode("g1", "backward", ("g2", "v1"),
+                                                                 (K,))
+    g = JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gw",),
+                   fixed_bytes=200)
+    assert torch_default_saved(g) == {"v1", "a2", "a3"}
+    # saving the view keeps a1's 1000 bytes, as saving a1 would
+    assert predict(g, {"v1", "a2", "a3"}).transient_peak_bytes == 4020
+
+
+def test_search_meets_the_budget_at_the_least_cost():
+    g = chain()
+    plan = plan_saved(g, 3220)
+    assert plan.prediction.peak_bytes <= 3220
+    assert plan.default.peak_bytes == 4220
+    # recomputing a1 alone (0.1 us) meets 3220; a3 would cost its FLOPs too (10 us)
+    assert plan.prediction.recomputed == ("a1",)
+    assert plan_saved(g, 4220).prediction.recomputed == ()
+
+
+def test_a_budget_below_the_least_raises_with_the_least():
+    g = chain()
+    least = least_peak(g).peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_saved(g, least - 1)
+    assert e.value.min_budget == least and e.value.budget == least - 1
+    assert "raise the budget to at least that" in str(e.value)
+    assert plan_saved(g, least).prediction.peak_bytes == least
+
+
+def test_a_saved_set_must_name_forward_values():
+    with pytest.raises(ValueError, match="not savable forward values"):
+        predict(chain(), {"g3"})

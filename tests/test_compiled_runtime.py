@@ -1,0 +1,183 @@
+"""The compiled runtime (monetlike.backend under torch.compile, aot_eager): the forward saves the
+plan's set, gradients are bitwise those of eager PyTorch, the step's peak by the CPU
+allocator's own events is the model's prediction within 2%, a recomputed dropout draws the
+forward's numbers, and a budget below the least or a graph break is refused clearly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monetlike
+from monetlike.core.allocator import AllocatorLog
+from monetlike.runtime.compiled import GraphBreakError
+from solver.compiled import CompiledPlan, least_peak, predict, torch_default_saved
+from solver.errors import InfeasibleBudgetError
+
+PEAK_TOLERANCE = 0.02
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.3), nn.Linear(512, 512),
+                         nn.Tanh(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+
+    def block(i, o):
+        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o),
+                             nn.ReLU6())
+    return nn.Sequential(block(3, 16), block(16, 32), nn.MaxPool2d(2), block(32, 32),
+                         nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def grads(model) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def eager_grads(model, x, seed=1):
+    torch.manual_seed(seed)
+    model(x).sum().backward()
+    return grads(model)
+
+
+def compiled_step(model, x, backend, seed=1):
+    """(gradients of a first compiled step, peak bytes of a second, as the allocator saw it)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    torch.manual_seed(seed)
+    compiled(x).sum().backward()
+    first = grads(model)
+    torch.manual_seed(seed)
+    with AllocatorLog() as log:
+        log.mark("start")
+        out = compiled(x)
+        out.sum().backward()
+        log.mark("end")
+    del out
+    grads(model)
+    return first, log.peak_between("start", "end")
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    """The MLP's joint graph (from a step at a budget nothing reaches)."""
+    model, x = mlp(), torch.randn(256, 256)
+    be = monetlike.backend(budget="1GiB")
+    compiled_step(model, x, be)
+    return be.record.graph
+
+
+def budgets(graph) -> dict[str, int]:
+    """torch's default partition's peak, the least the search reaches, and their midpoint."""
+    default = predict(graph, torch_default_saved(graph)).peak_bytes
+    least = least_peak(graph).peak_bytes
+    assert least < default  # the MLP has something to recompute
+    return {"default": default, "mid": (default + least) // 2, "least": least}
+
+
+@pytest.mark.parametrize("where", ["default", "mid", "least"])
+def test_saved_set_gradients_and_peak_at_a_budget(mlp_graph, where):
+    model, x = mlp(), torch.randn(256, 256)
+    budget = budgets(mlp_graph)[where]
+    be = monetlike.backend(budget=budget)
+    got, peak = compiled_step(model, x, be)
+    record = be.record
+    plan = record.plan.prediction
+    # the forward hands the backward the plan's values (and primals, which are fixed memory)
+    handed = set(n.name for n in record.forward.graph.find_nodes(op="output")[0].args[0]
+                 if isinstance(n, torch.fx.Node))
+    values = {n for n in handed if record.graph.by_name.get(n) is not None
+              and record.graph.by_name[n].candidate}
+    assert values - set(record.graph.forward_outputs) == set(plan.saved) - set(
+        record.graph.forward_outputs)
+    assert set(plan.recomputed) <= {n.name for n in record.backward.graph.nodes}
+    assert (where == "default") == (plan.recomputed == ())
+    assert plan.peak_bytes <= budget
+    # bitwise equal to eager PyTorch at the same seed
+    want = eager_grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the allocator's own count of the step, against the model
+    assert abs(peak - plan.transient_peak_bytes) <= PEAK_TOLERANCE * plan.transient_peak_bytes
+
+
+def test_cnn_peak_and_gradients_at_the_midpoint():
+    model, x = cnn(), torch.randn(8, 3, 32, 32)
+    probe = monetlike.backend(budget="1GiB")
+    compiled_step(model, x, probe)
+    b = budgets(probe.record.graph)
+    be = monetlike.backend(budget=b["mid"])
+    got, peak = compiled_step(model, x, be)
+    plan = be.record.plan.prediction
+    assert plan.recomputed and plan.peak_bytes <= b["mid"] < b["default"]
+    assert all(torch.equal(a, w) for a, w in zip(got, eager_grads(model, x)))
+    assert abs(peak - plan.transient_peak_bytes) <= PEAK_TOLERANCE * plan.transient_peak_bytes
+
+
+def recompute_dropout(graph, budget) -> CompiledPlan:
+    """A planner that saves torch's default set but the dropout's outputs (mask and result)."""
+    dropout = {n.name for n in graph.nodes if n.alias is not None
+               and graph.by_name[n.alias[0]].rng}
+    assert dropout  # the model has a dropout
+    p = predict(graph, torch_default_saved(graph) - dropout)
+    return CompiledPlan(prediction=p, budget=budget, default=p)
+
+
+def test_a_recomputed_dropout_draws_the_forwards_numbers():
+    model, x = mlp(), torch.randn(256, 256)
+    be = monetlike.backend(budget="1GiB", planner=recompute_dropout)
+    got, peak = compiled_step(model, x, be)
+    plan = be.record.plan.prediction
+    assert "native_dropout" in plan.recomputed
+    # the backward replays the forward's RNG state: without it the mask would differ
+    assert any("run_with_rng_state" in str(n.target) for n in be.record.backward.graph.nodes)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager_grads(model, x)))
+    assert abs(peak - plan.transient_peak_bytes) <= PEAK_TOLERANCE * plan.transient_peak_bytes
+
+
+def causes(e: BaseException):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def test_a_budget_below_the_least_raises_with_the_least(mlp_graph):
+    least = budgets(mlp_graph)["least"]
+    model, x = mlp(), torch.randn(256, 256)
+    with pytest.raises(Exception) as e:
+        compiled_step(model, x, monetlike.backend(budget=least - 1))
+    err = next(c for c in causes(e.value) if isinstance(c, InfeasibleBudgetError))
+    assert err.min_budget == least and err.budget == least - 1
+    assert "raise the budget to at least that" in str(err)
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_graph_break_is_refused_naming_it():
+    model, x = Broken(), torch.randn(4, 16)
+    with pytest.raises(Exception) as e:
+        compiled_step(model, x, monetlike.backend(budget="1GiB"))
+    err = next(c for c in causes(e.value) if isinstance(c, GraphBreakError))
+    assert "second training graph, starting at" in str(err)
+    assert "test_compiled_runtime.py" in str(err) and "self.b(h)" in str(err)
+
+
+def test_an_unknown_compiler_is_refused():
+    with pytest.raises(ValueError, match="compiler 'tvm' is not one of aot_eager, inductor"):
+        monetlike.backend(budget="1GiB", compiler="tvm")
