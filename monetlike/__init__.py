@@ -9,8 +9,9 @@ from .capture.trace import TraceError
 from .check import CheckReport, check_schedule
 from .measure import Measurement, measure_step
 from .optimize import optimize
-from .profile import profile
+from .profile import FSDPConfig, profile
 from .wrapper import ScheduleWrapper
 
-__all__ = ["profile", "measure_step", "Measurement", "TraceError", "ScheduleWrapper", "optimize",
+__all__ = ["profile", "FSDPConfig", "measure_step", "Measurement", "TraceError", "ScheduleWrapper",
+           "optimize",
            "check_schedule", "CheckReport"]

@@ -33,6 +33,7 @@ from ..capture.trace import restore_rng, save_rng
 from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
+from .fsdp import FSDPConfig, per_rank_graph
 from .gpu_like import GpuLike
 from .interpreter import ProfileRun
 from .records import ProfileError, loss_fn_in_use
@@ -134,7 +135,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             leaf_modules: Iterable = (), impls: bool = True,
             host_bandwidth: float | None = None, clock: str = "wall",
             impl_target: str | None = None, capture: str = "auto",
-            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> OpGraph:
+            loss_fn: Callable[[Any], torch.Tensor] | None = None,
+            fsdp: FSDPConfig | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -169,7 +171,12 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         (monetlike.capture); `meta["capture"]` records which one made the graph. A mapping of
         keyword inputs (a Hugging Face batch: input_ids, attention_mask, labels) is accepted as
         `example_inputs`.
+    fsdp: an FSDPConfig: the graph's memory is then one rank's under FSDP2 with those units
+        (monetlike.profile.fsdp), and a budget solved on it is a per-rank peak. The model is
+        the unsharded one; `meta["fsdp"]` records the config.
     """
+    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
+        raise TypeError(f"fsdp: expected a monetlike.FSDPConfig, got {type(fsdp).__name__}")
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
         host_bandwidth = check_host_bandwidth(host_bandwidth)
@@ -306,6 +313,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                              })
         graph = dataclasses.replace(graph, meta={**graph.meta,
                                                  "op_modules": _op_modules(gm, graph)})
+        if fsdp is not None:
+            graph = per_rank_graph(graph, model, fsdp)
     finally:
         restore_rng(rng)
     return graph
