@@ -75,7 +75,8 @@ def main(args: argparse.Namespace) -> None:
     print(f"rank {rank}: root unit, budget {budget / mib:.3f} MiB per rank (store-all "
           f"{store_all / mib:.3f}): predicted peak {predicted / mib:.3f} MiB, measured "
           f"{measured / mib:.3f} MiB ({(measured - predicted) / predicted:+.2%}), overhead "
-          f"{timeline.total_time / plain.total_time - 1:+.1%} of a step, max gradient difference vs FSDP2 {diff}", flush=True)
+          f"{timeline.total_time / plain.total_time - 1:+.1%} of a step, max gradient "
+          f"difference vs FSDP2 {diff}", flush=True)
 
     units = tuple(f"layers.{i}" for i in range(args.layers))
     blocks = monetlike.profile(base, x, repeat=1, fsdp=monetlike.FSDPConfig(
