@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -98,9 +99,58 @@ def _worker(rank: int, store_path: str) -> None:
         assert abs(measured - predicted) <= 0.02 * predicted, \
             f"rank {rank} per-block units: measured {measured}, predicted {predicted}"
         assert predicted < peak  # resharding each block after its forward pays here
+
+        # -- the wrapper inside per-block units is refused, saying why --------------------------
+        inner = copy.deepcopy(base)
+        for layer in inner.layers:
+            fully_shard(layer)
+        with pytest.raises(NotImplementedError, match=r"FSDP2 units inside it \(\['layers.0'"):
+            monetlike.ScheduleWrapper(inner, store_all, graph=graph)(x)
         dist.barrier()
 
 
 def test_fsdp2_per_rank_peak_matches_the_allocator_on_two_gloo_ranks(tmp_path):
     passed = run_workers(_worker, (str(tmp_path / "store"),), "FSDP2 memory")
     assert passed == list(range(WORLD))
+
+
+def test_fsdp_config_shards_parameters_as_fsdp2_pads_them():
+    """A 5-row weight on 2 ranks: chunks of 3 rows (FSDP2 pads the second to 3), so each rank
+    holds 3 rows of parameter and, under Adam, 2 x 3 rows of state; the bias likewise."""
+    import monetlike
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh())
+    x = torch.randn(4, 3)
+    plain = monetlike.profile(model, x, repeat=1, optimizer="adam")
+    graph = monetlike.profile(model, x, repeat=1, optimizer="adam",
+                              fsdp=monetlike.FSDPConfig(world_size=2))
+    row_bytes = 3 * 4 + 1 * 4  # a weight row and a bias element, float32
+    assert plain.param_bytes == 5 * row_bytes
+    assert graph.param_bytes == 3 * row_bytes
+    assert graph.optimizer_bytes == 2 * 3 * row_bytes
+    assert graph.meta["fsdp"]["world_size"] == 2
+    # the root unit's unsharded parameters (6 padded rows) are resident at every stage
+    assert [a - b for a, b in zip(graph.stage_grad_bytes, plain.stage_grad_bytes)] == \
+        [6 * row_bytes] * len(plain.stage_grad_bytes)
+    assert graph.fingerprint == plain.fingerprint  # the same schedules run on both
+
+
+def test_fsdp_config_errors_name_what_was_expected():
+    import monetlike
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5))
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"world_size: expected an integer >= 1, got 0"):
+        monetlike.FSDPConfig(world_size=0)
+    with pytest.raises(ValueError, match=r"units: expected a tuple of module paths"):
+        monetlike.FSDPConfig(world_size=2, units="layers.0")
+    with pytest.raises(ValueError, match=r"\['blocks.0'\] name no submodule of Sequential"):
+        monetlike.profile(model, x, repeat=1,
+                          fsdp=monetlike.FSDPConfig(world_size=2, units=("blocks.0",)))
+    with pytest.raises(NotImplementedError, match=r"mixed precision is not modelled yet"):
+        monetlike.profile(model, x, repeat=1, fsdp=monetlike.FSDPConfig(
+            world_size=2, param_dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match=r"only FSDP2's default prefetching"):
+        monetlike.FSDPConfig(world_size=2, forward_prefetch=True)
+    with pytest.raises(TypeError, match=r"fsdp: expected a monetlike.FSDPConfig, got dict"):
+        monetlike.profile(model, x, repeat=1, fsdp={"world_size": 2})
