@@ -314,7 +314,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         graph = dataclasses.replace(graph, meta={**graph.meta,
                                                  "op_modules": _op_modules(gm, graph)})
         if fsdp is not None:
-            graph = per_rank_graph(graph, model, fsdp)
+            graph = per_rank_graph(graph, model, fsdp, optimizer_multiplier=opt_mult)
     finally:
         restore_rng(rng)
     return graph

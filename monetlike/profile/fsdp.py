@@ -32,13 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from solver.analysis import inplace_freed
-from solver.graph import Impl, OpGraph
+from solver.graph import OpGraph
 
 __all__ = ["FSDPConfig", "per_rank_graph"]
-
-# Optimizer state per trainable parameter byte (profile.api's table, not imported: api imports us).
-_STATE = {None: 0, "none": 0, "sgd": 1, "adam": 2, "adamw": 2}
-
 
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
@@ -131,9 +127,11 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
     return {u: _Unit(u, *s) for u, s in sums.items()}
 
 
-def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig) -> OpGraph:
-    """`graph` (profiled unsharded) with one rank's memory under FSDP2 `config`."""
-    units = _units(model, config, _STATE.get(graph.meta.get("optimizer"), 0))
+def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig, *,
+                   optimizer_multiplier: int) -> OpGraph:
+    """`graph` (profiled unsharded) with one rank's memory under FSDP2 `config`;
+    `optimizer_multiplier`: optimizer state bytes per trainable parameter byte."""
+    units = _units(model, config, optimizer_multiplier)
     op_modules = graph.meta.get("op_modules")
     if op_modules is None or len(op_modules) != len(graph.ops):
         raise ValueError("per_rank_graph: the graph records no module path per Op "
