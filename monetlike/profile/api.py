@@ -33,7 +33,7 @@ from ..capture.trace import restore_rng, save_rng
 from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
-from .fsdp import FSDPConfig, per_rank_graph
+from .fsdp import FSDPConfig, cast_for_mixed_precision, per_rank_graph
 from .gpu_like import GpuLike
 from .interpreter import ProfileRun
 from .records import ProfileError, loss_fn_in_use
@@ -177,6 +177,16 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     """
     if fsdp is not None and not isinstance(fsdp, FSDPConfig):
         raise TypeError(f"fsdp: expected a monetlike.FSDPConfig, got {type(fsdp).__name__}")
+    if fsdp is not None and fsdp.param_dtype is not None:
+        # FSDP2's mixed precision computes in param_dtype, its forward inputs cast to it.
+        low = tree_map_only(torch.Tensor, lambda t: t.to(fsdp.param_dtype)
+                            if t.is_floating_point() else t, example_inputs)
+        graph = profile(cast_for_mixed_precision(model, fsdp.param_dtype), low, cost=cost,
+                        optimizer=optimizer, repeat=repeat, leaf_modules=leaf_modules,
+                        impls=impls, host_bandwidth=host_bandwidth, clock=clock,
+                        impl_target=impl_target, capture=capture, loss_fn=loss_fn)
+        return per_rank_graph(graph, model, fsdp,
+                              optimizer_multiplier=_optimizer_multiplier(optimizer))
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
         host_bandwidth = check_host_bandwidth(host_bandwidth)

@@ -25,6 +25,7 @@ On gloo, the all-gather and the reduce-scatter each copy their buffer once more 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 from solver.analysis import inplace_freed
 from solver.graph import OpGraph
 
-__all__ = ["FSDPConfig", "per_rank_graph"]
+__all__ = ["FSDPConfig", "per_rank_graph", "cast_for_mixed_precision"]
 
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
@@ -54,7 +55,9 @@ class FSDPConfig:
     backward_prefetch: bool = True
     """FSDP2's default: at a unit's backward, the unit before it in the forward is all-gathered."""
     param_dtype: torch.dtype | None = None
-    """The mixed-precision policy's param_dtype; None: the parameters' own dtype."""
+    """The MixedPrecisionPolicy's param_dtype (its reduce_dtype left None: gradients reduced in
+    param_dtype, then cast to the sharded parameters' dtype); None: no mixed precision. The
+    model is profiled in param_dtype (its floating parameters cast, as FSDP2 computes)."""
     backend: str = "nccl"
     """The process group's backend: 'gloo' copies each collective's buffer once more."""
 
@@ -83,12 +86,22 @@ class FSDPConfig:
 
 @dataclass(frozen=True)
 class _Unit:
-    path: str
-    sharded: int      # padded local shard bytes (FSDP2's sharded storage)
-    unsharded: int    # padded unsharded bytes: the all-gather's output, and its flat buffer
-    grads: int        # unsharded gradient bytes (what the plain profile counts)
-    full: int         # the parameters' own bytes (what the plain profile counts as fixed)
+    sharded: int      # padded local shard bytes (FSDP2's sharded storage; its sharded gradient)
+    unsharded: int    # padded unsharded bytes in param_dtype: the copy-out, and the flat buffer
+    grads: int        # unsharded gradient bytes (in param_dtype, as the profile counts them)
+    full: int         # the parameters' bytes as the profile counts them (in param_dtype)
     state: int        # optimizer state per rank (rank 0's local shard, the largest)
+    reduce_out: int   # the reduce-scatter's output, in param_dtype (cast to the sharded dtype)
+    gather_in: int    # the all-gather's inputs cast to param_dtype (mixed precision only)
+
+    def running(self, gloo: bool) -> int:
+        """Bytes an all-gather holds while it runs: its flat buffer, gloo's copy of it, and the
+        local shards cast to param_dtype."""
+        return self.unsharded * (2 if gloo else 1) + self.gather_in
+
+    def gathering(self, gloo: bool) -> int:
+        """The most an all-gather and its copy-out (flat buffer and parameters) hold."""
+        return max(self.running(gloo), 2 * self.unsharded)
 
 
 def _owner(path: str, units: list[str]) -> str:
@@ -108,23 +121,32 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
                          f"{type(model).__name__}; expected paths such as "
                          f"{[p for p in paths if p][:4]}")
     n = config.world_size
-    sums: dict[str, list[int]] = {u: [0, 0, 0, 0, 0] for u in ("", *config.units)}
+    sums: dict[str, list[int]] = {u: [0] * 7 for u in ("", *config.units)}
     for name, p in model.named_parameters():
-        if config.param_dtype is not None and p.dtype != config.param_dtype:
-            raise NotImplementedError(
-                f"FSDPConfig.param_dtype={config.param_dtype}: parameter {name} is {p.dtype}; "
-                f"mixed precision is not modelled yet (the activations would be profiled in "
-                f"the wrong dtype). Profile without param_dtype, or with the model in that dtype")
+        cast = config.param_dtype if config.param_dtype and p.is_floating_point() else p.dtype
+        low = torch.empty((), dtype=cast).element_size()
         rows = p.shape[0] if p.dim() else 1
-        per_row = p.numel() // max(rows, 1) * p.element_size()
+        per_row = p.numel() // max(rows, 1)
         chunk = math.ceil(rows / n)
         s = sums[_owner(name.rpartition(".")[0], list(config.units))]
-        s[0] += chunk * per_row
-        s[1] += chunk * n * per_row
-        s[2] += p.numel() * p.element_size() if p.requires_grad else 0
-        s[3] += p.numel() * p.element_size()
-        s[4] += mult * min(chunk, rows) * per_row if p.requires_grad else 0
-    return {u: _Unit(u, *s) for u, s in sums.items()}
+        s[0] += chunk * per_row * p.element_size()
+        s[1] += chunk * n * per_row * low
+        s[2] += p.numel() * low if p.requires_grad else 0
+        s[3] += p.numel() * low
+        s[4] += mult * min(chunk, rows) * per_row * p.element_size() if p.requires_grad else 0
+        s[5] += chunk * per_row * low if p.requires_grad else 0
+        s[6] += chunk * per_row * low if cast != p.dtype else 0
+    return {u: _Unit(*s) for u, s in sums.items()}
+
+
+def cast_for_mixed_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `model` whose floating parameters are in `dtype`, as FSDP2's mixed precision
+    computes with them (buffers stay as they are: FSDP2 does not cast them)."""
+    work = copy.deepcopy(model)
+    for p in work.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return work
 
 
 def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig, *,
@@ -145,7 +167,7 @@ def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig, *
     blocks = sorted(first, key=first.get)  # FSDP2's post-forward order, the root last
     root = units[""]
     gloo = config.backend == "gloo"
-    ops = _forward(graph, units, unit_of, first, root, config)
+    ops = _forward(graph, units, unit_of, first, root, config, gloo)
     stage_grad, bwd_extra, after = _backward(graph, units, unit_of, blocks, root, config, gloo)
     ops = [dataclasses.replace(op, impls=tuple(
         dataclasses.replace(im, bwd_workspace=max(im.bwd_workspace, bwd_extra[t]))
@@ -161,7 +183,7 @@ def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig, *
         meta={**graph.meta, "fsdp": config.to_dict()})
 
 
-def _forward(graph, units, unit_of, first, root, config) -> list:
+def _forward(graph, units, unit_of, first, root, config, gloo) -> list:
     """Each Op's forward workspace with the unsharded parameters and all-gathers around it."""
     starts = {j: u for u, j in first.items()}
     keep = not config.reshard_after_forward
@@ -173,12 +195,12 @@ def _forward(graph, units, unit_of, first, root, config) -> list:
         j = op.id
         gather = 0  # the level the all-gathers before Op j reach (above the fixed memory)
         if j == 0:  # the root's, at its pre-forward: flat buffer and copy-out (or gloo's copy)
-            gather, flat = 2 * root.unsharded, root.unsharded
+            gather, flat = root.gathering(gloo), root.unsharded
         if j in starts or unit_of[j] == "":  # the running block's post-forward has run
             kept, current = (kept + current, 0) if keep else (kept, 0)
         if j in starts:
             u = units[starts[j]]
-            gather = max(gather, root.unsharded + kept + flat + 2 * u.unsharded)
+            gather = max(gather, root.unsharded + kept + flat + u.gathering(gloo))
             current, flat = u.unsharded, u.unsharded
         resident = root.unsharded + kept + current + flat
         outs = sum(graph.values[v].bytes for v in op.outputs)
@@ -221,7 +243,6 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
         return (root.unsharded + sum(unsharded.values()) + sum(prefetched.values())
                 + rs_input[0] + reduced[0])
 
-    copy = 2 if gloo else 1  # a gathered flat buffer, and gloo's copy of it while it runs
     stage_grad, extra = [], []
     for t, k in enumerate(order):
         post_backward(t - 1)
@@ -234,14 +255,14 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
                 if b not in unsharded:
                     flat = prefetched.pop(b, None)
                     if flat is None:  # not prefetched: all-gathered here
-                        peak = max(peak, level() + copy * units[b].unsharded)
+                        peak = max(peak, level() + units[b].gathering(gloo))
                         flat = units[b].unsharded
                     peak = max(peak, level() + flat + units[b].unsharded)
                     unsharded[b] = units[b].unsharded
                 i = rev.index(b) + 1
                 target = rev[i] if i < len(rev) else None
             if target is not None and target not in unsharded and target not in prefetched:
-                peak = max(peak, level() + copy * units[target].unsharded)
+                peak = max(peak, level() + units[target].running(gloo))
                 prefetched[target] = units[target].unsharded
         steady = level()
         stage_grad.append(graph.stage_grad_bytes[t] + steady)
@@ -254,10 +275,10 @@ def _end(final: int, after: tuple[int, int], root: _Unit, gloo: bool) -> int:
     """The gradient level at the end point: the highest of the root's post-backward, which FSDP2
     runs from its final callback after the last stage (the root's inputs need no grad): reshard,
     release the last block's reduce-scatter input, copy the root's gradients into its own, free
-    them, reduce-scatter into the sharded gradients (gloo copying its input meanwhile)."""
+    them, reduce-scatter (gloo copying its input meanwhile), cast to the sharded dtype."""
     fsdp, rs_input = after
     last = final + fsdp + root.unsharded
     copy_in = final + fsdp - rs_input + root.unsharded
-    scatter = (final + fsdp - rs_input + root.unsharded - root.grads + root.sharded
-               + (root.unsharded if gloo else 0))
-    return max(last, copy_in, scatter)
+    scattered = final + fsdp - rs_input + root.unsharded - root.grads + root.reduce_out
+    cast = scattered + (root.sharded if root.sharded != root.reduce_out else 0)
+    return max(last, copy_in, scattered + (root.unsharded if gloo else 0), cast)
