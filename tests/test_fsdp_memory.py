@@ -57,6 +57,7 @@ def _worker(rank: int, store_path: str) -> None:
     import monetlike
     import solver
     from monetlike.llama_tiny import llama_tiny
+    from monetlike.profile.fsdp import cast_for_mixed_precision, per_rank_graph
     from solver.simulate import simulate, store_all_schedule
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -67,8 +68,20 @@ def _worker(rank: int, store_path: str) -> None:
         x = torch.randint(0, 256, (4, 32))
 
         # -- the root unit: the wrapper under FSDP2, store-all and two solved budgets ----------
-        config = monetlike.FSDPConfig(world_size=WORLD, backend="gloo")
-        graph = monetlike.profile(base, x, repeat=1, fsdp=config)
+        # One profile per dtype, turned into each configuration's per-rank graph (what
+        # profile(..., fsdp=config) does after profiling).
+        # Impls=False: only the default Impls (the graph is passed to the wrapper), for speed.
+        plain = monetlike.profile(base, x, repeat=1, impls=False)
+        plain_mp = monetlike.profile(cast_for_mixed_precision(base, torch.bfloat16), x,
+                                     repeat=1, impls=False)
+        units = tuple(f"layers.{i}" for i in range(LAYERS))
+
+        def per_rank(**kw):
+            config = monetlike.FSDPConfig(world_size=WORLD, backend="gloo", **kw)
+            g = plain_mp if config.param_dtype is not None else plain
+            return per_rank_graph(g, base, config, optimizer_multiplier=0)
+
+        graph = per_rank()
         store_all = store_all_schedule(graph)
         peak = simulate(graph, store_all).peak_bytes
         # the sharded fixed memory and the unsharded parameters are both in the prediction
@@ -76,7 +89,7 @@ def _worker(rank: int, store_path: str) -> None:
         assert graph.param_bytes * WORLD == full  # every dim 0 here is a multiple of WORLD
         schedules = [store_all]
         for budget in (int(peak * 0.9), int(peak * 0.82)):
-            res = solver.solve(graph, budget, mode="checkpoint", time_limit_s=10)
+            res = solver.solve(graph, budget, mode="checkpoint", time_limit_s=5)
             assert res.status in ("optimal", "feasible-at-time-limit"), res.status
             assert simulate(graph, res.schedule).peak_bytes <= budget
             assert sum(len(s.recompute) for s in res.schedule.stages) > 0
@@ -98,8 +111,7 @@ def _worker(rank: int, store_path: str) -> None:
 
         # -- mixed precision (bfloat16 parameters), the root unit under the wrapper -------------
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        low = monetlike.FSDPConfig(world_size=WORLD, backend="gloo", param_dtype=torch.bfloat16)
-        graph_mp = monetlike.profile(base, x, repeat=1, fsdp=low)
+        graph_mp = per_rank(param_dtype=torch.bfloat16)
         predicted = simulate(graph_mp, store_all_schedule(graph_mp)).peak_bytes
         assert predicted < 0.75 * peak  # bfloat16 activations and unsharded parameters
         ref = fully_shard(copy.deepcopy(base), mp_policy=mp)
@@ -115,11 +127,8 @@ def _worker(rank: int, store_path: str) -> None:
         del ref, wrapped
 
         # -- each block a unit, plain FSDP2: the store-all prediction, fp32 and bfloat16 --------
-        units = tuple(f"layers.{i}" for i in range(LAYERS))
         for policy in (None, mp):
-            blocks = monetlike.profile(base, x, repeat=1, fsdp=monetlike.FSDPConfig(
-                world_size=WORLD, units=units, backend="gloo",
-                param_dtype=policy and policy.param_dtype))
+            blocks = per_rank(units=units, param_dtype=policy and policy.param_dtype)
             predicted = simulate(blocks, store_all_schedule(blocks)).peak_bytes
             kw = {} if policy is None else {"mp_policy": policy}
             model = copy.deepcopy(base)

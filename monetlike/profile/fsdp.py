@@ -17,10 +17,16 @@ bytes the IR already counts change, so the simulator and the MILP count them wit
   first stage are counted at that stage's backward point (its `bwd_workspace`, if higher);
 - the end point (`final_grad_bytes`): the root's reduce-scatter after the last stage.
 
+Mixed precision (`param_dtype`): the model is profiled in param_dtype (FSDP2 computes in it),
+the shards and the optimizer state stay in the parameters' dtype, and the unsharded parameters,
+their gradients and the reduce-scatter buffers are in param_dtype; an all-gather also holds its
+local shards cast to param_dtype while it runs.
+
 What FSDP2 allocates and when was read from torch/distributed/fsdp/_fully_shard (torch 2.14)
 and checked against the CPU allocator's events on 2 gloo ranks (tests/test_fsdp_memory.py).
 On gloo, the all-gather and the reduce-scatter each copy their buffer once more while they run;
-`backend="gloo"` counts that copy.
+`backend="gloo"` counts that copy. Gloo's worker thread can also hold a collective's flat buffer
+a while after FSDP2 lets go of it (timing: seen at random ranks under load); that is not counted.
 """
 
 from __future__ import annotations
