@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/fsdp_llama.py
     torchrun --nproc-per-node 2 examples/fsdp_llama.py --layers 4 --budget-fraction 0.8
+    torchrun --nproc-per-node 2 examples/fsdp_llama.py --bf16    # MixedPrecisionPolicy(bfloat16)
 
 gloo on the CPU. Each rank profiles the unsharded model with `fsdp=FSDPConfig(world_size=N)`: the
 graph's memory is then one rank's (parameters, gradients and optimizer state sharded at 1/N, the
@@ -24,7 +25,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import monetlike
 import solver
@@ -57,7 +58,9 @@ def main(args: argparse.Namespace) -> None:
     x = torch.randint(0, 256, (args.batch, args.tokens))
     mib = 2 ** 20
 
-    config = monetlike.FSDPConfig(world_size=world, backend="gloo")
+    dtype = torch.bfloat16 if args.bf16 else None
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype)} if dtype else {}
+    config = monetlike.FSDPConfig(world_size=world, backend="gloo", param_dtype=dtype)
     graph = monetlike.profile(base, x, repeat=1, fsdp=config)
     plain = simulate(graph, store_all_schedule(graph))
     store_all = plain.peak_bytes
@@ -66,9 +69,10 @@ def main(args: argparse.Namespace) -> None:
     schedule = result.schedule
     timeline = simulate(graph, schedule)
     predicted = timeline.peak_bytes
-    wrapped = fully_shard(monetlike.ScheduleWrapper(copy.deepcopy(base), schedule, graph=graph))
+    wrapped = fully_shard(monetlike.ScheduleWrapper(copy.deepcopy(base), schedule, graph=graph),
+                          **mp)
     measured = measured_peak(wrapped, x) + graph.fixed_bytes
-    ref = fully_shard(copy.deepcopy(base))
+    ref = fully_shard(copy.deepcopy(base), **mp)
     ref(x).sum().backward()
     diff = max((q.grad.to_local() - p.grad.to_local()).abs().max().item()
                for p, q in zip(ref.parameters(), wrapped.parameters()))
@@ -80,12 +84,12 @@ def main(args: argparse.Namespace) -> None:
 
     units = tuple(f"layers.{i}" for i in range(args.layers))
     blocks = monetlike.profile(base, x, repeat=1, fsdp=monetlike.FSDPConfig(
-        world_size=world, units=units, backend="gloo"))
+        world_size=world, units=units, backend="gloo", param_dtype=dtype))
     predicted = simulate(blocks, store_all_schedule(blocks)).peak_bytes
     model = copy.deepcopy(base)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **mp)
+    fully_shard(model, **mp)
     measured = measured_peak(model, x) + blocks.fixed_bytes
     print(f"rank {rank}: per-block units, store-all (plain FSDP2): predicted peak "
           f"{predicted / mib:.3f} MiB, measured {measured / mib:.3f} MiB "
@@ -104,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-fraction", type=float, default=0.85,
                    help="the per-rank budget as a fraction of the store-all per-rank peak")
     p.add_argument("--time-limit", type=float, default=20, help="solver seconds")
+    p.add_argument("--bf16", action="store_true",
+                   help="FSDP2 mixed precision with bfloat16 parameters (float32 shards)")
     return p.parse_args(argv)
 
 
