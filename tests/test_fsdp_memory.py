@@ -8,8 +8,8 @@ CPU allocator's own events on 2 gloo ranks (monetlike.measure_step), on a small 
 - The root unit under bfloat16 mixed precision (`MixedPrecisionPolicy(param_dtype=bfloat16)`):
   store-all, and the gradients bitwise equal to FSDP2's with the same policy.
 - Each block its own unit (`fully_shard(layers[i])`, then the root), plain FSDP2, float32 and
-  bfloat16: the store-all prediction against the measured step (the wrapper does not run inside per-block
-  units yet: tests/test_fsdp.py's wrapper is the root unit).
+  bfloat16: the store-all prediction against the measured step (the wrapper does not run
+  inside per-block units yet, and refuses them: it runs as the root unit, as in test_fsdp.py).
 
 The step holds the model's output until its backward is done, as the profile assumes; the
 measured peak counts what the step allocates above its start, plus the graph's fixed memory
