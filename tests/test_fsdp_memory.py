@@ -135,6 +135,9 @@ def _worker(rank: int, store_path: str) -> None:
             for layer in model.layers:
                 fully_shard(layer, **kw)
             fully_shard(model, **kw)
+            assert monetlike.FSDPConfig.of(model) == monetlike.FSDPConfig(
+                world_size=WORLD, units=units, backend="gloo",
+                param_dtype=policy and policy.param_dtype)
             measured = _measured(model, x) + blocks.fixed_bytes
             assert abs(measured - predicted) <= 0.02 * predicted, \
                 f"rank {rank} per-block units {kw}: measured {measured}, predicted {predicted}"
@@ -197,5 +200,8 @@ def test_fsdp_config_errors_name_what_was_expected():
                           fsdp=monetlike.FSDPConfig(world_size=2, units=("blocks.0",)))
     with pytest.raises(NotImplementedError, match=r"only FSDP2's default prefetching"):
         monetlike.FSDPConfig(world_size=2, forward_prefetch=True)
+    with pytest.raises(ValueError, match=r"FSDPConfig.of: expected a model sharded with "
+                                         r"fully_shard \(the root unit\), got Sequential"):
+        monetlike.FSDPConfig.of(model)
     with pytest.raises(TypeError, match=r"fsdp: expected a monetlike.FSDPConfig, got dict"):
         monetlike.profile(model, x, repeat=1, fsdp={"world_size": 2})

@@ -34,7 +34,7 @@ __all__ = [
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
     "checkpoint_hook_class", "neg_view", "parametrize_cache_on",
     "current_graph_task_id", "sole_owner",
-    "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
+    "fsdp_unit_settings", "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
     "tensors_in", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]
 
@@ -192,3 +192,16 @@ def profiler_events(prof) -> Iterator[tuple[int, str, tuple[str, int, int] | Non
             yield node.start_time_ns, node.name, (f.device.type, int(f.alloc_size), int(f.ptr))
         else:
             yield node.start_time_ns, node.name, None
+
+
+def fsdp_unit_settings(module: torch.nn.Module) -> "tuple[bool, torch.dtype | None]":
+    """(reshard_after_forward, the mixed-precision param_dtype) of a module FSDP2's fully_shard
+    made a unit of. FSDP2 has setters for these (FSDPModule.set_reshard_after_forward) but no
+    getters: they are read from the unit's parameter group. A root unit that has run a forward
+    reads False (FSDP2 clears its post-forward mesh then)."""
+    from torch.distributed.fsdp import fully_shard  # imported where a sharded model exists
+
+    group = fully_shard.state(module)._fsdp_param_group
+    if group is None:  # a unit without parameters
+        return True, None
+    return group.post_forward_mesh_info is not None, group.mp_policy.param_dtype

@@ -1,7 +1,8 @@
 """The per-rank memory of a training step under FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
-`profile(model, x, fsdp=FSDPConfig(...))` profiles the unsharded model as usual and then turns the
-graph's memory into one rank's: the budget of a schedule solved on it is a per-rank peak. Only
+`profile(model, x, fsdp=FSDPConfig(...))` (or `fsdp=FSDPConfig.of(sharded_model)`, read off a
+model FSDP2 has sharded) profiles the unsharded model as usual and then turns the graph's memory
+into one rank's: the budget of a schedule solved on it is a per-rank peak. Only
 bytes the IR already counts change, so the simulator and the MILP count them with no new logic:
 
 - fixed memory: each parameter sharded on dim 0 in chunks of ceil(dim0 / N) rows, padded as FSDP2
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from solver.analysis import inplace_freed
+
+from ..core import torch_private
 from solver.graph import OpGraph
 
 __all__ = ["FSDPConfig", "per_rank_graph", "cast_for_mixed_precision"]
@@ -82,6 +85,38 @@ class FSDPConfig:
             raise NotImplementedError(
                 "FSDPConfig: only FSDP2's default prefetching is modelled (forward_prefetch=False, "
                 "backward_prefetch=True); leave both at their defaults")
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, *, backend: str | None = None) -> "FSDPConfig":
+        """The config of `model` as FSDP2 has sharded it (`fully_shard` on its units, then on
+        the model itself), to profile the unsharded model with: world size from its sharded
+        parameters, units from its FSDP2 submodules, their reshard_after_forward and
+        param_dtype; `backend` defaults to the default process group's."""
+        from torch.distributed.fsdp import FSDPModule  # imported where a sharded model exists
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(model, FSDPModule):
+            raise ValueError(f"FSDPConfig.of: expected a model sharded with fully_shard (the root "
+                             f"unit), got {type(model).__name__}; call fully_shard(model) after "
+                             f"its units, or give FSDPConfig(world_size=..., units=...)")
+        meshes = {p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)}
+        if len(meshes) != 1:
+            raise ValueError(f"FSDPConfig.of: expected parameters sharded over one mesh size, "
+                             f"got {sorted(meshes)}")
+        units = tuple(n for n, m in model.named_modules() if n and isinstance(m, FSDPModule))
+        reshard = {torch_private.fsdp_unit_settings(model.get_submodule(u))[0] for u in units}
+        dtypes = {torch_private.fsdp_unit_settings(m)[1]
+                  for m in (model, *(model.get_submodule(u) for u in units))}
+        if len(reshard) > 1 or len(dtypes) > 1:
+            raise NotImplementedError(
+                f"FSDPConfig.of: units with different reshard_after_forward ({sorted(reshard)}) "
+                f"or param_dtype ({sorted(map(str, dtypes))}) are not modelled; give them one "
+                f"setting")
+        if backend is None:
+            backend = torch.distributed.get_backend()
+        return cls(world_size=meshes.pop(), units=units, backend=backend,
+                   reshard_after_forward=reshard.pop() if reshard else True,
+                   param_dtype=dtypes.pop())
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
