@@ -205,3 +205,26 @@ def test_fsdp_config_errors_name_what_was_expected():
         monetlike.FSDPConfig.of(model)
     with pytest.raises(TypeError, match=r"fsdp: expected a monetlike.FSDPConfig, got dict"):
         monetlike.profile(model, x, repeat=1, fsdp={"world_size": 2})
+
+
+@pytest.mark.parametrize("units", [(), ("layers.0", "layers.1")], ids=["root", "blocks"])
+def test_the_milp_claims_the_simulated_per_rank_peak(units):
+    """The per-rank bytes live in fields the MILP already counts: encoded, a schedule claims
+    exactly the simulator's peak and time on the per-rank graph (store-all, and schedules that
+    recompute), as on any graph (test_formulation)."""
+    import monetlike
+    from monetlike.llama_tiny import llama_tiny
+    from runtime_support import every, keep_schedule
+    from solver.simulate import simulate, store_all_schedule
+    from test_formulation import assert_encoding_claims_the_simulation
+
+    torch.manual_seed(0)
+    model = llama_tiny(layers=2, dim=32, hidden=64)
+    x = torch.randint(0, 256, (2, 16))
+    graph = monetlike.profile(model, x, cost="analytical:A100-40GB", optimizer="adam",
+                              fsdp=monetlike.FSDPConfig(world_size=4, units=units))
+    schedules = [store_all_schedule(graph), keep_schedule(graph, every(2), "middle"),
+                 keep_schedule(graph, every(0), "tight", hold="last_use")]
+    assert sum(len(s.recompute) for s in schedules[2].stages) > 0
+    for s in schedules:
+        assert_encoding_claims_the_simulation(graph, s, simulate(graph, s).peak_bytes)
