@@ -10,9 +10,9 @@ from .capture.trace import TraceError
 from .check import CheckReport, check_schedule
 from .measure import Measurement, measure_step
 from .optimize import min_budget, optimize
-from .profile import profile
+from .profile import FSDPConfig, profile
 from .runtime.compiled import backend
 from .wrapper import ScheduleWrapper
 
-__all__ = ["profile", "measure_step", "Measurement", "TraceError", "ScheduleWrapper", "optimize",
-           "min_budget", "check_schedule", "CheckReport", "backend"]
+__all__ = ["profile", "FSDPConfig", "measure_step", "Measurement", "TraceError", "ScheduleWrapper",
+           "optimize", "min_budget", "check_schedule", "CheckReport", "backend"]

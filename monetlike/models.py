@@ -25,9 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .hf_models import bert_base, gpt2, gpt2_medium, llama_1b, vit_base  # noqa: E402,F401
+from .llama_tiny import llama_tiny  # noqa: F401  (a small Llama-style model: FSDP2 examples)
 
 __all__ = ["UNet", "TransformerBlock", "TwoInOut", "unet", "transformer_block", "two_in_out",
-           "gpt2", "gpt2_medium", "llama_1b", "bert_base", "vit_base"]
+           "gpt2", "gpt2_medium", "llama_1b", "bert_base", "vit_base", "llama_tiny"]
 
 
 class DoubleConv(nn.Sequential):

@@ -66,7 +66,7 @@ from .capture.trace import MonetTracer, TraceError, trace
 from .profile import profile
 from solver.simulate import simulate
 from solver.units import format_bytes
-from .core.modules import has_forward_hooks
+from .core.modules import fsdp_units_inside, has_forward_hooks
 
 __all__ = ["ScheduleWrapper"]
 
@@ -452,6 +452,15 @@ class ScheduleWrapper(torch.nn.Module):
         schedule = self._schedule
         # Before profiling or planning: offload runs only with everything on CUDA.
         model = self._model
+        units = fsdp_units_inside(model)
+        if units:
+            raise NotImplementedError(
+                f"ScheduleWrapper: the wrapped model has FSDP2 units inside it ({units[:3]}"
+                f"{' ...' if len(units) > 3 else ''}); the scheduled forward does not call their "
+                f"all-gather and reshard hooks, so it runs only as FSDP2's root unit: "
+                f"fully_shard(ScheduleWrapper(model, schedule)) with no fully_shard inside. "
+                f"Per-block units are predicted by profile(..., fsdp=FSDPConfig(units=...)) for "
+                f"plain FSDP2 only")
         check_offload_devices(schedule, self._given_graph,
                               [*model.parameters(), *model.buffers(),
                                *(x for x in inputs if isinstance(x, torch.Tensor))])

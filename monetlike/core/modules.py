@@ -46,3 +46,13 @@ def has_forward_hooks(mod: torch.nn.Module, *, including_global: bool = False) -
 def has_hooks(mod: torch.nn.Module) -> bool:
     """Any forward or backward (pre-)hook on the module itself."""
     return bool(has_forward_hooks(mod) or mod._backward_hooks or mod._backward_pre_hooks)
+
+
+def fsdp_units_inside(mod: torch.nn.Module) -> list[str]:
+    """Paths of the submodules (the module itself left out) that FSDP2's `fully_shard` made
+    units of: their all-gathers run in hooks on their own calls."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule  # public; imported where distributed exists
+
+    return [name for name, m in mod.named_modules() if name and isinstance(m, FSDPModule)]

@@ -34,9 +34,9 @@ __all__ = [
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
     "checkpoint_hook_class", "neg_view", "parametrize_cache_on",
     "current_graph_task_id", "sole_owner",
-    "global_module_hooks", "profiler_events", "queue_engine_callback", "sdp_priority_order",
-    "tensors_in", "aot_backend", "default_partition", "joint_placeholder_kind",
-    "joint_forward_tagged",
+    "fsdp_unit_settings", "global_module_hooks", "profiler_events", "queue_engine_callback",
+    "sdp_priority_order", "tensors_in", "aot_backend", "default_partition",
+    "joint_placeholder_kind", "joint_forward_tagged",
     "inductor_backend", "tree_flatten", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten",
 ]
 
@@ -254,3 +254,16 @@ def inductor_backend(partition_fn: Callable) -> Callable:
         return compile_fx(gm, example_inputs,
                           config_patches={"custom_partitioner_fn": _Partitioner()})
     return backend
+
+
+def fsdp_unit_settings(module: torch.nn.Module) -> "tuple[bool, torch.dtype | None]":
+    """(reshard_after_forward, the mixed-precision param_dtype) of a module FSDP2's fully_shard
+    made a unit of. FSDP2 has setters for these (FSDPModule.set_reshard_after_forward) but no
+    getters: they are read from the unit's parameter group. A root unit that has run a forward
+    reads False (FSDP2 clears its post-forward mesh then)."""
+    from torch.distributed.fsdp import fully_shard  # imported where a sharded model exists
+
+    group = fully_shard.state(module)._fsdp_param_group
+    if group is None:  # a unit without parameters
+        return True, None
+    return group.post_forward_mesh_info is not None, group.mp_policy.param_dtype

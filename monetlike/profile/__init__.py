@@ -8,13 +8,15 @@
 - costs.py        measured timers and the analytical roofline with device presets.
 - gpu_like.py     the analytical run's dropout and attention kernels: the preset GPU's, not meta's.
 - safety.py       recompute-unsafe detection.
+- fsdp.py         FSDPConfig and one rank's memory under FSDP2 (profile(..., fsdp=...)).
 """
 
 from .api import OPTIMIZER_STATE_MULTIPLIER, profile
+from .fsdp import FSDPConfig
 from .costs import PRESETS, DevicePreset, UnknownDeviceError
 from .records import ProfileError
 
-__all__ = ["profile", "structure_fingerprint", "PRESETS", "DevicePreset", "UnknownDeviceError",
+__all__ = ["profile", "FSDPConfig", "structure_fingerprint", "PRESETS", "DevicePreset", "UnknownDeviceError",
            "ProfileError", "OPTIMIZER_STATE_MULTIPLIER"]
 
 

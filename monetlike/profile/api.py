@@ -34,6 +34,7 @@ from ..capture.trace import restore_rng, save_rng
 from ..core.torch_private import tree_leaves, tree_map_only
 from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
                     measure_host_bandwidth, median, parse_cost)
+from .fsdp import FSDPConfig, cast_for_mixed_precision, per_rank_graph
 from .gpu_like import GpuLike
 from .impl_timing import (alternatives_from, inplace_alternatives, measure_alternatives,
                           profile_rounds)
@@ -140,7 +141,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
             host_bandwidth: float | None = None, clock: str = "wall",
             impl_target: str | None = None, capture: str = "auto",
             loss_fn: Callable[[Any], torch.Tensor] | None = None,
-            before_timing: Callable[[OpGraph], None] | None = None) -> OpGraph:
+            before_timing: Callable[[OpGraph], None] | None = None,
+            fsdp: FSDPConfig | None = None) -> OpGraph:
     """Profile one training step of `model` on `example_inputs` into an OpGraph.
 
     cost: "measured" (median of `repeat` timings per Op on the model's device) or
@@ -179,7 +181,27 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         step is timed (its costs all 0.0, provenance 'memory-only:<device>'), so that what
         depends on memory alone (is a budget feasible?) is answered first; it may raise to stop.
         For analytical costs it is called with the finished graph.
+    fsdp: an FSDPConfig: the graph's memory is then one rank's under FSDP2 with those units
+        (monetlike.profile.fsdp), and a budget solved on it is a per-rank peak. The model is
+        the unsharded one; `meta["fsdp"]` records the config.
     """
+    if fsdp is not None and not isinstance(fsdp, FSDPConfig):
+        raise TypeError(f"fsdp: expected a monetlike.FSDPConfig, got {type(fsdp).__name__}")
+    if fsdp is not None and fsdp.param_dtype is not None:
+        # FSDP2's mixed precision computes in param_dtype, its forward inputs cast to it.
+        low = tree_map_only(torch.Tensor, lambda t: t.to(fsdp.param_dtype)
+                            if t.is_floating_point() else t, example_inputs)
+        def per_rank(graph: OpGraph) -> OpGraph:
+            return per_rank_graph(graph, model, fsdp,
+                                  optimizer_multiplier=_optimizer_multiplier(optimizer))
+
+        return per_rank(profile(
+            cast_for_mixed_precision(model, fsdp.param_dtype), low, cost=cost,
+            optimizer=optimizer, repeat=repeat, leaf_modules=leaf_modules, impls=impls,
+            host_bandwidth=host_bandwidth, clock=clock, impl_target=impl_target,
+            capture=capture, loss_fn=loss_fn,
+            before_timing=None if before_timing is None else
+            (lambda graph: before_timing(per_rank(graph)))))
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
         host_bandwidth = check_host_bandwidth(host_bandwidth)
@@ -262,12 +284,15 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 getattr(loss_fn, "__qualname__", repr(loss_fn))}
 
         def assemble(fwd_times, bwd_times, alternatives, provenance) -> OpGraph:
-            return _assemble(run, gm, work, model, xs, batch=batch, measured=measured,
+            graph = _assemble(run, gm, work, model, xs, batch=batch, measured=measured,
                              fwd_times=fwd_times, bwd_times=bwd_times, opt_mult=opt_mult,
                              alternatives=alternatives, provenance=provenance,
                              host_bandwidth=host_bandwidth,
                              meta={**meta, "profile_seconds":
                                    round(time.perf_counter() - t_start, 3)})
+            # under FSDP2 the memory is one rank's (the memory-only graph's too)
+            return graph if fsdp is None else per_rank_graph(graph, model, fsdp,
+                                                             optimizer_multiplier=opt_mult)
 
         try:
             with loss_fn_in_use(loss_fn):  # every run of the step ends with it
