@@ -10,25 +10,29 @@ each Impl holds and its workspaces, each stage's gradients: a `loss_fn` changes 
 stage's), the cost provenance and the solver settings. Measured costs differ a little
 from run to run, so they are not part of the key: a cached schedule is reused as long as the
 structure and settings are the same. Files are written atomically (a reader sees the old file
-or the new one), so concurrent processes never read half a schedule; an unreadable cache entry
-is solved again and overwritten.
+or the new one), so concurrent processes never read half a schedule. The cache is untrusted input
+(schedule_cache.py): an entry is returned only for its own budget and after the simulator has
+replayed it on this graph within that budget; anything else there is solved again and replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import warnings
 from typing import Any, Iterable
 
 import torch
 
-from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
+from solver.errors import (InfeasibleBudgetError, MonetlikeError, ScheduleError,
+                           ScheduleMismatchError)
 from solver.graph import OpGraph
 from solver.schedule import Schedule, SolveResult
 from solver.units import format_bytes, parse_bytes
+from solver.verify import verified
 
+from . import schedule_cache
 from .runtime import ScheduleWrapper
 
 __all__ = ["optimize", "solve_cached", "default_cache_dir"]
@@ -82,20 +86,21 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
     budget_bytes = parse_bytes(budget)
     cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
     key = _cache_key(graph, budget_bytes, solve_kwargs)
-    path = os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-{key}.json")
-    if os.path.exists(path):
-        # A bad entry (truncated, another version, edited by hand) is solved again and
-        # overwritten; the warning names it, so a cache that keeps going bad can be found.
-        try:
-            cached = Schedule.load(path)
-            if cached.fingerprint == graph.fingerprint:
-                return cached
-            problem = (f"it holds a schedule for another graph (fingerprint "
-                       f"{cached.fingerprint}, expected {graph.fingerprint})")
-        except FormatError as e:
-            problem = str(e)
-        warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
-                      f"again and overwriting it", UserWarning, stacklevel=3)
+    path = schedule_cache.entry_path(cache_dir, graph.model, graph.batch, key)
+    cached = schedule_cache.read_entry(path)
+    if cached is not None:
+        # An entry is a claim: it is returned only for the budget it was solved for and only
+        # when its decisions, replayed on this graph, fit that budget (solver/verify.py).
+        if cached.budget_bytes != budget_bytes:
+            schedule_cache.ignore(path, f"it was solved for a budget of "
+                                        f"{_budget_text(cached.budget_bytes)}, not "
+                                        f"{_budget_text(budget_bytes)}")
+        else:
+            try:
+                return verified(graph, cached, budget=budget_bytes,
+                                source=f"cache entry {path}")
+            except (ScheduleError, ScheduleMismatchError) as e:
+                schedule_cache.ignore(path, str(e))
     result = _solve(graph, budget_bytes, **solve_kwargs)
     if not result.ok:
         message = (f"no schedule for {graph.model} batch {graph.batch} within "
@@ -104,10 +109,16 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
             raise InfeasibleBudgetError(message, budget=budget_bytes,
                                         min_budget=(result.stats or {}).get("min_budget"))
         raise MonetlikeError(message)
-    schedule = result.schedule
-    os.makedirs(cache_dir, exist_ok=True)
-    schedule.save(path)
+    # Proven within the requested budget, so recorded with it (the key it is cached under).
+    schedule = dataclasses.replace(
+        verified(graph, result.schedule, budget=budget_bytes, source="the solved schedule"),
+        budget_bytes=budget_bytes)
+    schedule_cache.write_entry(path, schedule)
     return schedule
+
+
+def _budget_text(n: "int | None") -> str:
+    return "none" if n is None else f"{format_bytes(n)} ({n:,} B)"
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",

@@ -16,9 +16,11 @@ Vocabulary (see docs/execution-model.md for the semantics every part must agree 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -125,28 +127,40 @@ def _params(d: dict, where: str) -> tuple:
     return tuple(out)
 
 
-def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
+def atomic_write_text(path: "str | os.PathLike", text: str, *,
+                      follow_symlinks: bool = True) -> None:
     """Write `text` (UTF-8) to `path` atomically; see `atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), follow_symlinks=follow_symlinks)
 
 
-def atomic_write_bytes(path: "str | os.PathLike", data: bytes) -> None:
+def atomic_write_bytes(path: "str | os.PathLike", data: bytes, *,
+                       follow_symlinks: bool = True) -> None:
     """Write `data` to `path` so that a reader sees the old file or the new one, never a part.
 
-    A symlink is written through: its target gets the new content and the link stays. The new
-    file keeps the mode of the file it replaces, or gets the umask's default for a new file
-    (mkstemp alone would make it 0600). Errors name `path`, never the temporary file."""
+    A symlink is written through: its target gets the new content and the link stays (a user's
+    `-o` onto a link). With follow_symlinks=False (a cache folder, whose entries nobody chose)
+    whatever sits at `path`, a link or a FIFO included, is replaced by the new regular file. The
+    new file keeps the mode of the file it replaces, or gets the umask's default for a new file
+    (mkstemp alone would make it 0600). The temporary name is short (a 255-byte name still has
+    room). Errors name `path`, never the temporary file."""
     path = os.fspath(path)
-    target = os.path.realpath(path)
+    target = os.path.realpath(path) if follow_symlinks else os.path.abspath(path)
     directory = os.path.dirname(target)
     try:
-        mode = os.stat(target).st_mode & 0o7777
+        st = os.stat(target) if follow_symlinks else os.lstat(target)
+        if follow_symlinks and not stat.S_ISREG(st.st_mode):
+            # A device, FIFO or directory named as an output is never replaced by a file
+            # (`-o /dev/null` as root would replace the system's).
+            raise OSError(errno.EINVAL, f"cannot write {path!r}: it is {file_kind(st.st_mode)}, "
+                                        f"not a regular file; write to a file path")
+        mode = st.st_mode & 0o7777 if stat.S_ISREG(st.st_mode) else 0o666 & ~_umask()
     except FileNotFoundError:
         mode = 0o666 & ~_umask()
     except OSError as e:
-        raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
+        raise OSError(e.errno, e.strerror if str(e.strerror).startswith("cannot write")
+                      else f"cannot write {path!r}: {e.strerror}") from None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(target), dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=".monetlike-", suffix=".tmp", dir=directory)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
     try:
@@ -162,6 +176,17 @@ def atomic_write_bytes(path: "str | os.PathLike", data: bytes) -> None:
         if isinstance(e, OSError):
             raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
         raise
+
+
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO', 'a character device', ... for an lstat/stat mode."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _umask() -> int:

@@ -119,6 +119,7 @@ and hooks point to it), never the other way round.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -646,18 +647,39 @@ class Recomputation:
         self.locals[name] = result
 
 
+class _ForwardLocal(threading.local):
+    """What one running forward keeps on its runner, per thread: two threads stepping one
+    wrapper each see their own step (a backward, on any thread, sees no forward running)."""
+
+    state: "StepState | None" = None
+    capturer: "rc.ContextCapturer | None" = None
+    hooks: Any = None
+
+    def __init__(self):
+        self.buffer_versions: dict[int, list] = {}
+        self.attrs: dict[str, Any] = {}
+
+
+def _per_thread(name: str) -> property:
+    return property(lambda self: getattr(self._local, name),
+                    lambda self, value: setattr(self._local, name, value))
+
+
 class ScheduledForward:
     """Runs the traced forward for one StepState (reused across steps): fx's generated code, with
-    the nodes a schedule needs routed through `run_node` (NOTE [Generated forward])."""
+    the nodes a schedule needs routed through `run_node` (NOTE [Generated forward]). The running
+    step's fields are per thread (_ForwardLocal)."""
+
+    state = _per_thread("state")
+    _capturer = _per_thread("capturer")
+    _hooks = _per_thread("hooks")
+    _buffer_versions = _per_thread("buffer_versions")
+    _attrs = _per_thread("attrs")
 
     def __init__(self, plan: Plan, root: torch.nn.Module):
         self.plan = plan
         self.root = root
-        self.state: StepState | None = None
-        self._buffer_versions: dict[int, list] = {}
-        self._attrs: dict[str, Any] = {}
-        self._capturer: rc.ContextCapturer | None = None
-        self._hooks = None
+        self._local = _ForwardLocal()
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
         self.recompute_log = None  # (times, clock) inside ScheduleWrapper.timing_recomputations()
         self._nodes = list(plan.gm.graph.nodes)
