@@ -20,12 +20,14 @@ import dataclasses
 import math
 import os
 import re
+import stat
 import sys
 import time
 from typing import Sequence
 
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
                            InfeasibleBudgetError, MonetlikeError, ScheduleMismatchError)
+from solver.graph import file_kind
 from solver.units import format_bytes, parse_bytes
 
 from .modelspec import ModelSpecError, build_model, load_loss
@@ -129,13 +131,32 @@ def _check_writable(path: str | None, *inputs: str | None) -> None:
         if src and os.path.exists(src) and os.path.exists(path) and os.path.samefile(src, path):
             raise UsageError(f"-o {path!r} is the input file {src!r}: writing the output there "
                              f"would destroy the input; choose another -o")
-    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(path).st_mode  # through a symlink (/dev/stdout included), as written
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise UsageError(f"cannot write {path!r}: it is {file_kind(mode)}, not a regular file; "
+                         f"choose a file path for -o")
+    target = os.path.realpath(path)  # an output symlink is written through (atomic_write_bytes)
+    directory = os.path.dirname(target)
+    name_max = _name_max(directory)
+    if len(os.fsencode(os.path.basename(target))) > name_max:
+        raise UsageError(f"cannot write {path!r}: its name is longer than the {name_max} bytes "
+                         f"this file system allows; choose a shorter -o")
     if not os.path.isdir(directory):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} does not exist; "
                          f"create it or choose another -o")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} is not writable; "
                          f"choose another -o")
+
+
+def _name_max(directory: str) -> int:
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 # The input shape when neither --input-shape nor a graph or schedule gives one.
@@ -514,7 +535,10 @@ def cmd_check(args) -> int:
                          f"{type(e).__name__}: {_one_line(e)}; pass the --model the schedule "
                          f"was made for and its --input-shape") from e
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
-    return 0 if getattr(report, "passed", True) else 1
+    if getattr(report, "passed", True):
+        return 0
+    print(f"monetlike check: failed: {report.failure}", file=sys.stderr)
+    return 1
 
 
 def _recorded_loss(sched, path: str) -> str:
@@ -607,6 +631,7 @@ def cmd_zoo(args) -> int:
             print(f"{k:22s} {v}")
         print(f"{'overhead':22s} {100 * e.overhead:.2f}%")
     else:
+        _check_writable(args.output)
         e = zoo.pick(args.model, args.batch, args.budget)
         print(zoo.table([e]).to_string(index=False))
         if args.output:

@@ -305,3 +305,76 @@ def test_two_threads_stepping_one_wrapper_both_work_and_leave_it_working():
         _step(wrapper)
     for p, g in zip(model.parameters(), reference):
         torch.testing.assert_close(p.grad, 3 * g)
+
+
+# -- 6. CLI outputs, and check saying why ------------------------------------------------------
+MLP_FILE = """
+import torch.nn as nn
+
+def build():
+    return nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh(),
+                         nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh(),
+                         nn.Linear(128, 2))
+"""
+
+
+@pytest.fixture
+def cli_files(solved, tmp_path):
+    graph, schedule, store_all = solved
+    (tmp_path / "mlp.py").write_text(MLP_FILE)
+    graph.save(tmp_path / "g.json")
+    return tmp_path
+
+
+def _solve_to(cli_files, output, capsys):
+    from cli_support import run_cli
+
+    return run_cli(["solve", "--graph", str(cli_files / "g.json"), "--budget", "4MiB", "-o",
+                    str(output)], capsys)
+
+
+@pytest.mark.parametrize("kind,make", [
+    ("a character device", lambda p: os.mknod(p, 0o20666, os.makedev(1, 3))),
+    ("a FIFO (named pipe)", os.mkfifo),
+    ("a directory", os.mkdir),
+])
+def test_an_output_that_is_not_a_regular_file_is_refused_before_the_solve(cli_files, capsys,
+                                                                          kind, make):
+    import stat
+
+    target = cli_files / "out"
+    try:
+        make(target)
+    except PermissionError:
+        pytest.skip("making a device node needs root")
+    mode = os.lstat(target).st_mode
+    code, out, err = _solve_to(cli_files, target, capsys)
+    assert code == 2, err
+    assert f"cannot write {str(target)!r}: it is {kind}, not a regular file" in err
+    assert "HiGHS" not in out + err  # refused before any solve
+    assert stat.S_IFMT(os.lstat(target).st_mode) == stat.S_IFMT(mode)  # left as it was
+
+
+def test_a_long_output_name_is_written_and_one_too_long_is_refused_up_front(cli_files, capsys):
+    ok = cli_files / ("s" * 245 + ".json")  # 250 bytes: the old temporary name overflowed
+    code, out, err = _solve_to(cli_files, ok, capsys)
+    assert code == 0, err
+    assert solver.Schedule.load(ok).budget_bytes == 4 * 2**20
+    assert [n for n in os.listdir(cli_files) if n.startswith(".")] == []
+    too_long = cli_files / ("s" * 300 + ".json")
+    code, out, err = _solve_to(cli_files, too_long, capsys)
+    assert code == 2 and "its name is longer than the 255 bytes" in err, err
+
+
+def test_check_refuses_a_tampered_file_and_says_why(solved, cli_files, capsys):
+    from cli_support import run_cli
+
+    graph, schedule, store_all = solved
+    p = _file(cli_files, store_all, budget_bytes=schedule.budget_bytes,
+              predicted_peak_bytes=schedule.predicted_peak_bytes)
+    code, out, err = run_cli(["check", str(p), "--model", f"{cli_files / 'mlp.py'}:build"],
+                             capsys)
+    assert code == 1
+    assert "monetlike check: error: ScheduleWrapper: the schedule" in err
+    peak = simulate(graph, store_all).peak_bytes
+    assert f"peak at {solver.units.format_bytes(peak)} ({peak:,} B), above its budget" in err
