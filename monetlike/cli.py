@@ -176,6 +176,11 @@ def example_inputs(batch: int, input_shape: Sequence[int] | None, device: str = 
 
     if batch <= 0:
         raise UsageError(f"--batch must be a positive integer, got {batch}")
+    numel = math.prod((batch, *(input_shape or ())))
+    if numel > 2**63 - 1:  # torch would fail with an overflow deep inside the first call
+        raise UsageError(f"--batch {batch} with --input-shape "
+                         f"{','.join(map(str, input_shape or ()))} makes more elements than a "
+                         f"tensor can hold (2^63 - 1); give smaller sizes")
     make = getattr(model, "example_inputs", None)
     if callable(make):
         # A named transformers shape (monetlike.hf_models) makes its own keyword batch

@@ -118,7 +118,7 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
 
 
 def _budget_text(n: "int | None") -> str:
-    return "none" if n is None else f"{format_bytes(n)} ({n:,} B)"
+    return "none" if n is None else f"{format_bytes(n)} ({n} B)"
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",

@@ -51,7 +51,15 @@ def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: boo
         raise FormatError(f"{where}.{key}: expected an integer, got {type(v).__name__} {v!r:.60}")
     if minimum is not None and v < minimum:
         raise FormatError(f"{where}.{key}: expected an integer >= {minimum}, got {v}")
+    if v > _INT_MAX:
+        raise FormatError(f"{where}.{key}: expected an integer below 2^63 (a byte count, size or "
+                          f"index), got one of {len(str(v))} digits")
     return v
+
+
+# Every integer a graph or schedule holds (bytes, sizes, ids) fits a signed 64-bit int; a larger
+# one in a file is an edit, refused where it is read rather than overflowing where it is used.
+_INT_MAX = 2**63 - 1
 
 
 def _float(d: Any, key: str, where: str, *, optional: bool = False) -> float | None:
@@ -93,6 +101,9 @@ def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
     for i, v in enumerate(_list(d, key, where)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise FormatError(f"{where}.{key}[{i}]: expected a non-negative integer, got {v!r:.60}")
+        if v > _INT_MAX:
+            raise FormatError(f"{where}.{key}[{i}]: expected an integer below 2^63, got one of "
+                              f"{len(str(v))} digits")
         out.append(v)
     return tuple(out)
 
@@ -213,7 +224,7 @@ def read_json_file(path: "str | os.PathLike", what: str) -> Any:
     except RecursionError:  # a hostile file nests arrays thousands deep
         raise FormatError(f"{what} file {os.fspath(path)!r} nests JSON arrays or objects too "
                           f"deeply to be a {what} written by monetlike; regenerate it") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4,300 digits
         raise FormatError(
             f"{what} file {os.fspath(path)!r} is not valid JSON (truncated or corrupted?): {e}; "
             f"regenerate it") from None

@@ -62,8 +62,8 @@ def verified(graph: OpGraph, schedule: Schedule, *, budget: int | None = None,
 
 
 def _both(n: int) -> str:
-    """'4.06 MiB (4,256,792 B)': the exact count beside the rounded one, so it can be typed back."""
-    return f"{format_bytes(n)} ({n:,} B)"
+    """'4.06 MiB (4256792 B)': the exact count beside the rounded one, so it can be typed back."""
+    return f"{format_bytes(n)} ({n} B)"
 
 
 def with_recorded_optimizer_state(graph: OpGraph, schedule: Schedule,

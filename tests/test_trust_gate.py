@@ -69,7 +69,7 @@ def test_store_all_decisions_under_the_solved_files_figures_are_refused(solved, 
     with pytest.raises(OverBudgetError) as e:
         _step(wrapper)
     peak = simulate(graph, store_all).peak_bytes
-    assert f"peak at {solver.units.format_bytes(peak)} ({peak:,} B), above its budget" \
+    assert f"peak at {solver.units.format_bytes(peak)} ({peak} B), above its budget" \
         in str(e.value)
     assert "it records a peak of" in str(e.value) and "s.json" in str(e.value)
     with pytest.raises(OverBudgetError):  # refused for good, not run on a second try
@@ -79,7 +79,7 @@ def test_store_all_decisions_under_the_solved_files_figures_are_refused(solved, 
 def test_a_budget_lowered_in_the_file_is_refused(solved, tmp_path):
     graph, schedule, _ = solved
     p = _file(tmp_path, schedule, budget_bytes=1024)
-    with pytest.raises(OverBudgetError, match=r"above its budget of 1\.00 KiB \(1,024 B\)"):
+    with pytest.raises(OverBudgetError, match=r"above its budget of 1\.00 KiB \(1024 B\)"):
         _step(monetlike.ScheduleWrapper(mlp(), solver.Schedule.load(p)))
 
 
@@ -377,4 +377,66 @@ def test_check_refuses_a_tampered_file_and_says_why(solved, cli_files, capsys):
     assert code == 1
     assert "monetlike check: error: ScheduleWrapper: the schedule" in err
     peak = simulate(graph, store_all).peak_bytes
-    assert f"peak at {solver.units.format_bytes(peak)} ({peak:,} B), above its budget" in err
+    assert f"peak at {solver.units.format_bytes(peak)} ({peak} B), above its budget" in err
+
+
+# -- 7. the unclear cases, each one clear line -------------------------------------------------
+def test_the_least_budget_is_printed_rounded_up_with_bytes_and_names_forward_hooks():
+    model = mlp()
+    model[1].register_forward_hook(lambda m, i, o: None)
+    graph = monetlike.profile(model, X, cost="analytical:A100-40GB")
+    with pytest.raises(solver.errors.InfeasibleBudgetError) as e:
+        solver.solve(graph, 1000)
+    text = str(e.value)
+    assert "1 op(s) cannot be recomputed and stay resident" in text
+    assert "module 1 (GELU) has forward hooks" in text
+    least = e.value.min_budget
+    printed = text.split("minimum feasible ")[1].split(" (")[0]  # e.g. '4.59 MiB'
+    assert f"{printed} ({least} B)" in text
+    typed_back = solver.units.parse_bytes(printed.replace(" ", ""))
+    assert typed_back >= least
+    assert solver.solve(graph, typed_back).ok
+
+
+def test_budget_text_typed_back_is_never_below_the_bytes():
+    from solver.units import budget_text, parse_bytes
+
+    for n in [1, 1023, 1024, 1025, 4_806_123, 2**20 - 1, 3 * 2**30 + 7, 10**12 + 1]:
+        assert parse_bytes(budget_text(n).split(" (")[0].replace(" ", "")) >= n, n
+
+
+@pytest.mark.parametrize("given", ["9" * 400, 10**400, "9" * 400 + "GiB"])
+def test_a_huge_budget_is_one_clear_error(given):
+    with pytest.raises(solver.errors.BudgetParseError, match="is too large: expected at most"):
+        solver.units.parse_bytes(given)
+
+
+def test_huge_integers_in_a_file_are_a_format_error(solved, tmp_path):
+    graph, schedule, _ = solved
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(dict(schedule.to_dict(), budget_bytes=10**400)))
+    with pytest.raises(solver.errors.FormatError,
+                       match=r"schedule.budget_bytes: expected an integer below 2\^63"):
+        solver.Schedule.load(p)
+    p.write_text(json.dumps(dict(schedule.to_dict(), budget_bytes=0)).replace(
+        '"budget_bytes": 0', '"budget_bytes": ' + "9" * 5000))
+    with pytest.raises(solver.errors.FormatError, match="is not valid JSON"):
+        solver.Schedule.load(p)
+
+
+def test_a_time_limit_that_is_not_a_number_is_one_clear_error(solved):
+    graph, schedule, _ = solved
+    with pytest.raises(ValueError, match=r"time_limit_s must be positive \(a number of "
+                                         r"seconds\), got str '5'"):
+        solver.solve(graph, schedule.budget_bytes, time_limit_s="5")
+
+
+def test_an_input_shape_whose_size_overflows_is_one_clear_line(cli_files, capsys):
+    from cli_support import run_cli
+
+    code, out, err = run_cli(["profile", f"{cli_files / 'mlp.py'}:build", "--batch", "4",
+                              "--input-shape", "4294967296,4294967296", "--cost",
+                              "analytical:A100-40GB", "-o", str(cli_files / "g2.json")], capsys)
+    assert code == 2
+    assert "makes more elements than a tensor can hold (2^63 - 1)" in err
+    assert err.count("\n") == 1

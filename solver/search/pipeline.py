@@ -35,7 +35,7 @@ from ..graph import OpGraph
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
 from ..simulate import simulate, store_all_schedule
 from ..stage_bound import stage_bound, stage_least_peak
-from ..units import format_bytes, parse_bytes
+from ..units import format_bytes, budget_text, parse_bytes
 from ..warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
                          least_memory, low_memory_schedules)
 from .branch_and_bound import BranchAndBound, OneShot
@@ -139,6 +139,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
     bound). Cached per graph and mode, until a longer time limit is asked for an
     unproven answer."""
+    check_time_limit(time_limit_s)
     key = _min_budget_key(graph, mode, offload)
     hit = _MIN_BUDGET_CACHE.get(key)
     if hit is not None and (hit[0][2] or hit[1] >= time_limit_s):
@@ -193,20 +194,34 @@ def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
                               offload=offload)[0]
 
 
+def check_time_limit(time_limit_s) -> None:
+    """A time limit is a positive number of seconds (a string such as "5" is refused here, not
+    met later as a TypeError inside the search)."""
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) \
+            or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive (a number of seconds), got "
+                         f"{type(time_limit_s).__name__} {time_limit_s!r:.40}")
+
+
 def _infeasible(graph: OpGraph, budget: int, mode: str, backend: str, time_limit_s: float,
                 why: str = "", offload: bool = False) -> InfeasibleBudgetError:
     peak, lower, proven, _ = min_budget_details(graph, mode, backend=backend,
                                                 time_limit_s=time_limit_s, offload=offload)
     what = f"{graph.model} batch {graph.batch}"
+    # The least budget rounded up, with its bytes: typed back, it is accepted.
     if proven:
         msg = (f"budget {format_bytes(budget)} is below the minimum feasible "
-               f"{format_bytes(peak)} for {what} ({mode} mode); raise --budget")
+               f"{budget_text(peak)} for {what} ({mode} mode); raise --budget")
     else:
         msg = (f"budget {format_bytes(budget)} is infeasible for {what} ({mode} mode): the "
-               f"minimum feasible budget is between {format_bytes(max(lower, budget + 1))} and "
-               f"{format_bytes(peak)} (not proven within the time limit); raise --budget")
+               f"minimum feasible budget is between {budget_text(max(lower, budget + 1))} and "
+               f"{budget_text(peak)} (not proven within the time limit); raise --budget")
     if why:
         msg += f" ({why})"
+    held = [op for op in graph.ops if op.recompute_unsafe]
+    if held:  # what raises the least budget that the user controls (forward hooks, state)
+        msg += (f"; {len(held)} op(s) cannot be recomputed and stay resident, e.g. "
+                f"{held[0].name}: {held[0].recompute_unsafe}")
     return InfeasibleBudgetError(msg, budget=budget, min_budget=peak)
 
 
@@ -276,8 +291,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     budget = parse_bytes(budget)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    check_time_limit(time_limit_s)
     be = get_backend(backend)
     deadline = started + time_limit_s
 
