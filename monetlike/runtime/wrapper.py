@@ -17,8 +17,11 @@ call with a new input signature (shapes, dtypes, devices, requires_grad of input
 train/eval flags, autocast state) the wrapper profiles the structure of (model, inputs) cheaply
 (the profiler's analytical mode on the meta device; a one-repeat measured profile when that
 cannot run, e.g. under autocast) and compares fingerprints. A difference raises
-ScheduleMismatchError naming what differs; a wrong schedule never runs. The verdict is cached per
-signature, so later steps pay a dictionary lookup.
+ScheduleMismatchError naming what differs; a wrong schedule never runs. A schedule that matches
+then passes the gate (solver/verify.py): its decisions, replayed by the simulator on that graph,
+must peak within its budget, whatever figures it records. The verdict is cached per signature
+(which includes the modules' and parameters' identities: NOTE [The model checked every step]), so
+later steps pay a dictionary lookup.
 
 NOTE [Smaller shapes]
 A training loop meets shapes smaller than the one solved for: the last batch of an epoch without
@@ -159,17 +162,7 @@ class ScheduleWrapper(torch.nn.Module):
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
         self._gm_state = None  # the Python attributes `_gm` was traced with
-        self._watched = None  # NOTE [The model checked every step]
-# A training loop may change the model after the first step: a head replaced by a wider one with
-# the same parameter names, an activation swapped for dropout, a parameter re-assigned. The old
-# plan would run on it (above budget, or a recomputation replaying another op: wrong gradients,
-# silently). So each module's identity and type and each parameter's identity, shape, dtype and
-# requires_grad are part of the call's signature (a few attribute reads per module): a change is
-# traced and profiled again and then runs under the schedule or is refused naming what differs,
-# as a fresh wrapper would.
-
-
-# NOTE [Python attributes read in forward]
+        self._watched = None  # NOTE [Python attributes read in forward]
         self._placeholders = None
         self._plain = 0
         self._recompute_log = None  # (times, clock) inside timing_recomputations()
@@ -490,6 +483,16 @@ class ScheduleWrapper(torch.nn.Module):
         return profile(self._model, tensors, cost="measured", repeat=1,
                        leaf_modules=self._leaf_modules, impl_target=target,
                        capture=self._capture, impls=self._structure_impls)
+
+
+# NOTE [The model checked every step]
+# A training loop may change the model after the first step: a head replaced by a wider one with
+# the same parameter names, an activation swapped for dropout, a parameter re-assigned. The old
+# plan would run on it (above budget, or a recomputation replaying another op: wrong gradients,
+# silently). So each module's identity and type and each parameter's identity, shape, dtype and
+# requires_grad are part of the call's signature (a few attribute reads per module): a change is
+# traced and profiled again and then runs under the schedule or is refused naming what differs,
+# as a fresh wrapper would.
 
 
 # NOTE [Python attributes read in forward]
