@@ -440,3 +440,33 @@ def test_an_input_shape_whose_size_overflows_is_one_clear_line(cli_files, capsys
     assert code == 2
     assert "makes more elements than a tensor can hold (2^63 - 1)" in err
     assert err.count("\n") == 1
+
+
+def test_a_ctrl_c_in_the_storage_callback_is_not_lost(solved, capsys):
+    """A KeyboardInterrupt raised inside the runtime's weakref callback (where Ctrl-C lands when
+    a storage dies at that moment) is not 'Exception ignored' and lost: the runtime raises it at
+    its next node, and the step after runs."""
+    import functools
+    import weakref
+
+    from monetlike.runtime.executor import _forget
+
+    graph, schedule, _ = solved
+    wrapper = monetlike.ScheduleWrapper(mlp(), schedule)
+    _step(wrapper)
+
+    class Interrupted(dict):
+        def get(self, *args):
+            raise KeyboardInterrupt
+
+    class Storage:
+        pass
+
+    storage = Storage()
+    ref = weakref.ref(storage, functools.partial(_forget, Interrupted(), {}, 0, 1))
+    del storage  # the callback runs here, and the interrupt lands in it
+    assert ref() is None
+    assert "Exception ignored" not in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        _step(wrapper)
+    _step(wrapper)

@@ -279,6 +279,8 @@ class StepState:
         # when any later prehook fires: counting roots here needs no posthook, which would make
         # the engine keep a second reference to the root's incoming gradient while it runs (and
         # the mask Impls write that gradient in place only when nothing else references it).
+        if _INTERRUPTED:
+            raise_kept_interrupt()
         self.roots_pending[t] -= 1
         status = self.stage_status
         if status[t] == RUNNING:
@@ -752,6 +754,8 @@ class ScheduledForward:
 
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
+        if _INTERRUPTED:
+            raise_kept_interrupt()
         try:
             n, op, starts, rng, hooked, makes, meta, stage, ends, offloads, stats, unreached = \
                 self._info[i]
@@ -1026,13 +1030,28 @@ class _UnreachedView(_Unreached):
 
 
 def _forget(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:
-    if vkey.get(v) == key:
-        del vkey[v]
-    found = key_values.get(key)
-    if found is not None and v in found:
-        found.remove(v)
-        if not found:
-            del key_values[key]
+    try:
+        if vkey.get(v) == key:
+            del vkey[v]
+        found = key_values.get(key)
+        if found is not None and v in found:
+            found.remove(v)
+            if not found:
+                del key_values[key]
+    except KeyboardInterrupt:
+        # A weakref callback cannot raise: a Ctrl-C landing here would be printed as "Exception
+        # ignored" and lost. Kept, it is raised at the runtime's next node or backward stage.
+        _INTERRUPTED.append(True)
+
+
+# Ctrl-Cs caught where they could not be raised (_forget), raised by `raise_kept_interrupt`.
+_INTERRUPTED: list = []
+
+
+def raise_kept_interrupt() -> None:
+    if _INTERRUPTED:
+        _INTERRUPTED.clear()
+        raise KeyboardInterrupt
 
 
 __all__ = ["StepState", "ScheduledForward", "module_of"]
