@@ -1,7 +1,7 @@
 """The schedule zoo: prebuilt JSON schedules for MONeT's models, picked by model, batch and budget.
 
 The schedules live in the repository's `schedules/` folder and ship inside the wheel as the
-package `monetlike.schedules`. `schedules/index.json` lists one entry per schedule with what is
+package `monetlike.schedules` (`$MONETLIKE_ZOO` names another folder of the same layout). `schedules/index.json` lists one entry per schedule with what is
 needed to choose one without opening it. `load(name, model)` checks the schedule's fingerprint
 against the user's model before returning it, so a zoo schedule never runs on the wrong model.
 
@@ -15,6 +15,8 @@ Models that make their own keyword batch (the named transformers shapes of monet
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
@@ -81,7 +83,10 @@ class ZooEntry:
 
 
 def _folder():
-    return resources.files("monetlike.schedules")
+    """The zoo's folder: `$MONETLIKE_ZOO` (a team's own zoo, in the same layout) or the one
+    shipped in the package. Either way its files are claims: `load` verifies before use."""
+    own = os.environ.get("MONETLIKE_ZOO")
+    return pathlib.Path(own) if own else resources.files("monetlike.schedules")
 
 
 def entries() -> list[ZooEntry]:

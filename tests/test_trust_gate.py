@@ -470,3 +470,29 @@ def test_a_ctrl_c_in_the_storage_callback_is_not_lost(solved, capsys):
     with pytest.raises(KeyboardInterrupt):
         _step(wrapper)
     _step(wrapper)
+
+
+def test_a_zoo_entry_edited_in_place_is_refused_by_load(solved, tmp_path, monkeypatch):
+    from monetlike import zoo
+
+    graph, schedule, store_all = solved
+    entry = zoo.ZooEntry(name="mlp_128", model="mlp", batch=128, input_shape=(16,),
+                         budget_bytes=schedule.budget_bytes,
+                         predicted_peak_bytes=schedule.predicted_peak_bytes,
+                         predicted_time=schedule.predicted_time, store_all_time=1e-6,
+                         store_all_peak_bytes=simulate(graph, store_all).peak_bytes,
+                         mode="full", status="optimal", mip_gap=0.0,
+                         cost_provenance=schedule.cost_provenance,
+                         fingerprint=schedule.fingerprint)
+    (tmp_path / "index.json").write_text(json.dumps({"entries": [entry.to_dict()]}))
+    monkeypatch.setenv("MONETLIKE_ZOO", str(tmp_path))
+    _file(tmp_path, schedule, name="mlp_128.json", predicted_peak_bytes=1)
+    loaded = zoo.load("mlp_128", mlp())  # the simulator's figures, not the file's
+    assert loaded.predicted_peak_bytes == simulate(graph, schedule).peak_bytes
+    # Edited in place: store-all decisions under the entry's figures.
+    _file(tmp_path, store_all, name="mlp_128.json", budget_bytes=schedule.budget_bytes,
+          predicted_peak_bytes=schedule.predicted_peak_bytes)
+    assert zoo.pick("mlp", 128, schedule.budget_bytes).name == "mlp_128"  # the index's claim
+    with pytest.raises(OverBudgetError, match="zoo schedule 'mlp_128': replayed by the "
+                                              "simulator on this model's graph"):
+        zoo.load("mlp_128", mlp())
