@@ -496,3 +496,16 @@ def test_a_zoo_entry_edited_in_place_is_refused_by_load(solved, tmp_path, monkey
     with pytest.raises(OverBudgetError, match="zoo schedule 'mlp_128': replayed by the "
                                               "simulator on this model's graph"):
         zoo.load("mlp_128", mlp())
+
+
+def test_output_to_dev_stdout_on_a_pipe_is_refused_before_the_solve(cli_files):
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "monetlike.cli", "solve", "--graph",
+                          str(cli_files / "g.json"), "--budget", "4MiB", "-o", "/dev/stdout"],
+                         capture_output=True, text=True, cwd=cli_files,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == ("monetlike solve: error: cannot write '/dev/stdout': it is a "
+                                  "FIFO (named pipe), not a regular file; choose a file path "
+                                  "for -o")
