@@ -41,7 +41,7 @@ def read_entry(path: str) -> "Schedule | None":
         | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no entry (the write says why, if it fails)
         return None
     except OSError as e:
         problem = ("it is a symbolic link" if e.errno == errno.ELOOP

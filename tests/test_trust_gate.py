@@ -10,6 +10,7 @@ The model is a small MLP whose solved schedule recomputes, so tampering changes 
 import json
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -215,9 +216,14 @@ def test_a_cache_that_cannot_be_written_is_a_warning(solved, tmp_path):
     graph, schedule, _ = solved
     (tmp_path / "file").write_text("")
     cache = tmp_path / "file" / "cache"  # below a file: no one (root included) can create it
-    with pytest.warns(UserWarning, match="the schedule was solved but cannot be cached"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         got = solve_cached(graph, schedule.budget_bytes, cache_dir=cache)
     assert got.predicted_peak_bytes <= schedule.budget_bytes
+    (said,) = [str(w.message) for w in said]  # one warning, about the write
+    assert said.startswith(f"monetlike.optimize: the schedule was solved but cannot be cached "
+                           f"at '{cache}{os.sep}Sequential-b128-")
+    assert "(Not a directory); it will be solved again next time" in said
 
 
 # -- 4. the model checked every step -----------------------------------------------------------

@@ -6,7 +6,6 @@ against (solver/verify.py). Derandomized: the same examples every run."""
 import json
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
