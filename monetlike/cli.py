@@ -26,9 +26,11 @@ import time
 from typing import Sequence
 
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
-                           InfeasibleBudgetError, MonetlikeError, ScheduleMismatchError)
+                           InfeasibleBudgetError, MonetlikeError, OverBudgetError,
+                           ScheduleMismatchError)
 from solver.graph import file_kind
 from solver.units import format_bytes, parse_bytes
+from solver.verify import verified
 
 from .modelspec import ModelSpecError, build_model, load_loss
 from .zoo import ZooError
@@ -339,12 +341,11 @@ class _BestSoFar:
         self.bound = None
 
     def offer(self, schedule, bound) -> None:
-        from solver.simulate import with_predictions
-        from solver.units import parse_bytes
-
-        s = with_predictions(self.graph, schedule,
-                                    budget_bytes=parse_bytes(self.args.budget))
-        if s.predicted_peak_bytes > s.budget_bytes:  # a lazy-row model's plan: not yet checked
+        budget = parse_bytes(self.args.budget)
+        try:  # the gate (solver/verify.py): a lazy-row model's plan is not yet checked
+            s = verified(self.graph, dataclasses.replace(schedule, budget_bytes=budget),
+                         source="the solver's incumbent")
+        except OverBudgetError:
             return
         with self.lock:
             self.schedule, self.bound = s, bound
