@@ -181,7 +181,7 @@ def _measure(module, model, args, kwargs, repeat, loss_fn=_loss):
 
 
 def _predicted_here(model, example_inputs, schedule: Schedule, loss_fn, fallback) -> int:
-    """The simulator's peak for a schedule made by hand (the one the wrapper runs): on a
+    """The simulator's peak for the schedule the wrapper runs: on a
     profile of the model measured here, by the allocator, under the loss the peaks are measured
     with. `fallback`, the wrapper's own graph (a structure profile on the meta device, where no
     kernel allocates scratch), only when the measured profile is of another graph."""
@@ -227,14 +227,11 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
     m_plain = _measure(plain, plain, args, kwargs, repeat, peak_loss)
     m_mine = _measure(wrapped, mine, args, kwargs, repeat, peak_loss)
 
-    # The simulator's figure, never the file's (solver/verify.py): the one the wrapper proved
-    # the schedule with; for a schedule made by hand (no recorded peak to compare with), its
-    # decisions replayed on a profile measured here, as a measured peak is.
-    ran = wrapped.schedule_for(*args, **kwargs)
-    predicted = ran.predicted_peak_bytes
-    if schedule.predicted_peak_bytes is None:
-        predicted = _predicted_here(model, example_inputs, ran, loss_fn,
-                                    wrapped.graph_for(*args, **kwargs))
+    # The simulator's figure, never the file's (solver/verify.py): the decisions the wrapper
+    # runs, replayed on a profile measured here under the loss, as the measured peak is (the
+    # wrapper's structure profile on the meta device has no loss and allocates no scratch).
+    predicted = _predicted_here(model, example_inputs, wrapped.schedule_for(*args, **kwargs),
+                                loss_fn, wrapped.graph_for(*args, **kwargs))
     slack_mul, slack_add = PEAK_SLACK
     budget = schedule.budget_bytes
     return CheckReport(
