@@ -72,6 +72,20 @@ class CheckReport:
     def passed(self) -> bool:
         return self.grads_match and self.within_budget is not False
 
+    @property
+    def failure(self) -> str:
+        """Why the check failed, in one line ('' when it passed)."""
+        why = []
+        if not self.grads_match:
+            why.append(f"the scheduled step's outputs or gradients differ from plain PyTorch's "
+                       f"by up to {self.max_abs_grad_diff:.3g} (tolerance {GRAD_ATOL:g} absolute, "
+                       f"{GRAD_RTOL:g} relative)")
+        if self.within_budget is False:
+            why.append(f"the measured peak {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B) "
+                       f"is above the budget {format_bytes(self.budget_bytes)} "
+                       f"({self.budget_bytes:,} B) with the allowed allocator slack")
+        return "; ".join(why)
+
     def table(self):
         import pandas as pd
 
@@ -168,7 +182,7 @@ def _measure(module, model, args, kwargs, repeat, loss_fn=_loss):
 
 
 def _predicted_here(model, example_inputs, schedule: Schedule, loss_fn, fallback) -> int:
-    """The simulator's peak for a schedule that carries no prediction (one made by hand): on a
+    """The simulator's peak for the schedule the wrapper runs: on a
     profile of the model measured here, by the allocator, under the loss the peaks are measured
     with. `fallback`, the wrapper's own graph (a structure profile on the meta device, where no
     kernel allocates scratch), only when the measured profile is of another graph."""
@@ -213,10 +227,11 @@ def check_schedule(schedule: "Schedule | str | os.PathLike", model: torch.nn.Mod
     m_plain = _measure(plain, plain, args, kwargs, repeat, peak_loss)
     m_mine = _measure(wrapped, mine, args, kwargs, repeat, peak_loss)
 
-    predicted = schedule.predicted_peak_bytes
-    if predicted is None:
-        predicted = _predicted_here(model, example_inputs, schedule, loss_fn,
-                                    wrapped.graph_for(*args, **kwargs))
+    # The simulator's figure, never the file's (solver/verify.py): the decisions the wrapper
+    # runs, replayed on a profile measured here under the loss, as the measured peak is (the
+    # wrapper's structure profile on the meta device has no loss and allocates no scratch).
+    predicted = _predicted_here(model, example_inputs, wrapped.schedule_for(*args, **kwargs),
+                                loss_fn, wrapped.graph_for(*args, **kwargs))
     slack_mul, slack_add = PEAK_SLACK
     budget = schedule.budget_bytes
     return CheckReport(

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 import sys
 import time
 from typing import Sequence
@@ -27,9 +28,11 @@ from typing import Sequence
 import solver
 from solver import backends, simulate, store_all_schedule
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
-                           InfeasibleBudgetError, MonetlikeError, ScheduleMismatchError)
-from solver.simulate import with_predictions
+                           InfeasibleBudgetError, MonetlikeError, OverBudgetError,
+                           ScheduleMismatchError)
+from solver.graph import file_kind
 from solver.units import format_bytes, parse_bytes
+from solver.verify import verified
 
 from . import zoo
 from .calibrate import calibrate
@@ -142,13 +145,32 @@ def _check_writable(path: str | None, *inputs: str | None) -> None:
         if src and os.path.exists(src) and os.path.exists(path) and os.path.samefile(src, path):
             raise UsageError(f"-o {path!r} is the input file {src!r}: writing the output there "
                              f"would destroy the input; choose another -o")
-    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(path).st_mode  # through a symlink (/dev/stdout included), as written
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise UsageError(f"cannot write {path!r}: it is {file_kind(mode)}, not a regular file; "
+                         f"choose a file path for -o")
+    target = os.path.realpath(path)  # an output symlink is written through (atomic_write_bytes)
+    directory = os.path.dirname(target)
+    name_max = _name_max(directory)
+    if len(os.fsencode(os.path.basename(target))) > name_max:
+        raise UsageError(f"cannot write {path!r}: its name is longer than the {name_max} bytes "
+                         f"this file system allows; choose a shorter -o")
     if not os.path.isdir(directory):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} does not exist; "
                          f"create it or choose another -o")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"cannot write {path!r}: directory {directory!r} is not writable; "
                          f"choose another -o")
+
+
+def _name_max(directory: str) -> int:
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 # The input shape when neither --input-shape nor a graph or schedule gives one.
@@ -168,6 +190,11 @@ def example_inputs(batch: int, input_shape: Sequence[int] | None, device: str = 
 
     if batch <= 0:
         raise UsageError(f"--batch must be a positive integer, got {batch}")
+    numel = math.prod((batch, *(input_shape or ())))
+    if numel > 2**63 - 1:  # torch would fail with an overflow deep inside the first call
+        raise UsageError(f"--batch {batch} with --input-shape "
+                         f"{','.join(map(str, input_shape or ()))} makes more elements than a "
+                         f"tensor can hold (2^63 - 1); give smaller sizes")
     make = getattr(model, "example_inputs", None)
     if callable(make):
         # A named transformers shape (monetlike.hf_models) makes its own keyword batch
@@ -321,10 +348,11 @@ class _BestSoFar:
         self.bound = None
 
     def offer(self, schedule, bound) -> None:
-
-        s = with_predictions(self.graph, schedule,
-                                    budget_bytes=parse_bytes(self.args.budget))
-        if s.predicted_peak_bytes > s.budget_bytes:  # a lazy-row model's plan: not yet checked
+        budget = parse_bytes(self.args.budget)
+        try:  # the gate (solver/verify.py): a lazy-row model's plan is not yet checked
+            s = verified(self.graph, dataclasses.replace(schedule, budget_bytes=budget),
+                         source="the solver's incumbent")
+        except OverBudgetError:
             return
         with self.lock:
             self.schedule, self.bound = s, bound
@@ -517,7 +545,10 @@ def cmd_check(args) -> int:
                          f"{type(e).__name__}: {_one_line(e)}; pass the --model the schedule "
                          f"was made for and its --input-shape") from e
     print(report.table().to_string(index=False) if hasattr(report, "table") else report)
-    return 0 if getattr(report, "passed", True) else 1
+    if getattr(report, "passed", True):
+        return 0
+    print(f"monetlike check: failed: {report.failure}", file=sys.stderr)
+    return 1
 
 
 def _recorded_loss(sched, path: str) -> str:
@@ -606,6 +637,7 @@ def cmd_zoo(args) -> int:
             print(f"{k:22s} {v}")
         print(f"{'overhead':22s} {100 * e.overhead:.2f}%")
     else:
+        _check_writable(args.output)
         e = zoo.pick(args.model, args.batch, args.budget)
         print(zoo.table([e]).to_string(index=False))
         if args.output:

@@ -10,8 +10,9 @@ each Impl holds and its workspaces, each stage's gradients: a `loss_fn` changes 
 stage's), the cost provenance and the solver settings. Measured costs differ a little
 from run to run, so they are not part of the key: a cached schedule is reused as long as the
 structure and settings are the same. Files are written atomically (a reader sees the old file
-or the new one), so concurrent processes never read half a schedule; an unreadable cache entry
-is solved again and overwritten.
+or the new one), so concurrent processes never read half a schedule. The cache is untrusted input
+(cache_files.py): an entry is returned only for its own budget and after the simulator has
+replayed it on this graph within that budget; anything else there is solved again and replaced.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import hashlib
 import json
 import os
 import platform
-import warnings
 from typing import Any, Iterable
 
 import torch
 
 import solver
-from solver.errors import FormatError, InfeasibleBudgetError, MonetlikeError
+from solver.errors import (InfeasibleBudgetError, MonetlikeError, ScheduleError,
+                           ScheduleMismatchError)
 from solver.graph import OpGraph, cost_device, cost_kind
 from solver.schedule import Schedule
 from solver.search import min_budget as solver_min_budget
@@ -35,10 +36,12 @@ from solver.search.budgets import check_feasible, resolve_budget
 from solver.search.pipeline import MIN_BUDGET_TIME_LIMIT_S, MIN_PEAK_SHARE
 from solver.search.progress import phase
 from solver.units import auto_bytes, format_bytes, parse_budget, parse_bytes
+from solver.verify import verified
 
+from . import cache_files
+from .core.torch_private import tree_leaves
 from .max_shape import at_largest
 from .profile import profile
-from .core.torch_private import tree_leaves
 from .wrapper import ScheduleWrapper
 
 __all__ = ["optimize", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
@@ -80,20 +83,21 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
     budget_bytes = parse_bytes(budget)
     cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
     key = cache_key(graph, budget_bytes, solve_kwargs)
-    path = os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-{key}.json")
-    if os.path.exists(path):
-        # A bad entry (truncated, another version, edited by hand) is solved again and
-        # overwritten; the warning names it, so a cache that keeps going bad can be found.
-        try:
-            cached = Schedule.load(path)
-            if cached.fingerprint == graph.fingerprint:
-                return cached
-            problem = (f"it holds a schedule for another graph (fingerprint "
-                       f"{cached.fingerprint}, expected {graph.fingerprint})")
-        except FormatError as e:
-            problem = str(e)
-        warnings.warn(f"monetlike.optimize: ignoring cache entry {path}: {problem}; solving "
-                      f"again and overwriting it", UserWarning, stacklevel=3)
+    path = cache_files.entry_path(cache_dir, graph.model, graph.batch, key)
+    cached = cache_files.read_entry(path)
+    if cached is not None:
+        # An entry is a claim: it is returned only for the budget it was solved for and only
+        # when its decisions, replayed on this graph, fit that budget (solver/verify.py).
+        if cached.budget_bytes != budget_bytes:
+            cache_files.ignore(path, f"it was solved for a budget of "
+                                        f"{_budget_text(cached.budget_bytes)}, not "
+                                        f"{_budget_text(budget_bytes)}")
+        else:
+            try:
+                return verified(graph, cached, budget=budget_bytes,
+                                source=f"cache entry {path}")
+            except (ScheduleError, ScheduleMismatchError) as e:
+                cache_files.ignore(path, str(e))
     result = (solver.solve if solve is None else solve)(graph, budget_bytes, verbose=verbose,
                                                         **solve_kwargs)
     if not result.ok:
@@ -103,10 +107,16 @@ def solve_cached(graph: OpGraph, budget: "int | str", *, cache_dir: str | None =
             raise InfeasibleBudgetError(message, budget=budget_bytes,
                                         min_budget=(result.stats or {}).get("min_budget"))
         raise MonetlikeError(message)
-    schedule = result.schedule
-    os.makedirs(cache_dir, exist_ok=True)
-    schedule.save(path)
+    # Proven within the requested budget, so recorded with it (the key it is cached under).
+    schedule = dataclasses.replace(
+        verified(graph, result.schedule, budget=budget_bytes, source="the solved schedule"),
+        budget_bytes=budget_bytes)
+    cache_files.write_entry(path, schedule)
     return schedule
+
+
+def _budget_text(n: "int | None") -> str:
+    return "none" if n is None else f"{format_bytes(n)} ({n} B)"
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
@@ -237,7 +247,7 @@ def _profile_path(cache_dir: str | None, graph: OpGraph) -> str | None:
                                        "loss", "autocast", "capture", "leaf_modules")}}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()
     cache_dir = default_cache_dir() if cache_dir is None else os.fspath(cache_dir)
-    return os.path.join(cache_dir, f"{graph.model}-b{graph.batch}-profile-{digest[:16]}.json")
+    return cache_files.entry_path(cache_dir, graph.model, graph.batch, f"profile-{digest[:16]}")
 
 
 def _device_model(device: str) -> str:
@@ -251,13 +261,8 @@ def cached_profile(cache_dir: str | None, memory_graph: OpGraph) -> OpGraph | No
     """The measured graph kept for this memory-only graph (NOTE [The profile in the cache]), if
     it has the same structure and memory; None otherwise (a bad file is timed again)."""
     path = _profile_path(cache_dir, memory_graph)
-    if path is None or not os.path.isfile(path):
-        return None
-    try:
-        graph = OpGraph.load(path)
-    except FormatError as e:
-        warnings.warn(f"monetlike.optimize: ignoring cached profile {path}: {e}; profiling "
-                      f"again", UserWarning, stacklevel=3)
+    graph = None if path is None else cache_files.read_entry(path, OpGraph.from_dict)
+    if graph is None:
         return None
     same = (graph.fingerprint == memory_graph.fingerprint
             and graph.memory_digest == memory_graph.memory_digest)
@@ -270,6 +275,5 @@ def keep_profile(cache_dir: str | None, graph: OpGraph) -> None:
         return
     memory_view = dataclasses.replace(
         graph, cost_provenance=f"memory-only:{cost_device(graph.cost_provenance)}")
-    path = _profile_path(cache_dir, memory_view)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    graph.save(path)
+    cache_files.write_entry(_profile_path(cache_dir, memory_view), graph,
+                            made="the profile was measured")

@@ -17,8 +17,11 @@ call with a new input signature (shapes, dtypes, devices, requires_grad of input
 train/eval flags, autocast state) the wrapper profiles the structure of (model, inputs) cheaply
 (the profiler's analytical mode on the meta device; a one-repeat measured profile when that
 cannot run, e.g. under autocast) and compares fingerprints. A difference raises
-ScheduleMismatchError naming what differs; a wrong schedule never runs. The verdict is cached per
-signature, so later steps pay a dictionary lookup.
+ScheduleMismatchError naming what differs; a wrong schedule never runs. A schedule that matches
+then passes the gate (solver/verify.py): its decisions, replayed by the simulator on that graph,
+must peak within its budget, whatever figures it records. The verdict is cached per signature
+(which includes the modules' and parameters' identities: NOTE [The model checked every step]), so
+later steps pay a dictionary lookup.
 
 NOTE [Smaller shapes]
 A training loop meets shapes smaller than the one solved for: the last batch of an epoch without
@@ -43,6 +46,7 @@ before a step runs, never half-way through one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import time
@@ -51,9 +55,10 @@ from typing import Any, Iterable
 
 import torch
 
-from solver.errors import ScheduleError, ScheduleMismatchError
+from solver.errors import FormatError, ScheduleError, ScheduleMismatchError
 from solver.graph import OpGraph, cost_device, cost_kind
 from solver.schedule import Schedule
+from solver.verify import budget_limit, verified, with_recorded_optimizer_state
 
 from .capture.api import (FlatInputs, call_spec, check_capture, example_of, export_graph,
                        flat_fx_inputs)
@@ -64,8 +69,6 @@ from .runtime.offload import check_cuda_available, check_offload_devices
 from .runtime.plan import Plan, build_plan
 from .capture.trace import MonetTracer, TraceError, trace
 from .profile import profile
-from solver.simulate import simulate
-from solver.units import format_bytes
 from .core.modules import fsdp_units_inside, has_forward_hooks
 
 __all__ = ["ScheduleWrapper"]
@@ -142,7 +145,9 @@ class ScheduleWrapper(torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ScheduleWrapper: expected a torch.nn.Module, got "
                             f"{type(model).__name__}")
+        source = "the schedule"
         if isinstance(schedule, (str, os.PathLike)):
+            source = f"the schedule file {os.fspath(schedule)!r}"
             schedule = Schedule.load(schedule)
         if not isinstance(schedule, Schedule):
             raise TypeError(f"ScheduleWrapper: expected a solver.Schedule or a path to one, got "
@@ -156,7 +161,11 @@ class ScheduleWrapper(torch.nn.Module):
         rc.warm()  # before any step measures what the step allocates
         if leaf_modules is None:
             leaf_modules = (graph.meta.get("leaf_modules") if graph is not None else None) \
-                or schedule.meta.get("leaf_modules") or ()
+                or schedule.meta.get("leaf_modules") or []
+            if not isinstance(leaf_modules, list) or not all(isinstance(m, str)
+                                                             for m in leaf_modules):
+                raise FormatError(f"schedule.meta.leaf_modules: expected a list of module names "
+                                  f"or 'package.module.Class' strings, got {leaf_modules!r:.80}")
         # The model lives in __dict__, not in _modules: registering it would prefix every
         # state_dict key with "model.". Its dictionaries are shared instead (module docstring).
         object.__setattr__(self, "_model", model)
@@ -164,13 +173,14 @@ class ScheduleWrapper(torch.nn.Module):
             object.__setattr__(self, name, getattr(model, name))
         self.training = model.training
         self._schedule = schedule
+        self._source = source  # how messages name it
         # An eval-mode call is an evaluation (the plain model runs) unless the schedule was
         # solved in eval mode: training with frozen BatchNorm statistics or dropout off.
         solved = schedule.graph_summary.get("training")
         if solved is None and graph is not None:
             solved = graph.meta.get("training")
         self._solved_in_eval = solved is False
-        self._leaf_modules = _resolve_leaf_modules(leaf_modules)
+        self._leaf_modules = _resolve_leaf_modules(leaf_modules, model)
         self._capture = check_capture(capture or (graph.meta.get("capture") if graph is not None
                                                   else None)
                                       or schedule.meta.get("capture") or "auto")
@@ -419,7 +429,17 @@ class ScheduleWrapper(torch.nn.Module):
         training: list = []
         grads: list = []
         _module_flags(self._model, training, grads)
-        return (tuple(parts), tuple(autocast), tuple(grads), tuple(training),
+        structure = tuple(grads)
+        if structure != self.__dict__.get("_structure"):
+            # NOTE [The model checked every step]: a module or parameter replaced since the
+            # last step: trace the model as it is now and list its attributes again.
+            object.__setattr__(self, "_gm", None)
+            self._watched = self._placeholders = None
+            described = _described(self._model)
+            if self.__dict__.get("_structure") is not None:
+                self._changed = _first_change(self.__dict__.get("_described", []), described)
+            self._structure, self._described = structure, described
+        return (tuple(parts), tuple(autocast), structure, tuple(training),
                 self._python_state())
 
     def _python_state(self) -> tuple:
@@ -465,21 +485,20 @@ class ScheduleWrapper(torch.nn.Module):
                               [*model.parameters(), *model.buffers(),
                                *(x for x in inputs if isinstance(x, torch.Tensor))])
         graph = self._given_graph
-        if graph is None or not _graph_fits(graph, inputs, model,
-                                            getattr(self, "_given_training", None)):
+        structure = graph is None or not _graph_fits(graph, inputs, model,
+                                                     getattr(self, "_given_training", None))
+        if structure:
             graph = self._profile_structure(inputs)
         self._given_graph = None  # only trusted for the call it was made for
-        matched = self._match(graph, schedule)
+        matched = self._match(graph, schedule, structure)
         if matched is None and cost_kind(graph.cost_provenance) == "analytical" \
                 and cost_kind(schedule.cost_provenance) == "measured":
             # The meta device can capture another graph than the device the schedule was
             # measured on (the meta run imitates a GPU preset's kernel choices, and a fused
             # kernel's output layout or autocast's casts may differ): ask that device first.
             graph = self._profile_structure(inputs, measured=True)
-            matched = self._match(graph, schedule)
-        if matched is not None:
-            graph, schedule = matched
-        else:
+            matched = self._match(graph, schedule, True)
+        if matched is None:
             raise ScheduleMismatchError(
                 f"ScheduleWrapper: the schedule was solved for another graph: "
                 f"{graph.describe_difference(schedule.graph_summary)} (schedule fingerprint "
@@ -487,18 +506,39 @@ class ScheduleWrapper(torch.nn.Module):
                 f"model, batch and shapes, the structure depends on which inputs and parameters "
                 f"require grad, train/eval mode, autocast, leaf_modules and the values of the "
                 f"Python attributes the forward reads, such as a flag or a dropout rate)"
-                f"{_smaller_note(graph, schedule)}; solve a schedule for this model, batch and "
+                f"{_smaller_note(graph, schedule)}{self.__dict__.get('_changed', '')}; solve a "
+                f"schedule for this model, batch and "
                 f"input shape (monetlike.optimize does it in one call)")
+        graph, schedule, source = matched
+        # The gate (solver/verify.py): whatever the schedule records, it runs only if its
+        # decisions, replayed on this call's graph, peak within the budget it was made for.
+        schedule = verified(graph, schedule, budget=budget_limit(self._schedule), source=source)
         plan = build_plan(graph, schedule, self._traced(inputs))
         return _Entry(plan, ScheduledForward(plan, self._model))
 
-    def _match(self, graph: OpGraph, schedule: Schedule):
-        """(graph, schedule) to run when the schedule fits this call's graph as it is or rebound
-        to a smaller shape (NOTE [Smaller shapes]); None when it is for another graph."""
+    def _match(self, graph: OpGraph, schedule: Schedule, structure: bool):
+        """(graph, schedule, what to call it) to verify and run when the schedule fits this
+        call's graph as it is or rebound to a smaller shape (NOTE [Smaller shapes]); None when
+        it is for another graph. A `structure` profile counts no optimizer state: the solved
+        graph's is added, so the proof covers the step the budget did."""
+        optimizer_bytes = getattr(self, "_optimizer_bytes", None)
         if graph.fingerprint == schedule.fingerprint:
-            return graph, schedule
+            if structure:
+                graph = _with_optimizer_state(graph, schedule, optimizer_bytes, required=False)
+            return graph, schedule, f"ScheduleWrapper: {getattr(self, '_source', 'the schedule')}"
         if _same_but_smaller(graph, schedule):
-            return _rebind(graph, schedule, getattr(self, "_optimizer_bytes", None))
+            if budget_limit(schedule) is None:
+                raise ScheduleMismatchError(
+                    f"ScheduleWrapper: {getattr(self, '_source', 'the schedule')} was made for "
+                    f"batch {schedule.graph_summary.get('batch')} input shapes "
+                    f"{schedule.graph_summary.get('input_shapes')} and records no budget or "
+                    f"peak, so it cannot be proven within one at the smaller batch "
+                    f"{graph.batch} input shapes {graph.summary()['input_shapes']}; solve for "
+                    f"this shape with monetlike.optimize(model, x, budget=...)")
+            graph = _with_optimizer_state(graph, schedule, optimizer_bytes, required=True)
+            return (graph, _rebind(graph, schedule),
+                    f"ScheduleWrapper: {getattr(self, '_source', 'the schedule')} at input shapes "
+                    f"{graph.summary()['input_shapes']}")
         return None
 
     def _exported(self, args: tuple = (), kwargs: dict | None = None) -> bool:
@@ -555,6 +595,16 @@ class ScheduleWrapper(torch.nn.Module):
                        capture=self._capture, impls=self._structure_impls)
 
 
+# NOTE [The model checked every step]
+# A training loop may change the model after the first step: a head replaced by a wider one with
+# the same parameter names, an activation swapped for dropout, a parameter re-assigned. The old
+# plan would run on it (above budget, or a recomputation replaying another op: wrong gradients,
+# silently). So each module's identity and type and each parameter's identity, shape, dtype and
+# requires_grad are part of the call's signature (a few attribute reads per module): a change is
+# traced and profiled again and then runs under the schedule or is refused naming what differs,
+# as a fresh wrapper would.
+
+
 # NOTE [Python attributes read in forward]
 # A capture runs the forward's Python once: a plain attribute it reads (`h * self.scale`,
 # `F.dropout(h, self.p)`, `if self.use_extra:`) is baked into the graph as the value it had then.
@@ -588,36 +638,32 @@ def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
 
 
 def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
-    """train/eval flags of every module and requires_grad of every parameter, in module order
-    (a plain walk over the module dictionaries: named_modules() costs a millisecond per step on a
-    MobileNet, a tenth of the scheduled forward's whole overhead)."""
+    """train/eval flags of every module, and of every parameter its identity, shape, dtype and
+    requires_grad, with each module's identity, in module order: NOTE [The model checked every
+    step]. A plain walk over the module dictionaries (named_modules() costs a millisecond per
+    step on a MobileNet, a tenth of the scheduled forward's whole overhead)."""
     training.append(mod.training)
+    grads.append((id(mod), type(mod)))
     for p in mod._parameters.values():
         if p is not None:
-            grads.append(p.requires_grad)
+            grads.append((id(p), p.shape, p.dtype, p.requires_grad))
     for child in mod._modules.values():
         if child is not None:
             _module_flags(child, training, grads)
 
 
-def _resolve_leaf_modules(leaf_modules) -> list:
-    """Module names stay names; 'package.module.Class' strings (how the profiler records classes
-    in OpGraph.meta) become the class again when they import (never through eval)."""
-    import importlib
-
-    out = []
-    for m in leaf_modules:
-        if isinstance(m, str) and "." in m:
-            where, _, name = m.rpartition(".")
-            try:
-                obj = getattr(importlib.import_module(where), name)
-            except (ImportError, AttributeError, ValueError):
-                obj = None
-            if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-                out.append(obj)
-                continue
-        out.append(m)
-    return out
+def _resolve_leaf_modules(leaf_modules, model: torch.nn.Module) -> list:
+    """Module names stay names; a 'package.module.Class' string (how the profiler records classes
+    in OpGraph.meta) becomes that class when one of the model's own modules is an instance of a
+    class of that qualified name, so subclasses are leaves too, as they were when profiled.
+    Nothing is imported: a file's leaf_modules never chooses code to run (the caller's own
+    classes may be passed as classes)."""
+    own = {}
+    for mod in model.modules():
+        for cls in type(mod).__mro__:
+            if issubclass(cls, torch.nn.Module):
+                own.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
+    return [own.get(m, m) if isinstance(m, str) else m for m in leaf_modules]
 
 
 def _same_but_smaller(graph: OpGraph, schedule: Schedule) -> bool:
@@ -655,39 +701,27 @@ def _smaller_note(graph: OpGraph, schedule: Schedule) -> str:
             "DataLoader(drop_last=True) avoids it")
 
 
-def _rebind(graph: OpGraph, schedule: Schedule,
-            optimizer_bytes: int | None) -> tuple[OpGraph, Schedule]:
-    """The schedule's decisions on the smaller graph, proven within budget by the simulator.
+def _with_optimizer_state(graph: OpGraph, schedule: Schedule, optimizer_bytes: int | None, *,
+                          required: bool) -> OpGraph:
+    """solver.verify.with_recorded_optimizer_state; `required`: refuse a schedule that records
+    none (a rebind must prove the whole step at the smaller shape)."""
+    out = with_recorded_optimizer_state(graph, schedule, optimizer_bytes)
+    if out is not None or not required:
+        return graph if out is None else out
+    raise ScheduleMismatchError(
+        "ScheduleWrapper: this schedule does not record its optimizer state "
+        "(graph_summary.optimizer_bytes; made by an older monetlike), so it cannot be proven "
+        "within budget at a smaller shape; solve it again, or solve for this shape with "
+        "monetlike.optimize(model, x, budget=...)")
 
-    The structure profile counts no optimizer state: the solved graph's (its summary records it)
-    is added to the fixed memory, so the proof covers the same step the budget did. The
-    predicted time is left out: the structure profile's costs are not the schedule's."""
-    import dataclasses
 
-
-    optimizer_bytes = schedule.graph_summary.get("optimizer_bytes", optimizer_bytes)
-    if isinstance(optimizer_bytes, int) and not isinstance(optimizer_bytes, bool) \
-            and optimizer_bytes >= 0:
-        graph = dataclasses.replace(graph, optimizer_bytes=optimizer_bytes)
-    else:
-        raise ScheduleMismatchError(
-            "ScheduleWrapper: this schedule does not record its optimizer state "
-            "(graph_summary.optimizer_bytes; made by an older monetlike), so it cannot be proven "
-            "within budget at a smaller shape; solve it again, or solve for this shape with "
-            "monetlike.optimize(model, x, budget=...)")
-    rebound = dataclasses.replace(schedule, fingerprint=graph.fingerprint,
-                                  graph_summary=graph.summary(), predicted_peak_bytes=None,
-                                  predicted_time=None)
-    timeline = simulate(graph, rebound)  # raises ScheduleError if a decision is invalid here
-    limit = schedule.budget_bytes if schedule.budget_bytes is not None \
-        else schedule.predicted_peak_bytes
-    if limit is not None and timeline.peak_bytes > limit:
-        raise ScheduleMismatchError(
-            f"ScheduleWrapper: at input shapes {graph.summary()['input_shapes']} this schedule "
-            f"would peak at {format_bytes(timeline.peak_bytes)}, above the "
-            f"{format_bytes(limit)} it was solved for; solve for this shape with "
-            f"monetlike.optimize(model, x, budget=...)")
-    return graph, dataclasses.replace(rebound, predicted_peak_bytes=timeline.peak_bytes)
+def _rebind(graph: OpGraph, schedule: Schedule) -> Schedule:
+    """The schedule's decisions on the smaller graph (ids correspond one to one), to be proven
+    within the schedule's budget by the gate. Its recorded peak and time are left out: they
+    were the larger shape's."""
+    return dataclasses.replace(schedule, fingerprint=graph.fingerprint,
+                               graph_summary=graph.summary(), predicted_peak_bytes=None,
+                               predicted_time=None)
 
 
 def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
@@ -712,6 +746,33 @@ def _graph_fits(graph: OpGraph, inputs: tuple, model: torch.nn.Module,
     if bool(graph.meta.get("autocast", False)) != rc.autocast_on():
         return False
     return given_training is None or given_training == _training_flags(model)
+
+
+def _described(model: torch.nn.Module) -> list:
+    """(qualified name, what it is) of every module and parameter: compared only when the
+    per-step check saw a change, to name it (NOTE [The model checked every step])."""
+    out = []
+    for path, mod in model.named_modules(remove_duplicate=False):
+        out.append((path or "(the model)", f"a {type(mod).__name__} (object {id(mod):#x})"))
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out.append((f"{path}.{name}" if path else name,
+                            f"{'x'.join(map(str, p.shape)) or 'scalar'} {p.dtype} "
+                            f"{'requires_grad' if p.requires_grad else 'frozen'} "
+                            f"(object {id(p):#x})"))
+    return out
+
+
+def _first_change(old: list, new: list) -> str:
+    """'; since an earlier step, module 5 was a GELU ..., now a Dropout ...' (or '')."""
+    before, after = dict(old), dict(new)
+    for name, what in new:
+        if before.get(name) != what:
+            was = before.get(name)
+            return (f"; since an earlier step {name} " + (f"was {was}, now {what}" if was else
+                                                          f"is new: {what}"))
+    gone = [name for name, _ in old if name not in after]
+    return f"; since an earlier step {gone[0]} is gone" if gone else ""
 
 
 def _training_flags(model: torch.nn.Module) -> list:

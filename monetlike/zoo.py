@@ -1,7 +1,7 @@
 """The schedule zoo: prebuilt JSON schedules for MONeT's models, picked by model, batch and budget.
 
 The schedules live in the repository's `schedules/` folder and ship inside the wheel as the
-package `monetlike.schedules`. `schedules/index.json` lists one entry per schedule with what is
+package `monetlike.schedules` (`$MONETLIKE_ZOO` names another folder of the same layout). `schedules/index.json` lists one entry per schedule with what is
 needed to choose one without opening it. `load(name, model)` checks the schedule's fingerprint
 against the user's model before returning it, so a zoo schedule never runs on the wrong model.
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import difflib
 
 import json
+import os
+import pathlib
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
@@ -25,8 +27,10 @@ from solver.errors import FormatError, MonetlikeError, ScheduleMismatchError
 from solver.graph import _get, _int, _ints, _str
 from solver.schedule import Schedule
 from solver.units import format_bytes, parse_bytes
+from solver.verify import verified, with_recorded_optimizer_state
+
 from .maxbatch import model_batch_maker
-from .profile import structure_fingerprint
+from .profile import profile
 
 INDEX = "index.json"
 
@@ -84,7 +88,10 @@ class ZooEntry:
 
 
 def _folder():
-    return resources.files("monetlike.schedules")
+    """The zoo's folder: `$MONETLIKE_ZOO` (a team's own zoo, in the same layout) or the one
+    shipped in the package. Either way its files are claims: `load` verifies before use."""
+    own = os.environ.get("MONETLIKE_ZOO")
+    return pathlib.Path(own) if own else resources.files("monetlike.schedules")
 
 
 def entries() -> list[ZooEntry]:
@@ -199,19 +206,25 @@ def example_batch(entry: ZooEntry, model, device="meta"):
 
 
 def load(name: str, model) -> Schedule:
-    """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint).
-    The check profiles on the meta device: `model` may itself live there (build it under
+    """The schedule of a zoo entry, after checking it was made for `model` (by fingerprint) and
+    that its decisions, replayed on the model's graph, peak within its budget (solver.verify:
+    an entry edited in place is refused); its figures are then the simulator's. The check
+    profiles on the meta device: `model` may itself live there (build it under
     `torch.device("meta")`; a 1B-parameter model then allocates nothing)."""
 
     entry = get(name)
     sched = schedule(name)
-    got = structure_fingerprint(model, example_batch(entry, model))
-    if got != sched.fingerprint:
+    graph = profile(model, example_batch(entry, model), cost="analytical:A100-40GB")
+    if graph.fingerprint != sched.fingerprint:
         raise ScheduleMismatchError(
             f"zoo schedule {name!r} was made for {entry.model} batch {entry.batch} input "
             f"{list(entry.input_shape)} (fingerprint {sched.fingerprint}); the given model has "
-            f"fingerprint {got} at that batch and shape: it is another model or configuration")
-    return sched
+            f"fingerprint {graph.fingerprint} at that batch and shape: it is another model or "
+            f"configuration")
+    graph = with_recorded_optimizer_state(graph, sched) or graph
+    # The index's budget is the one the entry was picked by: the tighter of the two holds.
+    budget = min(b for b in (entry.budget_bytes, sched.budget_bytes) if b is not None)
+    return verified(graph, sched, budget=budget, source=f"zoo schedule {name!r}")
 
 
 def table(items: list[ZooEntry] | None = None):

@@ -36,3 +36,8 @@ class BackendUnavailableError(MonetlikeError, RuntimeError):
 
 class BudgetParseError(MonetlikeError, ValueError):
     """A budget string such as '8GiB' could not be parsed."""
+
+
+class OverBudgetError(ScheduleError):
+    """A schedule replayed by the simulator on its model's own graph peaks above its budget (its
+    decisions do not match the figures it records: edited, or written for another budget)."""

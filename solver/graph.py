@@ -16,9 +16,11 @@ Vocabulary (see docs/execution-model.md for the semantics every part must agree 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,7 +51,15 @@ def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: boo
         raise FormatError(f"{where}.{key}: expected an integer, got {type(v).__name__} {v!r:.60}")
     if minimum is not None and v < minimum:
         raise FormatError(f"{where}.{key}: expected an integer >= {minimum}, got {v}")
+    if v > _INT_MAX:
+        raise FormatError(f"{where}.{key}: expected an integer below 2^63 (a byte count, size or "
+                          f"index), got one of {len(str(v))} digits")
     return v
+
+
+# Every integer a graph or schedule holds (bytes, sizes, ids) fits a signed 64-bit int; a larger
+# one in a file is an edit, refused where it is read rather than overflowing where it is used.
+_INT_MAX = 2**63 - 1
 
 
 def _float(d: Any, key: str, where: str, *, optional: bool = False) -> float | None:
@@ -91,6 +101,9 @@ def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
     for i, v in enumerate(_list(d, key, where)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise FormatError(f"{where}.{key}[{i}]: expected a non-negative integer, got {v!r:.60}")
+        if v > _INT_MAX:
+            raise FormatError(f"{where}.{key}[{i}]: expected an integer below 2^63, got one of "
+                              f"{len(str(v))} digits")
         out.append(v)
     return tuple(out)
 
@@ -136,28 +149,40 @@ def _params(d: dict, where: str) -> tuple:
     return tuple(out)
 
 
-def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
+def atomic_write_text(path: "str | os.PathLike", text: str, *,
+                      follow_symlinks: bool = True) -> None:
     """Write `text` (UTF-8) to `path` atomically; see `atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), follow_symlinks=follow_symlinks)
 
 
-def atomic_write_bytes(path: "str | os.PathLike", data: bytes) -> None:
+def atomic_write_bytes(path: "str | os.PathLike", data: bytes, *,
+                       follow_symlinks: bool = True) -> None:
     """Write `data` to `path` so that a reader sees the old file or the new one, never a part.
 
-    A symlink is written through: its target gets the new content and the link stays. The new
-    file keeps the mode of the file it replaces, or gets the umask's default for a new file
-    (mkstemp alone would make it 0600). Errors name `path`, never the temporary file."""
+    A symlink is written through: its target gets the new content and the link stays (a user's
+    `-o` onto a link). With follow_symlinks=False (a cache folder, whose entries nobody chose)
+    whatever sits at `path`, a link or a FIFO included, is replaced by the new regular file. The
+    new file keeps the mode of the file it replaces, or gets the umask's default for a new file
+    (mkstemp alone would make it 0600). The temporary name is short (a 255-byte name still has
+    room). Errors name `path`, never the temporary file."""
     path = os.fspath(path)
-    target = os.path.realpath(path)
+    target = os.path.realpath(path) if follow_symlinks else os.path.abspath(path)
     directory = os.path.dirname(target)
     try:
-        mode = os.stat(target).st_mode & 0o7777
+        st = os.stat(target) if follow_symlinks else os.lstat(target)
+        if follow_symlinks and not stat.S_ISREG(st.st_mode):
+            # A device, FIFO or directory named as an output is never replaced by a file
+            # (`-o /dev/null` as root would replace the system's).
+            raise OSError(errno.EINVAL, f"cannot write {path!r}: it is {file_kind(st.st_mode)}, "
+                                        f"not a regular file; write to a file path")
+        mode = st.st_mode & 0o7777 if stat.S_ISREG(st.st_mode) else 0o666 & ~_umask()
     except FileNotFoundError:
         mode = 0o666 & ~_umask()
     except OSError as e:
-        raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
+        raise OSError(e.errno, e.strerror if str(e.strerror).startswith("cannot write")
+                      else f"cannot write {path!r}: {e.strerror}") from None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(target), dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=".monetlike-", suffix=".tmp", dir=directory)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
     try:
@@ -173,6 +198,17 @@ def atomic_write_bytes(path: "str | os.PathLike", data: bytes) -> None:
         if isinstance(e, OSError):
             raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
         raise
+
+
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO', 'a character device', ... for an lstat/stat mode."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _umask() -> int:
@@ -199,7 +235,7 @@ def read_json_file(path: "str | os.PathLike", what: str) -> Any:
     except RecursionError:  # a hostile file nests arrays thousands deep
         raise FormatError(f"{what} file {os.fspath(path)!r} nests JSON arrays or objects too "
                           f"deeply to be a {what} written by monetlike; regenerate it") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4,300 digits
         raise FormatError(
             f"{what} file {os.fspath(path)!r} is not valid JSON (truncated or corrupted?): {e}; "
             f"regenerate it") from None

@@ -12,12 +12,7 @@ from __future__ import annotations
 from .graph import OpGraph
 from .schedule import Schedule
 from .simulate import simulate, store_all_schedule
-from .units import format_bytes
-
-
-def _both(n: int) -> str:
-    """Bytes exactly, and in a unit a person reads ('1234567 B (1.18 MiB)')."""
-    return f"{n} B" if format_bytes(n) == f"{n} B" else f"{n} B ({format_bytes(n)})"
+from .units import budget_text, format_bytes
 
 
 def store_all_peak(graph: OpGraph) -> int:
@@ -55,20 +50,25 @@ def dominant(graph: OpGraph, schedule: Schedule) -> str:
 
 def infeasible_message(graph: OpGraph, budget: int, mode: str, *, least: int, lower: int,
                        proven: bool, schedule: Schedule | None, why: str = "") -> str:
-    """The message of InfeasibleBudgetError: the least budget in bytes, what dominates it, and
-    whether any schedule can help."""
+    """The message of InfeasibleBudgetError: the least budget (rounded up, with its bytes: typed
+    back it is accepted), what dominates it, what cannot be recomputed, and whether any schedule
+    can help."""
     what = f"{graph.model} batch {graph.batch} ({mode} mode)"
     if proven:
         msg = (f"budget {format_bytes(budget)} is below the minimum feasible budget "
-               f"{_both(least)} for {what}")
+               f"{budget_text(least)} for {what}")
     else:
         msg = (f"budget {format_bytes(budget)} is infeasible for {what}: the minimum feasible "
-               f"budget is between {format_bytes(max(lower, budget + 1))} and {_both(least)} "
+               f"budget is between {budget_text(max(lower, budget + 1))} and {budget_text(least)} "
                f"(not proven within the time limit)")
     if why:
         msg += f" ({why})"
     if schedule is not None:
         msg += f"; its peak is dominated by {dominant(graph, schedule)}"
+    held = [op for op in graph.ops if op.recompute_unsafe]
+    if held:  # what raises the least budget that the user controls (forward hooks, state)
+        msg += (f"; {len(held)} op(s) cannot be recomputed and stay resident, e.g. "
+                f"{held[0].name}: {held[0].recompute_unsafe}")
     if least >= store_all_peak(graph):
         msg += ("; it equals the store-all peak, so no schedule can help: reduce the batch, "
                 "the model or its precision")

@@ -197,6 +197,9 @@ def simulate(graph: OpGraph, schedule: Schedule) -> Timeline:
             resident.add(v)
             transfer_time += transfer(v)
         for v in drop:
+            if v >= len(values):
+                raise ScheduleError(f"{where}: drops value {v}, which does not exist (the graph "
+                                    f"has {len(values)} values)")
             if v not in resident and not any(v in ops[j].outputs for j in stage.recompute):
                 raise ScheduleError(f"{where}: drops value {v} ({values[v].name}) which is not "
                                     f"resident and not recomputed in this stage")

@@ -10,6 +10,7 @@ subset, for the places where a budget must already be bytes.
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 from .errors import BudgetParseError
 
@@ -81,7 +82,7 @@ def parse_bytes(budget: "int | float | str") -> int:
     if isinstance(budget, (int, float)):
         if budget < 0 or budget != budget or budget == float("inf"):
             raise BudgetParseError(f"expected a non-negative, finite byte count, got {budget!r}")
-        return int(budget)
+        return _bounded(int(budget), budget)
     if not isinstance(budget, str):
         raise BudgetParseError(
             f"expected a byte count or a string like '8GiB', got {type(budget).__name__} {budget!r}")
@@ -99,7 +100,31 @@ def parse_bytes(budget: "int | float | str") -> int:
             f"cannot parse budget {budget!r}: expected a non-negative number with an optional unit "
             f"B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
             f"e.g. '8GiB' or '8000000000', or {RELATIVE_FORMS}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # Exact decimal arithmetic: a 400-digit budget is refused as too large below, not met as a
+    # float overflow, and a printed budget typed back is the bytes it was printed from.
+    return _bounded(int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()]), budget)
+
+
+# Beyond any machine's memory, and the most a JSON reader or torch counts in a signed 64-bit int.
+MAX_BYTES = 2**63 - 1
+
+
+def _bounded(n: int, given) -> int:
+    if n > MAX_BYTES:
+        raise BudgetParseError(f"budget {str(given)[:40]}{'...' if len(str(given)) > 40 else ''} "
+                               f"is too large: expected at most {MAX_BYTES} bytes (8 EiB)")
+    return n
+
+
+def budget_text(n: int) -> str:
+    """'4.59 MiB (4812963 B)': rounded up, so that the figure typed back as a budget is not
+    below `n`, with the exact count beside it (for a least feasible budget)."""
+    n = int(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            hundredths = -(-n * 100 // scale)
+            return f"{hundredths // 100}.{hundredths % 100:02d} {unit} ({n} B)"
+    return f"{n} B"
 
 
 def format_bytes(n: int) -> str:

@@ -16,14 +16,6 @@ from .fsdp import FSDPConfig
 from .costs import PRESETS, DevicePreset, UnknownDeviceError
 from .records import ProfileError
 
-__all__ = ["profile", "FSDPConfig", "structure_fingerprint", "PRESETS", "DevicePreset", "UnknownDeviceError",
+__all__ = ["profile", "FSDPConfig", "PRESETS", "DevicePreset", "UnknownDeviceError",
            "ProfileError", "OPTIMIZER_STATE_MULTIPLIER"]
 
-
-def structure_fingerprint(model, example_inputs, *, leaf_modules=()) -> str:
-    """The OpGraph fingerprint of `model` on inputs of this shape, without running real data.
-
-    Fingerprints exclude costs, so the cheapest profile (analytical, on the meta device) gives the
-    same answer as a measured one."""
-    return profile(model, example_inputs, cost="analytical:A100-40GB",
-                   leaf_modules=leaf_modules).fingerprint

@@ -33,6 +33,7 @@ backward reads that storage, so no version check is lost.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -46,22 +47,43 @@ from ..core.torch_private import tree_flatten
 from ..core.modules import MISSING, attr_path
 from .codegen import generated_forward, generated_recompute
 from .plan import Plan
-from .step_state import StepState
+from .step_state import KEPT_INTERRUPTS, StepState, raise_kept_interrupt
 from ..core.modules import has_forward_hooks
+
+
+class _ForwardLocal(threading.local):
+    """What one running forward keeps on its runner, per thread: two threads stepping one
+    wrapper each see their own step (a backward, on any thread, sees no forward running)."""
+
+    state: "StepState | None" = None
+    capturer: "rc.ContextCapturer | None" = None
+    hooks: Any = None
+
+    def __init__(self):
+        self.buffer_versions: dict[int, list] = {}
+        self.attrs: dict[str, Any] = {}
+
+
+def _per_thread(name: str) -> property:
+    return property(lambda self: getattr(self._local, name),
+                    lambda self, value: setattr(self._local, name, value))
 
 
 class ScheduledForward:
     """Runs the traced forward for one StepState (reused across steps): fx's generated code, with
-    the nodes a schedule needs routed through `run_node` (NOTE [Generated forward])."""
+    the nodes a schedule needs routed through `run_node` (NOTE [Generated forward]). The running
+    step's fields are per thread (_ForwardLocal)."""
+
+    state = _per_thread("state")
+    _capturer = _per_thread("capturer")
+    _hooks = _per_thread("hooks")
+    _buffer_versions = _per_thread("buffer_versions")
+    _attrs = _per_thread("attrs")
 
     def __init__(self, plan: Plan, root: torch.nn.Module):
         self.plan = plan
         self.root = root
-        self.state: StepState | None = None
-        self._buffer_versions: dict[int, list] = {}
-        self._attrs: dict[str, Any] = {}
-        self._capturer: rc.ContextCapturer | None = None
-        self._hooks = None
+        self._local = _ForwardLocal()
         self.side_streams: dict = {}  # CUDA side streams for offload copies, per device
         self.recompute_log = None  # (times, clock) inside ScheduleWrapper.timing_recomputations()
         self._nodes = list(plan.gm.graph.nodes)
@@ -134,6 +156,8 @@ class ScheduledForward:
 
     def run_node(self, i: int, args: tuple, kwargs: dict) -> Any:
         """Node i of the traced graph, run by the runtime (called from the generated forward)."""
+        if KEPT_INTERRUPTS:
+            raise_kept_interrupt()
         try:
             n, op, starts, rng, hooked, makes, meta, stage, ends, offloads, stats, unreached = \
                 self._info[i]

@@ -17,7 +17,7 @@ NOTE [Storage identity]
 A saved tensor is matched to a Value by storage identity, and only against the Values of the Op
 running now. An input can die inside its Op and the allocator can hand its address to the next
 tensor, so each Value's key is dropped by a weakref callback on its storage the moment the storage
-dies (`_forget`; the callback holds the key dictionary, never the StepState).
+dies (`forget_key`; the callback holds the key dictionary, never the StepState).
 
 NOTE [Recomputed layouts]
 A recomputed Value is read through the geometry the forward recorded, so a recomputation must lay
@@ -202,6 +202,8 @@ class StepState:
         # when any later prehook fires: counting roots here needs no posthook, which would make
         # the engine keep a second reference to the root's incoming gradient while it runs (and
         # the mask Impls write that gradient in place only when nothing else references it).
+        if KEPT_INTERRUPTS:
+            raise_kept_interrupt()
         self.roots_pending[t] -= 1
         status = self.stage_status
         if status[t] == RUNNING:
@@ -434,7 +436,7 @@ class StepState:
                 self.vgeom[v] = _geometry(x)
                 # NOTE [Storage identity]: forget the key the moment the storage dies.
                 self.vref[v] = weakref.ref(storage, functools.partial(
-                    _forget, self.vkey, self.key_values, v, key))
+                    forget_key, self.vkey, self.key_values, v, key))
                 if v in self.plan.keep_from_forward:
                     self.resident[v] = x.detach()
                 elif self.host is not None and v in self.plan.offload:
@@ -605,11 +607,26 @@ def _as_forward_layout(x: torch.Tensor, geom: tuple, node: fx.Node, v: int) -> t
         f"that keeps this value (solve with a larger budget), and report the model")
 
 
-def _forget(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:
-    if vkey.get(v) == key:
-        del vkey[v]
-    found = key_values.get(key)
-    if found is not None and v in found:
-        found.remove(v)
-        if not found:
-            del key_values[key]
+def forget_key(vkey: dict, key_values: dict, v: int, key: int, _ref) -> None:
+    try:
+        if vkey.get(v) == key:
+            del vkey[v]
+        found = key_values.get(key)
+        if found is not None and v in found:
+            found.remove(v)
+            if not found:
+                del key_values[key]
+    except KeyboardInterrupt:
+        # A weakref callback cannot raise: a Ctrl-C landing here would be printed as "Exception
+        # ignored" and lost. Kept, it is raised at the runtime's next node or backward stage.
+        KEPT_INTERRUPTS.append(True)
+
+
+# Ctrl-Cs caught where they could not be raised (forget_key), raised by `raise_kept_interrupt`.
+KEPT_INTERRUPTS: list = []
+
+
+def raise_kept_interrupt() -> None:
+    if KEPT_INTERRUPTS:
+        KEPT_INTERRUPTS.clear()
+        raise KeyboardInterrupt

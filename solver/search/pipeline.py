@@ -144,6 +144,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     least-memory rules and improved like `solve` does (LP rounding, LNS beside branch and
     bound). Cached per graph and mode, until a longer time limit is asked for an
     unproven answer."""
+    check_time_limit(time_limit_s)
     key = _min_budget_key(graph, mode, offload)
     hit = _MIN_BUDGET_CACHE.get(key)
     if hit is not None and (hit[0][2] or hit[1] >= time_limit_s):
@@ -199,6 +200,15 @@ def min_budget(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
     the models measured); otherwise the least feasible peak found, an upper bound."""
     return min_budget_details(graph, mode, backend=backend, time_limit_s=time_limit_s,
                               offload=offload)[0]
+
+
+def check_time_limit(time_limit_s) -> None:
+    """A time limit is a positive number of seconds (a string such as "5" is refused here, not
+    met later as a TypeError inside the search)."""
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) \
+            or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be positive (a number of seconds), got "
+                         f"{type(time_limit_s).__name__} {time_limit_s!r:.40}")
 
 
 def _infeasible(run: Run, why: str = "", time_limit_s: float = MIN_BUDGET_TIME_LIMIT_S
@@ -280,8 +290,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     budget = parse_bytes(budget)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    check_time_limit(time_limit_s)
     be = get_backend(backend)
     deadline = started + time_limit_s
     run = Run(graph=graph, mode=mode, backend=be, started=started, time_limit_s=time_limit_s,
