@@ -6,7 +6,7 @@
 
 Exit codes: 0 ok, 2 usage error (bad arguments, unparsable budget, unknown model), 1 failure (the
 solve or the run failed), 130 interrupted (Ctrl-C). Errors are one line on stderr (argparse's own
-included: `_Parser.error`); `--debug` shows the traceback.
+included: `Parser.error`); `--debug` shows the traceback.
 
 A file never decides what code runs: a model is imported only from what the user typed (MODEL,
 `check --model`). The model a schedule records (`meta.model_spec`) is only shown as a hint.
@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
-import re
-import stat
 import sys
 import time
 from typing import Sequence
@@ -30,13 +27,16 @@ from solver import backends, simulate, store_all_schedule
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
                            InfeasibleBudgetError, MonetlikeError, OverBudgetError,
                            ScheduleMismatchError)
-from solver.graph import file_kind
 from solver.units import format_bytes, parse_bytes
 from solver.verify import verified
 
 from . import zoo
 from .calibrate import calibrate
 from .check import check_schedule
+from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_host_bandwidth,
+                       add_model_args, budget_arg, budgets_arg, check_writable, example_inputs,
+                       model_file, percent_arg, positive_int, profile_device, seconds_arg,
+                       shape_arg)
 from .cli_help import add_examples
 from .core.torch_private import tree_leaves
 from .explain import explain
@@ -51,156 +51,6 @@ from .zoo import ZooError
 # Errors that mean "you asked for something malformed": exit code 2.
 USAGE_ERRORS = (BudgetParseError, ModelSpecError, FormatError, BackendUnavailableError, ZooError,
                 ScheduleMismatchError)
-
-
-class UsageError(MonetlikeError, ValueError):
-    """A bad combination of command-line arguments."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: argparse prints the whole usage block before its message,
-    which buries the one line that says what to fix."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive, finite number of seconds like 60, got {text!r}")
-    return value
-
-
-def _cost(text: str) -> str:
-    """'measured' or 'analytical:DEVICE', checked now and spelled canonically, so every later
-    test of the kind (the meta device for analytical profiles) sees one spelling."""
-
-    try:
-        kind, preset = parse_cost(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return "measured" if preset is None else f"analytical:{preset.name}"
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 3,224,224, got {text!r}") from None
-    if not dims or any(d <= 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"expected positive sizes like 3,224,224, got {text!r}")
-    return dims
-
-
-def _budget(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except BudgetParseError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-# Bandwidth units: powers of 1000 (GB/s, as link specifications quote them) or of 1024 (GiB/s).
-_RATE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(?:/\s*s)?\s*$")
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from '25e9', '25000000000', '25GB/s' or '16GiB/s' (the '/s' optional)."""
-    m = _RATE.match(text)
-    unit = m.group(2).upper() if m else None
-    if unit is not None and unit not in _RATE_UNITS and unit.endswith("PS"):
-        unit = unit[:-2]  # 'GBps'
-    if m is None or unit not in _RATE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected bytes per second like 25e9, 25GB/s or 16GiB/s, got {text!r}")
-    value = float(m.group(1)) * _RATE_UNITS[unit]
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite bandwidth, got {text!r}")
-    return value
-
-
-def _check_writable(path: str | None, *inputs: str | None) -> None:
-    """Fail before any work if the output cannot be written, or would replace one of the
-    command's own input files, so nothing is half-done and no input is lost."""
-    if path is None:
-        return
-    for src in inputs:
-        if src and os.path.exists(src) and os.path.exists(path) and os.path.samefile(src, path):
-            raise UsageError(f"-o {path!r} is the input file {src!r}: writing the output there "
-                             f"would destroy the input; choose another -o")
-    try:
-        mode = os.stat(path).st_mode  # through a symlink (/dev/stdout included), as written
-    except OSError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        raise UsageError(f"cannot write {path!r}: it is {file_kind(mode)}, not a regular file; "
-                         f"choose a file path for -o")
-    target = os.path.realpath(path)  # an output symlink is written through (atomic_write_bytes)
-    directory = os.path.dirname(target)
-    name_max = _name_max(directory)
-    if len(os.fsencode(os.path.basename(target))) > name_max:
-        raise UsageError(f"cannot write {path!r}: its name is longer than the {name_max} bytes "
-                         f"this file system allows; choose a shorter -o")
-    if not os.path.isdir(directory):
-        raise UsageError(f"cannot write {path!r}: directory {directory!r} does not exist; "
-                         f"create it or choose another -o")
-    if not os.access(directory, os.W_OK):
-        raise UsageError(f"cannot write {path!r}: directory {directory!r} is not writable; "
-                         f"choose another -o")
-
-
-def _name_max(directory: str) -> int:
-    try:
-        return os.pathconf(directory, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
-
-
-# The input shape when neither --input-shape nor a graph or schedule gives one.
-DEFAULT_INPUT_SHAPE = (3, 224, 224)
-
-
-def _model_file(spec: str | None) -> str | None:
-    """The file part of a 'path/to/model.py:factory' MODEL (an input an -o must not replace)."""
-    if spec and ":" in spec:
-        return spec.rpartition(":")[0]
-    return None
-
-
-def example_inputs(batch: int, input_shape: Sequence[int] | None, device: str = "cpu",
-                   model=None):
-    import torch
-
-    if batch <= 0:
-        raise UsageError(f"--batch must be a positive integer, got {batch}")
-    numel = math.prod((batch, *(input_shape or ())))
-    if numel > 2**63 - 1:  # torch would fail with an overflow deep inside the first call
-        raise UsageError(f"--batch {batch} with --input-shape "
-                         f"{','.join(map(str, input_shape or ()))} makes more elements than a "
-                         f"tensor can hold (2^63 - 1); give smaller sizes")
-    make = getattr(model, "example_inputs", None)
-    if callable(make):
-        # A named transformers shape (monetlike.hf_models) makes its own keyword batch
-        # (input_ids, attention_mask, labels); --input-shape SEQ is its sequence length.
-        return make(batch, input_shape[0] if input_shape else None, device=device)
-    return torch.randn(batch, *(input_shape or DEFAULT_INPUT_SHAPE), device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +82,7 @@ def _profile_args(args):
 
     model = build_model(args.model)
     loss_fn = load_loss(args.loss)
-    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
+    x = example_inputs(args.batch, args.input_shape, profile_device(args.cost), model)
     with _fed_by_the_cli(args, model, getattr(x, "shape", ())):
         graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
                         host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
@@ -243,7 +93,7 @@ def _profile_args(args):
 
 
 def cmd_profile(args) -> int:
-    _check_writable(args.output, _model_file(args.model))
+    check_writable(args.output, model_file(args.model))
     if args.calibrate and parse_cost(args.cost)[0] == "analytical":
         raise UsageError(f"--calibrate fits measured costs to the step as it runs on this "
                          f"device; --cost {args.cost} is a roofline for another one: use "
@@ -283,7 +133,7 @@ _NO_LINK = ("--offload needs the bandwidth of the device<->host link, and this g
 
 def cmd_solve(args) -> int:
 
-    _check_writable(args.output, args.graph, _model_file(args.model))
+    check_writable(args.output, args.graph, model_file(args.model))
     if args.offload and args.mode != "full":
         raise UsageError(f"--offload is a choice of --mode full, not of --mode {args.mode}")
     if args.graph:
@@ -637,7 +487,7 @@ def cmd_zoo(args) -> int:
             print(f"{k:22s} {v}")
         print(f"{'overhead':22s} {100 * e.overhead:.2f}%")
     else:
-        _check_writable(args.output)
+        check_writable(args.output)
         e = zoo.pick(args.model, args.batch, args.budget)
         print(zoo.table([e]).to_string(index=False))
         if args.output:
@@ -648,9 +498,9 @@ def cmd_zoo(args) -> int:
 
 def cmd_explain(args) -> int:
 
-    _check_writable(args.plot)
+    check_writable(args.plot)
     model = build_model(args.model)
-    x = example_inputs(args.batch, args.input_shape, _profile_device(args.cost), model)
+    x = example_inputs(args.batch, args.input_shape, profile_device(args.cost), model)
     with _fed_by_the_cli(args, model, getattr(x, "shape", ())):
         ex = explain(model, x, optimizer=args.optimizer, cost=args.cost,
                      loss_fn=load_loss(args.loss))
@@ -663,7 +513,7 @@ def cmd_explain(args) -> int:
 
 def cmd_pareto(args) -> int:
 
-    _check_writable(args.plot)
+    check_writable(args.plot)
     graph = _profile_args(args)
     with interruptible("monetlike pareto"):
         df = pareto(graph, args.budgets, backend=args.backend, time_limit_s=args.time_limit)
@@ -683,14 +533,14 @@ def cmd_pareto(args) -> int:
 def cmd_maxbatch(args) -> int:
 
 
-    _check_writable(args.output, _model_file(args.model))
+    check_writable(args.output, model_file(args.model))
     model = build_model(args.model)
     if callable(getattr(model, "example_inputs", None)):
         # A model that makes its own batch (a named transformers shape: input_ids,
         # attention_mask, labels): every batched tensor scaled, --input-shape SEQ kept.
 
         try:
-            make = model_batch_maker(model, args.input_shape, _profile_device(args.cost))
+            make = model_batch_maker(model, args.input_shape, profile_device(args.cost))
         except ValueError as e:
             raise UsageError(f"{args.model}: --input-shape: {_one_line(e)}") from None
         shape = None
@@ -712,74 +562,21 @@ def cmd_maxbatch(args) -> int:
     return 0
 
 
-def _profile_device(cost: str) -> str:
-    """Analytical profiles never touch real data: build the example batch on the meta device."""
-    return "meta" if parse_cost(cost)[0] == "analytical" else "cpu"
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text.rstrip("%")) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage like 10% or 0.1, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative overhead, got {text!r}")
-    return value
-
-
-def _budgets(text: str) -> list[int]:
-    budgets = [_budget(t) for t in text.split(",") if t.strip()]
-    if not budgets:
-        raise argparse.ArgumentTypeError(
-            f"expected one or more comma-separated budgets like 5GiB,6GiB, got {text!r}")
-    return budgets
-
-
 # ----------------------------------------------------------------------------------------------
 # Parser
 # ----------------------------------------------------------------------------------------------
-def _add_model_args(p, *, model_required: bool = True, batch: bool = True,
-                    default_cost: str = "measured") -> None:
-    p.add_argument("model", nargs=None if model_required else "?",
-                   help="importable factory (torchvision.models.resnet50, pkg.mod:factory) or "
-                        "path/to/file.py:factory")
-    if batch:
-        p.add_argument("--batch", type=_positive_int, required=model_required,
-                       help="batch size")
-    p.add_argument("--input-shape", type=_shape, default=None,
-                   help="input shape after the batch dimension (default 3,224,224; `solve "
-                        "--graph` takes the graph's); for a model that makes its own keyword "
-                        "batch (gpt2, llama_1b, bert_base: input_ids, attention_mask, labels) "
-                        "the sequence length, e.g. 512 (default: the model's)")
-    p.add_argument("--cost", type=_cost, default=default_cost,
-                   help="'measured' (time ops on this device) or 'analytical:DEVICE', e.g. "
-                        "analytical:A100-40GB")
-    p.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
-                   help="optimizer whose state counts towards the budget")
-    p.add_argument("--loss", default="sum",
-                   help="the training loss of the model's output, whose memory is part of the "
-                        "step: sum (default), cross_entropy (logits against class 0), "
-                        "mean_square, or a function like mypkg.losses:loss or "
-                        "path/to/loss.py:loss")
-
-
-def _add_host_bandwidth(p) -> None:
-    p.add_argument("--host-bandwidth", type=parse_bandwidth, default=None,
-                   help="bytes per second of the device<->host link, e.g. 25e9, 25GB/s or "
-                        "16GiB/s: the cost of offload to host (default: the analytical preset's "
-                        "nominal figure; none for a CPU profile)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="monetlike",
+    parser = Parser(prog="monetlike",
                                      description="Fit PyTorch training into a memory budget at the "
                                                  "lowest recomputation cost.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("profile", help="trace and profile a model into an operator graph")
-    _add_model_args(p)
-    _add_host_bandwidth(p)
+    add_model_args(p)
+    add_host_bandwidth(p)
     p.add_argument("--calibrate", action="store_true",
                    help="fit measured costs to the step as it runs: time the plain forward and "
                         "backward and every recomputation in context (monetlike.calibrate)")
@@ -787,18 +584,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_profile)
 
     p = sub.add_parser("solve", help="find the cheapest schedule that fits a budget")
-    _add_model_args(p, model_required=False)
+    add_model_args(p, model_required=False)
     p.add_argument("--graph", help="solve this profiled graph JSON instead of profiling MODEL")
-    p.add_argument("--budget", type=_budget, required=True,
+    p.add_argument("--budget", type=budget_arg, required=True,
                    help="memory budget: bytes, or with a unit (8GiB = 8*2^30, 8GB = 8*10^9)")
     p.add_argument("--mode", choices=("full", "checkpoint"), default="full",
                    help="full: keep/recompute and operator implementations; checkpoint: "
                         "keep/recompute only")
     p.add_argument("--backend", default="highs", help="MILP backend (see `monetlike backends`)")
-    p.add_argument("--time-limit", type=_seconds, default=600.0,
+    p.add_argument("--time-limit", type=seconds_arg, default=600.0,
                    help="seconds; the best schedule found by then is returned with its gap")
     p.add_argument("--verbose", action="store_true", help="show the solver's progress")
-    _add_host_bandwidth(p)
+    add_host_bandwidth(p)
     p.add_argument("--offload", action="store_true",
                    help="also let the solver copy activations to host memory and back (runs on "
                         "CUDA only; needs the graph's host link bandwidth)")
@@ -819,8 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "solved with when it is a built-in name; else gradients are compared "
                         "under a signed sum of the outputs and peaks measured under their sum, "
                         "the profiler's default)")
-    p.add_argument("--batch", type=_positive_int, help="batch (default: the schedule's)")
-    p.add_argument("--input-shape", type=_shape, help="input shape after the batch dimension "
+    p.add_argument("--batch", type=positive_int, help="batch (default: the schedule's)")
+    p.add_argument("--input-shape", type=shape_arg, help="input shape after the batch dimension "
                                                       "(default: the schedule's); the sequence "
                                                       "length for a model that makes its own "
                                                       "keyword batch (gpt2, llama_1b, ...)")
@@ -833,37 +630,36 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("name", help="entry name, e.g. resnet50_184_8GiB")
     z = zsub.add_parser("pick", help="the cheapest schedule that fits a budget")
     z.add_argument("--model", required=True, help="model name, e.g. resnet50")
-    z.add_argument("--batch", type=_positive_int, required=True, help="batch size")
-    z.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
+    z.add_argument("--batch", type=positive_int, required=True, help="batch size")
+    z.add_argument("--budget", type=budget_arg, required=True, help="memory budget, e.g. 8GiB")
     z.add_argument("-o", "--output", help="write the picked schedule JSON here")
     p.set_defaults(run=cmd_zoo)
 
     p = sub.add_parser("explain", help="where the memory goes and what recomputation can save")
-    _add_model_args(p, default_cost="analytical:A100-40GB")
+    add_model_args(p, default_cost="analytical:A100-40GB")
     p.add_argument("--plot", help="write a PNG of the memory timeline and breakdown here")
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser("pareto", help="the budget vs overhead curve, ours and the baselines")
-    _add_model_args(p, default_cost="analytical:A100-40GB")
-    p.add_argument("--budgets", type=_budgets, required=True,
+    add_model_args(p, default_cost="analytical:A100-40GB")
+    p.add_argument("--budgets", type=budgets_arg, required=True,
                    help="comma-separated budgets, e.g. 5GiB,6GiB,8GiB")
     p.add_argument("--backend", default="highs", help="MILP backend")
-    p.add_argument("--time-limit", type=_seconds, default=120.0, help="seconds per solve")
+    p.add_argument("--time-limit", type=seconds_arg, default=120.0, help="seconds per solve")
     p.add_argument("--plot", help="write the curve as a PNG here")
     p.set_defaults(run=cmd_pareto)
 
     p = sub.add_parser("maxbatch", help="the largest batch that fits a budget, found by planning")
-    _add_model_args(p, batch=False, default_cost="analytical:A100-40GB")
-    p.add_argument("--budget", type=_budget, required=True, help="memory budget, e.g. 8GiB")
-    p.add_argument("--max-overhead", type=_percent, help="largest acceptable overhead, e.g. 10%%")
-    p.add_argument("--limit", type=_positive_int, default=4096,
+    add_model_args(p, batch=False, default_cost="analytical:A100-40GB")
+    p.add_argument("--budget", type=budget_arg, required=True, help="memory budget, e.g. 8GiB")
+    p.add_argument("--max-overhead", type=percent_arg, help="largest acceptable overhead, e.g. 10%%")
+    p.add_argument("--limit", type=positive_int, default=4096,
                    help="largest batch to consider")
-    p.add_argument("--time-limit", type=_seconds, default=60.0, help="seconds per solve")
+    p.add_argument("--time-limit", type=seconds_arg, default=60.0, help="seconds per solve")
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.set_defaults(run=cmd_maxbatch)
     add_examples(parser, sub)
     return parser
-
 
 
 def _one_line(e: BaseException) -> str:

@@ -123,7 +123,7 @@ def _tiny(tmp_path):
 
 
 def test_host_bandwidth_parsing():
-    from monetlike.cli import parse_bandwidth
+    from monetlike.cli_args import parse_bandwidth
 
     assert parse_bandwidth("25e9") == 25e9
     assert parse_bandwidth("25000000000") == 25e9
