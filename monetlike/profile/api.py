@@ -188,20 +188,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     if fsdp is not None and not isinstance(fsdp, FSDPConfig):
         raise TypeError(f"fsdp: expected a monetlike.FSDPConfig, got {type(fsdp).__name__}")
     if fsdp is not None and fsdp.param_dtype is not None:
-        # FSDP2's mixed precision computes in param_dtype, its forward inputs cast to it.
-        low = tree_map_only(torch.Tensor, lambda t: t.to(fsdp.param_dtype)
-                            if t.is_floating_point() else t, example_inputs)
-        def per_rank(graph: OpGraph) -> OpGraph:
-            return per_rank_graph(graph, model, fsdp,
-                                  optimizer_multiplier=_optimizer_multiplier(optimizer))
-
-        return per_rank(profile(
-            cast_for_mixed_precision(model, fsdp.param_dtype), low, cost=cost,
-            optimizer=optimizer, repeat=repeat, leaf_modules=leaf_modules, impls=impls,
+        return _profile_mixed_precision(
+            model, example_inputs, fsdp, before_timing, cost=cost, optimizer=optimizer,
+            repeat=repeat, leaf_modules=leaf_modules, impls=impls,
             host_bandwidth=host_bandwidth, clock=clock, impl_target=impl_target,
-            capture=capture, loss_fn=loss_fn,
-            before_timing=None if before_timing is None else
-            (lambda graph: before_timing(per_rank(graph)))))
+            capture=capture, loss_fn=loss_fn)
     kind, preset = parse_cost(cost)
     if host_bandwidth is not None:
         host_bandwidth = check_host_bandwidth(host_bandwidth)
@@ -209,16 +200,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     check_capture(capture)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, Mapping):
-        call_args, call_kwargs = split_example(model, example_inputs)
-        tensors = tuple(t for t in tree_leaves(call_kwargs) if isinstance(t, torch.Tensor))
-        if not tensors:
-            raise ValueError(f"example_inputs: the keyword inputs {sorted(call_kwargs)} hold no "
-                             f"tensor; expected at least one (input_ids=..., pixel_values=...)")
-        inputs = _as_inputs(tensors)
-    else:
-        inputs = _as_inputs(example_inputs)
-        call_args, call_kwargs = inputs, {}
+    call_args, call_kwargs, inputs = _call_of(model, example_inputs)
     if kind == "measured" and (not isinstance(repeat, int) or repeat < 1):
         raise ValueError(f"repeat: expected an integer >= 1, got {repeat!r}")
     autocast = rc.autocast_on()
@@ -235,30 +217,7 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     batch = int(inputs[0].shape[0])
     rng = save_rng()
     try:
-        if kind == "analytical":
-            work = meta_copy(model)
-            to_input = (lambda x: torch.empty_like(x, device="meta")
-                        .requires_grad_(x.requires_grad))
-            device = torch.device("meta")
-            note = (" on the meta device (analytical costs; where the op reads tensor values, "
-                    "as .item() or nonzero do, which meta tensors have not, use cost='measured')")
-            if clock not in CLOCKS:
-                check_clock(clock, device)  # raises: not a clock name
-            if clock == "thread":
-                warnings.warn("profile: clock='thread' is ignored for analytical costs (nothing "
-                              "is timed)", UserWarning, stacklevel=2)
-        else:
-            try:
-                work = copy.deepcopy(model)
-            except Exception as e:
-                raise ProfileError(
-                    f"could not copy {type(model).__name__} with copy.deepcopy ({type(e).__name__}: "
-                    f"{e}); the profiler never runs the user's own model. Make the model "
-                    f"deep-copyable, or use cost='analytical:<DEVICE>'") from e
-            to_input = (lambda x: x.detach().clone().requires_grad_(x.requires_grad))
-            device = _model_device(model, inputs)
-            clock = check_clock(clock, device)
-            note = ""
+        work, to_input, device, note, clock = _working_copy(model, inputs, kind, clock)
         for p in work.parameters():
             p.grad = None  # a step starts from zero_grad(set_to_none=True)
         call_args, call_kwargs = tree_map_only(torch.Tensor, to_input, (call_args, call_kwargs))
@@ -274,14 +233,8 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         meta = {"torch_version": torch.__version__, "optimizer": optimizer,
                 "device": _device_name(device) if measured else preset.name, "cost": cost,
                 "repeat": repeat if measured else 0, "clock": clock if measured else None,
-                "leaf_modules": [m if isinstance(m, str) else f"{m.__module__}.{m.__qualname__}"
-                                 for m in leaf_modules],
-                "training": bool(model.training),
-                # the wrapper trusts a given graph only under the same state
-                "autocast": autocast, "capture": gm.meta["capture"],
-                # the peaks predicted hold for a step ending with this loss
-                "loss": "sum of the outputs" if loss_fn is None else
-                getattr(loss_fn, "__qualname__", repr(loss_fn))}
+                "leaf_modules": _leaf_names(leaf_modules), "training": bool(model.training),
+                "autocast": autocast, "capture": gm.meta["capture"], "loss": _loss_name(loss_fn)}
 
         def assemble(fwd_times, bwd_times, alternatives, provenance) -> OpGraph:
             graph = _assemble(run, gm, work, model, xs, batch=batch, measured=measured,
@@ -316,21 +269,11 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                                                  device=device, repeat=repeat))
                     before_timing(assemble({}, {}, memory_only,
                                            f"memory-only:{_device_name(device)}"))
-                fwd_times: dict[int, list[float]] = {}
-                bwd_times: dict[int, list[float]] = {}
-                alternatives: dict[int, list[dict]] = {}
                 with phase("timing") if measured else contextlib.nullcontext():
-                    if measured:
-                        fwd_times, bwd_times = _time_steps(gm, work, xs, run, device, clock,
-                                                           repeat, bar)
-                    if impls:
-                        alternatives = measure_alternatives(
-                            gm, work, xs, run, measured=measured, preset=preset, device=device,
-                            repeat=repeat, note=note, clock=clock, target=impl_target,
-                            context=gpu_like, rounds=rounds)
-                        _merge(alternatives, inplace_alternatives(
-                            gm, xs, run, measured=measured, device=device, repeat=repeat,
-                            clock=clock))
+                    fwd_times, bwd_times, alternatives = _timed(
+                        gm, work, xs, run, rounds if impls else None, measured=measured,
+                        preset=preset, device=device, repeat=repeat, note=note, clock=clock,
+                        target=impl_target, context=gpu_like, bar=bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -342,6 +285,93 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     finally:
         restore_rng(rng)
     return graph
+
+
+def _profile_mixed_precision(model, example_inputs, fsdp: FSDPConfig, before_timing,
+                             **kwargs) -> OpGraph:
+    """FSDP2's mixed precision computes in param_dtype, its forward inputs cast to it: the model
+    is profiled so, and the graph made one rank's (the memory-only graph's too)."""
+    def per_rank(graph: OpGraph) -> OpGraph:
+        return per_rank_graph(graph, model, fsdp,
+                              optimizer_multiplier=_optimizer_multiplier(kwargs["optimizer"]))
+
+    low = tree_map_only(torch.Tensor, lambda t: t.to(fsdp.param_dtype)
+                        if t.is_floating_point() else t, example_inputs)
+    return per_rank(profile(
+        cast_for_mixed_precision(model, fsdp.param_dtype), low, **kwargs,
+        before_timing=None if before_timing is None else
+        (lambda graph: before_timing(per_rank(graph)))))
+
+
+def _call_of(model, example_inputs) -> tuple[tuple, dict, tuple]:
+    """(positional inputs, keyword inputs, the tensors among them) of the example call."""
+    if not isinstance(example_inputs, Mapping):
+        inputs = _as_inputs(example_inputs)
+        return inputs, {}, inputs
+    call_args, call_kwargs = split_example(model, example_inputs)
+    tensors = tuple(t for t in tree_leaves(call_kwargs) if isinstance(t, torch.Tensor))
+    if not tensors:
+        raise ValueError(f"example_inputs: the keyword inputs {sorted(call_kwargs)} hold no "
+                         f"tensor; expected at least one (input_ids=..., pixel_values=...)")
+    return call_args, call_kwargs, _as_inputs(tensors)
+
+
+def _working_copy(model, inputs: tuple, kind: str, clock: str):
+    """(the copy of the model the profile runs, how an input becomes its input, the device, a
+    note for errors, the clock): a meta copy for analytical costs, a deep copy otherwise (the
+    user's own model is never run)."""
+    if kind == "analytical":
+        device = torch.device("meta")
+        if clock not in CLOCKS:
+            check_clock(clock, device)  # raises: not a clock name
+        if clock == "thread":
+            warnings.warn("profile: clock='thread' is ignored for analytical costs (nothing "
+                          "is timed)", UserWarning, stacklevel=3)
+        return (meta_copy(model),
+                lambda x: torch.empty_like(x, device="meta").requires_grad_(x.requires_grad),
+                device, " on the meta device (analytical costs; where the op reads tensor "
+                "values, as .item() or nonzero do, which meta tensors have not, use "
+                "cost='measured')", clock)
+    try:
+        work = copy.deepcopy(model)
+    except Exception as e:
+        raise ProfileError(
+            f"could not copy {type(model).__name__} with copy.deepcopy ({type(e).__name__}: "
+            f"{e}); the profiler never runs the user's own model. Make the model "
+            f"deep-copyable, or use cost='analytical:<DEVICE>'") from e
+    device = _model_device(model, inputs)
+    return (work, lambda x: x.detach().clone().requires_grad_(x.requires_grad), device, "",
+            check_clock(clock, device))
+
+
+def _loss_name(loss_fn) -> str:
+    """The loss the peaks predicted hold for (a step ending with it), as meta["loss"] records it;
+    the wrapper trusts a given graph only under the same loss, autocast and capture."""
+    return ("sum of the outputs" if loss_fn is None
+            else getattr(loss_fn, "__qualname__", repr(loss_fn)))
+
+
+def _leaf_names(leaf_modules) -> list[str]:
+    return [m if isinstance(m, str) else f"{m.__module__}.{m.__qualname__}"
+            for m in leaf_modules]
+
+
+def _timed(gm, work, xs, run: ProfileRun, rounds: list | None, *, measured: bool, preset, device,
+           repeat: int, note: str, clock: str, target, context, bar):
+    """(forward times, backward times, the Impls' alternatives) of the profiled Ops: timed steps
+    when measured, and the registered Impls' own rounds (`rounds`; None: no Impls)."""
+    fwd_times: dict[int, list[float]] = {}
+    bwd_times: dict[int, list[float]] = {}
+    alternatives: dict[int, list[dict]] = {}
+    if measured:
+        fwd_times, bwd_times = _time_steps(gm, work, xs, run, device, clock, repeat, bar)
+    if rounds is not None:
+        alternatives = measure_alternatives(
+            gm, work, xs, run, measured=measured, preset=preset, device=device, repeat=repeat,
+            note=note, clock=clock, target=target, context=context, rounds=rounds)
+        _merge(alternatives, inplace_alternatives(gm, xs, run, measured=measured, device=device,
+                                                  repeat=repeat, clock=clock))
+    return fwd_times, bwd_times, alternatives
 
 
 def _merge(alternatives: dict, more: dict) -> None:
