@@ -41,7 +41,8 @@ from solver.verify import verified
 from . import cache_files
 from .core.torch_private import tree_leaves
 from .max_shape import at_largest
-from .profile import profile
+from .profile import profile, profile_memory
+from .profile.costs import parse_cost
 from .wrapper import ScheduleWrapper
 
 __all__ = ["optimize", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
@@ -210,20 +211,18 @@ def min_budget(model: torch.nn.Module, example_inputs: Any, *, optimizer: str | 
     """The least budget (bytes) at which a training step of `model` on `example_inputs` has a
     schedule: its memory profiled (nothing timed), then the solver's exact min-peak search
     (solver.min_budget: exact when proven within `time_limit_s`, else the least found)."""
-    def stop(graph: OpGraph) -> None:
-        raise _Profiled(graph)
-
-    try:
+    if parse_cost(cost)[0] == "measured":
+        graph = profile_memory(model, example_inputs, optimizer=optimizer, loss_fn=loss_fn,
+                               leaf_modules=list(leaf_modules))
+    else:
         graph = profile(model, example_inputs, cost=cost, optimizer=optimizer, loss_fn=loss_fn,
-                        leaf_modules=list(leaf_modules), before_timing=stop)
-    except _Profiled as done:
-        graph = done.graph
+                        leaf_modules=list(leaf_modules))
     return solver_min_budget(graph, mode, time_limit_s=time_limit_s, offload=offload)
 
 
 class _Profiled(Exception):
-    """Stops a profile once its memory is known, with the graph to go on with: the memory-only
-    one (min_budget needs no timing) or one timed before (cached_profile)."""
+    """Stops optimize's profile once its memory is known, with a graph timed here before
+    (cached_profile)."""
 
     def __init__(self, graph: OpGraph):
         super().__init__()

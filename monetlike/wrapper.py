@@ -68,7 +68,7 @@ from .runtime.executor import ScheduledForward, StepState
 from .runtime.offload import check_cuda_available, check_offload_devices
 from .runtime.plan import Plan, build_plan
 from .capture.trace import MonetTracer, TraceError, trace
-from .profile import profile
+from .profile import profile, profile_memory
 from .core.modules import fsdp_units_inside, has_forward_hooks
 
 __all__ = ["ScheduleWrapper"]
@@ -572,27 +572,27 @@ class ScheduleWrapper(torch.nn.Module):
         return self._gm
 
     def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:
-
+        """This call's graph, for the schedule's fingerprint and the gate's replay. A schedule
+        measured on a device is replayed on the memory profiled there (nothing timed): the meta
+        device imitates a GPU preset's kernels and holds other bytes (CPU dropout's float
+        noise); an analytical schedule on the meta device's, which touches no real data."""
         tensors = example_of(inputs)
         # The Impls on offer depend on the device the schedule was profiled for (ImplSpec.devices).
         target = _impl_target(self._schedule.cost_provenance)
+        options = dict(leaf_modules=self._leaf_modules, impl_target=target,
+                       capture=self._capture, impls=self._structure_impls)
         autocast = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available()
                                                         and torch.is_autocast_enabled("cuda"))
-        if not autocast and not measured:
-            # Fingerprints exclude costs: the analytical profile on the meta device gives the
-            # structure of a measured one without touching real data.
+        on_meta = cost_kind(self._schedule.cost_provenance) != "measured"
+        if not autocast and not measured and on_meta:
             try:
-                return profile(self._model, tensors, cost="analytical:A100-40GB",
-                               leaf_modules=self._leaf_modules, impl_target=target,
-                               capture=self._capture, impls=self._structure_impls)
+                return profile(self._model, tensors, cost="analytical:A100-40GB", **options)
             except Exception:  # data-dependent ops cannot run on meta; try for real below
                 pass
-        # Autocast does not apply to meta tensors, so under autocast (or when the meta run
-        # failed) one measured repeat gives the structure the schedule was solved for (with
-        # the weight-cast cache off, as every profile: NOTE [Autocast cache]).
-        return profile(self._model, tensors, cost="measured", repeat=1,
-                       leaf_modules=self._leaf_modules, impl_target=target,
-                       capture=self._capture, impls=self._structure_impls)
+        # Autocast does not apply to meta tensors: under autocast (or when the meta run failed)
+        # the memory is profiled for real too (with the weight-cast cache off, as every profile:
+        # NOTE [Autocast cache]).
+        return profile_memory(self._model, tensors, **options)
 
 
 # NOTE [The model checked every step]

@@ -11,11 +11,11 @@
 - fsdp.py         FSDPConfig and one rank's memory under FSDP2 (profile(..., fsdp=...)).
 """
 
-from .api import OPTIMIZER_STATE_MULTIPLIER, profile
+from .api import OPTIMIZER_STATE_MULTIPLIER, profile, profile_memory
 from .fsdp import FSDPConfig
 from .costs import PRESETS, DevicePreset, UnknownDeviceError
 from .records import ProfileError
 
-__all__ = ["profile", "FSDPConfig", "PRESETS", "DevicePreset", "UnknownDeviceError",
+__all__ = ["profile", "profile_memory", "FSDPConfig", "PRESETS", "DevicePreset", "UnknownDeviceError",
            "ProfileError", "OPTIMIZER_STATE_MULTIPLIER"]
 

@@ -43,7 +43,7 @@ from .records import ProfileError, loss_fn_in_use
 from .timing import TimingRun
 from .memory import storage_of
 
-__all__ = ["profile", "OPTIMIZER_STATE_MULTIPLIER"]
+__all__ = ["profile", "profile_memory", "OPTIMIZER_STATE_MULTIPLIER"]
 
 # Optimizer state per trainable parameter byte: SGD keeps a momentum buffer, Adam two moments.
 OPTIMIZER_STATE_MULTIPLIER = {"none": 0, "sgd": 1, "adam": 2, "adamw": 2}
@@ -285,6 +285,25 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
     finally:
         restore_rng(rng)
     return graph
+
+
+class _MemoryKnown(Exception):
+    def __init__(self, graph: OpGraph):
+        super().__init__()
+        self.graph = graph
+
+
+def profile_memory(model: torch.nn.Module, example_inputs: Any, **kwargs) -> OpGraph:
+    """The step's graph with its memory profiled on the model's device and nothing timed (costs
+    0.0, provenance 'memory-only:<device>'): what a budget's feasibility and a schedule's peak
+    depend on. `kwargs` as for `profile` (cost 'measured')."""
+    def stop(graph: OpGraph) -> None:
+        raise _MemoryKnown(graph)
+
+    try:
+        return profile(model, example_inputs, cost="measured", before_timing=stop, **kwargs)
+    except _MemoryKnown as known:
+        return known.graph
 
 
 def _profile_mixed_precision(model, example_inputs, fsdp: FSDPConfig, before_timing,
