@@ -41,6 +41,7 @@ profiler sees no new storage there, so it is no Op).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -49,7 +50,9 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from .torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
+from .export_ops import FunctionsAsOps, ValueReads, is_data_dependent, name_guards
+from .torch_private import (PyTreeCodeGen, PyTreeInfo, exporting_with_real_values, tree_flatten,
+                            tree_unflatten)
 from .trace import (TraceError, attributes_set, check_attributes_set,
                     check_norms_under_checkpoint, functions_applied, norms_under_checkpoint,
                     python_draw_error, python_draws, trace, user_frame_of)
@@ -203,7 +206,10 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
     if "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
         what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
-        fix = ("write it without the branch (torch.where, masks of fixed shape), or mark the "
+        fix = ("profile with measured costs on the real example (cost='measured': the graph "
+               "then holds for the branch the example takes, and a batch that takes another is "
+               "refused at that line), or "
+               "write it without the branch (torch.where, masks of fixed shape), or mark the "
                "value with torch._check, or profile with capture='fx' if fx can trace the "
                "model; where that line is a library's (a model's own loss), leave out the input "
                "that leads there (labels) and compute that part outside the model")
@@ -220,12 +226,8 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
                       f"{at} The construct: {what}. Way out: {fix}")
 
 
-# NOTE [Custom autograd Functions under export]
-# Non-strict torch.export runs a custom autograd Function's forward on its tracing tensors and
-# records the ops inside; the exported graph differentiates them, not the Function's backward
-# (tested on torch 2.14: a gradient reversal's gradient comes back with the wrong sign). Every
-# `Function.apply` during the export is recorded, and a graph that had one is refused; fx applies
-# the Function as one op (NOTE [Custom autograd Functions] in monetlike/trace.py).
+# NOTE [Custom autograd Functions under export] and NOTE [Data-dependent branches]: in
+# monetlike/export_ops.py.
 # NOTE [Gradient hooks under export]
 # A hook registered on a tensor in forward (`h.register_hook(lambda g: 3 * g)`) changes the
 # gradient autograd computes; torch.export records ops, not hooks, so the exported graph would
@@ -255,20 +257,41 @@ class _RecordContiguous(TorchFunctionMode):
 def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     """`model` captured with torch.export (non-strict) on the call `flat` describes."""
     args, kwargs = flat.spec.rebuild(_distinct(flat))
-    rng = torch.get_rng_state()
-    applied: list = []  # NOTE [Custom autograd Functions under export]
-    recorder = _RecordContiguous()
+    reads = ValueReads()  # NOTE [Data-dependent branches]
     try:
-        with recorder, functions_applied(lambda cls, a, k: applied.append(cls)), \
+        gm = _export(model, args, kwargs, reads, real_values=False)
+    except TraceError as e:
+        # Real tensors hold the values export asked for.
+        real = all(t.device.type != "meta" for t in flat)
+        if not (real and is_data_dependent(e)):
+            raise
+        reads.lines.clear()
+        gm = _export(model, args, kwargs, reads, real_values=True)
+    name_guards(gm, type(model).__name__, reads.lines)
+    _flatten_signature(gm, flat.spec)
+    gm.meta["capture"] = "export"
+    return gm
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, reads: ValueReads, *,
+            real_values: bool) -> fx.GraphModule:
+    rng = torch.get_rng_state()
+    functions = FunctionsAsOps()  # NOTE [Custom autograd Functions under export]
+    recorder = _RecordContiguous()
+    values = exporting_with_real_values() if real_values else contextlib.nullcontext()
+    try:
+        with recorder, reads, functions_applied(functions.hook), values, \
                 attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _), \
                 python_draws() as drawn:
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
+        functions.finish(gm)
     except TraceError:
         raise
     except Exception as e:
         raise _export_error(model, e) from e
     finally:
+        functions.close()
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
     if drawn:
         raise python_draw_error(type(model).__name__, "torch.export.export(strict=False)", drawn)
@@ -282,24 +305,6 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
             f"without it, so they would not be plain PyTorch's. Way out: capture the model with "
             f"torch.fx (capture='fx') with the module that registers the hook made a leaf "
             f"(leaf_modules=[<its name or class>]), so that it runs as one op, hook included")
-    if applied:
-        names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in applied}))
-        checkpoint = any(c.__module__ == "torch.utils.checkpoint" for c in applied)
-        hint = (" torch.utils.checkpoint.CheckpointFunction is checkpoint(..., "
-                "use_reentrant=True), as Hugging Face's gradient_checkpointing_enable() sets up: "
-                "turn that checkpointing off (model.gradient_checkpointing_disable(); the schedule "
-                "decides what to recompute) or pass use_reentrant=False." if checkpoint else "")
-        raise TraceError(
-            f"torch.export.export(strict=False) could not capture {type(model).__name__} "
-            f"faithfully: its forward applies the torch.autograd.Function {names}. The "
-            f"construct: a custom autograd Function, whose forward export traces and "
-            f"differentiates itself, without the Function's own backward: the gradients would "
-            f"not be plain PyTorch's. Way out: capture the model with torch.fx "
-            f"(capture='fx'), which applies the Function as one op with its own backward; "
-            f"where fx cannot trace the rest of the model, make the modules it fails on leaves "
-            f"(leaf_modules=[...]).{hint}")
-    _flatten_signature(gm, flat.spec)
-    gm.meta["capture"] = "export"
     return gm
 
 

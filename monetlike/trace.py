@@ -566,8 +566,13 @@ def restore_rng(state: dict) -> bool:
 
 def _user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch and monetlike: the line of the user's model."""
+    return user_frame_in(traceback.extract_tb(tb))
+
+
+def user_frame_in(frames: Iterable[traceback.FrameSummary]) -> str | None:
+    """The innermost of `frames` outside torch and monetlike, as "file:line in function: `code`"."""
     best = None
-    for fr in traceback.extract_tb(tb):
+    for fr in frames:
         path = os.path.abspath(fr.filename)
         if not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIR):
             best = fr
