@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -254,19 +255,23 @@ class _RecordContiguous(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_READS_VALUES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     """`model` captured with torch.export (non-strict) on the call `flat` describes."""
     args, kwargs = flat.spec.rebuild(_distinct(flat))
     reads = ValueReads()  # NOTE [Data-dependent branches]
+    real = all(t.device.type != "meta" for t in flat)
     try:
-        gm = _export(model, args, kwargs, reads, real_values=False)
+        gm = _export(model, args, kwargs, reads, real_values=real and model in _READS_VALUES)
     except TraceError as e:
         # Real tensors hold the values export asked for.
-        real = all(t.device.type != "meta" for t in flat)
-        if not (real and is_data_dependent(e)):
+        if not (real and is_data_dependent(e)) or model in _READS_VALUES:
             raise
         reads.lines.clear()
         gm = _export(model, args, kwargs, reads, real_values=True)
+        _READS_VALUES.add(model)  # its next capture (a wrapper's per input signature) goes here
     name_guards(gm, type(model).__name__, reads.lines)
     _flatten_signature(gm, flat.spec)
     gm.meta["capture"] = "export"
