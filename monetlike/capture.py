@@ -272,7 +272,7 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
         reads.lines.clear()
         gm = _export(model, args, kwargs, reads, real_values=True)
         _READS_VALUES.add(model)  # its next capture (a wrapper's per input signature) goes here
-    name_guards(gm, type(model).__name__, reads.lines)
+    gm.meta["value_reads"] = name_guards(gm, type(model).__name__, reads.lines)
     _flatten_signature(gm, flat.spec)
     gm.meta["capture"] = "export"
     return gm

@@ -210,19 +210,19 @@ def _origin(node: fx.Node, items: list[fx.Node], lines: list) -> str | None:
     return None
 
 
-def name_guards(gm: fx.GraphModule, model_name: str, reads: list) -> int:
+def name_guards(gm: fx.GraphModule, model_name: str, reads: list) -> list[str]:
     """NOTE [Data-dependent branches]: each run-time assertion's message names the user's line
-    (`reads`: ValueReads.lines); returns how many there are."""
-    found = 0
+    (`reads`: ValueReads.lines); returns those lines, each once."""
+    found: dict[str, None] = {}
     items = [n for n in gm.graph.nodes
              if n.op == "call_function" and n.target is torch.ops.aten.item.default]
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
             continue
-        found += 1
         cond, text = node.args[:2]
         expr = re.search(r"for expression (.*) on node", str(text))
         where = _origin(node, items, reads) or "a line of its forward"
+        found[where] = None
         node.args = (cond, (
             f"{model_name} was captured for the branch its example took at {where} (where the "
             f"forward reads a tensor's value: {expr.group(1) if expr else text}), and this "
@@ -231,4 +231,4 @@ def name_guards(gm: fx.GraphModule, model_name: str, reads: list) -> int:
             f"this branch (one wrapped model per branch), or write that line without a Python "
             f"branch on a tensor's value (torch.where, masks of fixed shape)"))
     gm.recompile()
-    return found
+    return list(found)

@@ -251,6 +251,32 @@ def test_data_dependent_branch_is_specialised_to_the_example():
         wrapped(same_branch)
 
 
+def test_a_wrapper_first_called_on_another_branch_names_the_line():
+    """A wrapper captures on its first batch: one taking another branch than the profile's
+    example is another graph, refused with the line, and a later batch of the example's branch
+    (same shapes) still runs."""
+    torch.manual_seed(0)
+    model = Branch().train()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1)
+    assert graph.meta["value_reads"] == graph.summary()["value_reads"]
+    assert [r.split(": ", 1)[1] for r in graph.meta["value_reads"]] == \
+        ["`if h.mean() > 0:`", "`k = int((x[:, 0] > 0).sum())`"]
+    wrapped = monetlike.ScheduleWrapper(model, store_all_schedule(graph))
+    took_relu = bool(model.a(x).mean() > 0)
+    other = next(y for y in (torch.full((64, 16), c).requires_grad_() for c in (9.0, -9.0))
+                 if bool(model.a(y).mean() > 0) != took_relu)
+    with pytest.raises(solver.ScheduleMismatchError) as e:
+        wrapped(other)
+    msg = str(e.value)
+    assert "The schedule's graph was captured for the branch its example took where the " \
+           "forward reads a tensor's value, at " in msg, msg
+    assert "in forward: `if h.mean() > 0:`" in msg
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, store_all_schedule(graph)), (x,),
+                 steps=1, exact=True)
+    wrapped(x)  # the same signature: not refused for the batch before
+
+
 def test_analytical_profile_names_the_line_that_needs_a_value():
     model = Branch().train()
     with pytest.raises(TraceError) as e:

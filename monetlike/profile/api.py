@@ -299,6 +299,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                                  # the wrapper trusts a given graph only under the same state
                                  "autocast": autocast,
                                  "capture": gm.meta["capture"],
+                                 # NOTE [Data-dependent branches] (monetlike/export_ops.py)
+                                 **({"value_reads": gm.meta["value_reads"]}
+                                    if gm.meta.get("value_reads") else {}),
                                  # the peaks predicted hold for a step ending with this loss
                                  "loss": "sum of the outputs" if loss_fn is None else
                                  getattr(loss_fn, "__qualname__", repr(loss_fn)),
