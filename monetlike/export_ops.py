@@ -31,6 +31,7 @@ analytical profile runs on meta tensors, which hold no values: it keeps export's
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import traceback
@@ -41,8 +42,8 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from .torch_private import custom_op_autograd_class, tree_flatten, tree_leaves, tree_unflatten
-from .trace import TraceError, user_frame_in
+from .torch_private import custom_op_autograd_class, tree_flatten, tree_unflatten
+from .trace import TraceError, function_op, user_frame_in
 
 __all__ = ["FunctionsAsOps", "ValueReads", "is_data_dependent", "name_guards"]
 
@@ -70,14 +71,14 @@ class _Site:
 
     def op(self) -> Callable:
         """The graph's target: applies the Function to the node's tensors and the constants."""
-        site = self
+        site, apply = self, function_op(self.cls)
 
         def op(*tensors):
             args, kwargs = site.rebuild(tensors)
-            out = site.cls.apply(*args, **kwargs)
+            out = apply(*args, **kwargs)
             return out if site.single else tuple(out)
 
-        op.__name__ = op.__qualname__ = f"{self.cls.__name__}_apply"
+        op.__name__ = op.__qualname__ = apply.__name__
         return op
 
 
@@ -97,7 +98,8 @@ def _fake(tensors, key):
             f"other values from outside the Function), or capture the model with torch.fx "
             f"(capture='fx')")
     # A custom op's outputs may not alias its inputs (a Function may return a view of one):
-    # copies on fake tensors cost nothing, and the node is replaced after the export.
+    # copies of fake tensors cost nothing (of the example's, while exporting with real values,
+    # little), and the node is replaced after the export.
     return [t.clone() for t in leaves]
 
 
@@ -109,13 +111,13 @@ _LIB.impl("autograd_function", _fake, "CompositeExplicitAutograd")
 _FAKE_DEPTH = [0]
 
 
-class _inside_fake:
+@contextlib.contextmanager
+def _inside_fake():
     """While a fake kernel runs a Function's forward, Functions it applies run as they are."""
-
-    def __enter__(self):
-        _FAKE_DEPTH[0] += 1
-
-    def __exit__(self, *exc):
+    _FAKE_DEPTH[0] += 1
+    try:
+        yield
+    finally:
         _FAKE_DEPTH[0] -= 1
 
 

@@ -570,7 +570,8 @@ def _user_frame(tb) -> str | None:
 
 
 def user_frame_in(frames: Iterable[traceback.FrameSummary]) -> str | None:
-    """The innermost of `frames` outside torch and monetlike, as "file:line in function: `code`"."""
+    """The innermost of `frames` outside torch and monetlike, as
+    "file:line in function: `code`"."""
     best = None
     for fr in frames:
         path = os.path.abspath(fr.filename)
