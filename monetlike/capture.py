@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -204,7 +205,15 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
     text = f"{type(e).__name__}: {e}".strip()
     first = text.splitlines()[0][:400]
     low = text.lower()
-    if "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
+    if "dynamicoutputshape" in low:
+        op = re.search(r"DynamicOutputShapeException: (\S+)", text)
+        what = (f"an op whose output's shape depends on its inputs' values "
+                f"({op.group(1) if op else 'named above'}), which torch.export cannot trace, "
+                f"even from the real example")
+        fix = ("leave out the input that leads there (labels: compute the loss outside the "
+               "model from its outputs), or capture the model with torch.fx (capture='fx') "
+               "with the module that calls it made a leaf (leaf_modules=[...])")
+    elif "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
         what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
         fix = ("profile with measured costs on the real example (cost='measured': the graph "
@@ -263,12 +272,14 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     args, kwargs = flat.spec.rebuild(_distinct(flat))
     reads = ValueReads()  # NOTE [Data-dependent branches]
     real = all(t.device.type != "meta" for t in flat)
+    gm = None
     try:
         gm = _export(model, args, kwargs, reads, real_values=real and model in _READS_VALUES)
     except TraceError as e:
-        # Real tensors hold the values export asked for.
         if not (real and is_data_dependent(e)) or model in _READS_VALUES:
             raise
+    if gm is None:  # real tensors hold the values export asked for (outside the `except`: an
+        # error here is its own, not chained to the first's line)
         reads.lines.clear()
         gm = _export(model, args, kwargs, reads, real_values=True)
         _READS_VALUES.add(model)  # its next capture (a wrapper's per input signature) goes here

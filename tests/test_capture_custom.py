@@ -294,3 +294,32 @@ def test_all_three_in_one_model():
     kinds = [op.kind for op in graph.ops]
     assert {"SquarePlus_apply", "RandomGate_apply", "GradReverse_apply",
             "scaled_mm.default"} <= set(kinds), kinds
+
+
+class CtcLoss(nn.Module):
+    """A speech head's loss inside the model: the CTC loss's output shape depends on the labels'
+    values, which export cannot trace even with them; the guard before it (Hugging Face's
+    `if labels.max() >= vocab_size`) is captured from the real example."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 6)
+
+    def forward(self, x, labels):
+        if labels.max() >= 6:
+            raise ValueError("label out of range")
+        logp = self.a(x).log_softmax(-1).transpose(0, 1)
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return nn.functional.ctc_loss(logp, labels, lengths, torch.full_like(lengths, 3))
+
+
+def test_an_op_of_value_dependent_shape_is_refused_at_its_own_line():
+    x = torch.randn(2, 8, 16)
+    labels = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    with pytest.raises(TraceError) as e:
+        capture(CtcLoss(), (x, labels), {}, mode="export")
+    msg = str(e.value)
+    assert "The construct: an op whose output's shape depends on its inputs' values " \
+           "(aten._ctc_loss" in msg, msg
+    assert "in forward: `return nn.functional.ctc_loss(" in msg  # not the guard's line before
+    assert "leave out the input that leads there (labels" in msg
