@@ -196,6 +196,10 @@ def test_custom_autograd_functions_are_one_op_each(capture_mode):
     assert square.impls[0].saved == square.inputs[:1]
     assert gate.impls[0].saved == gate.outputs
     assert gate.id in graph.meta["random_ops"] and square.id not in graph.meta["random_ops"]
+    # ...and the tight schedule's gradients (bitwise plain PyTorch's) came from running both
+    # again: the random one with the generator put back as its forward found it.
+    tight = three_schedules(graph)["tight"]
+    assert {square.id, gate.id} <= {j for st in tight.stages for j in st.recompute}
 
 
 def test_export_keeps_the_functions_own_backward():
