@@ -52,7 +52,8 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from .export_ops import FunctionsAsOps, ValueReads, is_data_dependent, name_guards
+from .export_ops import (FunctionsAsOps, ValueReads, inside_function, is_data_dependent,
+                         name_guards)
 from .torch_private import (PyTreeCodeGen, PyTreeInfo, exporting_with_real_values, tree_flatten,
                             tree_unflatten)
 from .trace import (TraceError, attributes_set, check_attributes_set,
@@ -297,7 +298,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, reads: ValueReads
     values = exporting_with_real_values() if real_values else contextlib.nullcontext()
     try:
         with recorder, reads, functions_applied(functions.hook), values, \
-                attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _), \
+                attributes_set(model, inside_function) as written, \
+                norms_under_checkpoint(model) as (norms, _), \
                 python_draws() as drawn:
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()

@@ -17,6 +17,9 @@ tensors are what its forward saves, recomputed by applying it again; the profile
 draws random numbers, so a recomputation restores the generator as for any op. The Function that
 torch.library makes for a custom op's registered backward (`register_autograd`) is let through:
 export then records the custom op itself, which the runtime calls with its autograd kernel.
+Python attributes a Function's forward sets (Reformer's layers set the dropout seeds their
+reversible backward replays) are set by the op at every step, so they are no state the graph
+leaves out; but a recomputation would set them again: such an op is recompute-unsafe.
 
 NOTE [Data-dependent branches]
 A forward that branches on a tensor's value (`if y.sum() > 0`, `n = int(mask.sum())`) cannot be
@@ -45,12 +48,15 @@ from torch.overrides import TorchFunctionMode
 from .torch_private import custom_op_autograd_class, tree_flatten, tree_unflatten
 from .trace import TraceError, function_op, user_frame_in
 
-__all__ = ["FunctionsAsOps", "ValueReads", "is_data_dependent", "name_guards"]
+__all__ = ["FunctionsAsOps", "RECOMPUTE_UNSAFE", "ValueReads", "inside_function", "is_data_dependent",
+           "name_guards"]
 
 _LIB = torch.library.Library("monetlike", "FRAGMENT")
 _LIB.define("autograd_function(Tensor[] tensors, int key) -> Tensor[]")
 _OP = torch.ops.monetlike.autograd_function.default
 _KEYS = itertools.count()
+# node.meta key: reasons the profiler adds to the node's Op's recompute_unsafe.
+RECOMPUTE_UNSAFE = "monetlike_recompute_unsafe"
 _SITES: dict[int, "_Site"] = {}  # key -> call site, while its export runs
 
 
@@ -63,6 +69,7 @@ class _Site:
     consts: dict  # leaf position -> non-tensor value
     n_leaves: int
     single: bool = True  # the Function returned one tensor (else a tuple of tensors)
+    sets_state: bool = False  # its forward set a Python attribute of the model's modules
 
     def rebuild(self, tensors) -> tuple[tuple, dict]:
         it = iter(tensors)
@@ -86,7 +93,7 @@ def _fake(tensors, key):
     """The Function's forward on the op's (fake, or real) tensors, outside the tracer."""
     site = _SITES[key]
     args, kwargs = site.rebuild(tensors)
-    with torch.no_grad(), _inside_fake():
+    with torch.no_grad(), _inside_fake(site):
         out = site.cls.apply(*args, **kwargs)
     site.single = isinstance(out, torch.Tensor)
     leaves = [out] if site.single else list(out) if isinstance(out, (tuple, list)) else None
@@ -108,17 +115,26 @@ torch.library.register_fake("monetlike::autograd_function", _fake, lib=_LIB)
 # kernel beside its fake one.
 _LIB.impl("autograd_function", _fake, "CompositeExplicitAutograd")
 
-_FAKE_DEPTH = [0]
+_RUNNING: list[_Site] = []  # the sites whose Function's forward a fake kernel runs
 
 
 @contextlib.contextmanager
-def _inside_fake():
+def _inside_fake(site: _Site):
     """While a fake kernel runs a Function's forward, Functions it applies run as they are."""
-    _FAKE_DEPTH[0] += 1
+    _RUNNING.append(site)
     try:
         yield
     finally:
-        _FAKE_DEPTH[0] -= 1
+        _RUNNING.pop()
+
+
+def inside_function() -> bool:
+    """Whether a Function's forward is running for its op's output shapes (trace.attributes_set's
+    `exempt`): a Python attribute it sets (Reformer's layers set their dropout seeds) its op sets
+    again at every step, but a recomputation would set it once more, so the op is marked."""
+    for site in _RUNNING:
+        site.sets_state = True
+    return bool(_RUNNING)
 
 
 class FunctionsAsOps:
@@ -129,7 +145,7 @@ class FunctionsAsOps:
         self.keys: list[int] = []
 
     def hook(self, cls, args, kwargs):
-        if _FAKE_DEPTH[0] or custom_op_autograd_class(cls):
+        if _RUNNING or custom_op_autograd_class(cls):
             return None
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -154,6 +170,11 @@ class FunctionsAsOps:
             with graph.inserting_before(node):
                 new = graph.call_function(site.op(), tuple(tensors))
             new.meta = dict(node.meta)
+            if site.sets_state:  # NOTE [Custom autograd Functions under export]
+                new.meta[RECOMPUTE_UNSAFE] = [
+                    f"applies the autograd Function {site.cls.__qualname__}, whose forward sets "
+                    f"Python attributes of the model's modules: a recomputation would set them "
+                    f"again (a dropout seed its backward replays)"]
             if site.single:  # export indexed the op's list: the Function's tensor itself
                 for user in list(node.users):
                     user.replace_all_uses_with(new)

@@ -327,3 +327,50 @@ def test_an_op_of_value_dependent_shape_is_refused_at_its_own_line():
            "(aten._ctc_loss" in msg, msg
     assert "in forward: `return nn.functional.ctc_loss(" in msg  # not the guard's line before
     assert "leave out the input that leads there (labels" in msg
+
+
+class SeededNoise(torch.autograd.Function):
+    """Reformer's reversible layers' way: the forward sets a seed on the module (Reformer's is
+    drawn; a count here, to compare with plain PyTorch) and the backward replays the noise from
+    it."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        layer.seed = getattr(layer, "seed", 0) + 1
+        ctx.layer = layer
+        return x * _noise(x, layer.seed)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _noise(g, ctx.layer.seed), None
+
+
+def _noise(like: torch.Tensor, seed: int) -> torch.Tensor:
+    """A pattern that follows the seed (no generator: nothing else makes the op unsafe)."""
+    return 1.0 + 0.5 * torch.sin(torch.arange(like.numel()).view_as(like) * (0.1 * seed))
+
+
+class Seeded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.noise = nn.Identity()
+
+    def forward(self, x):
+        h = SeededNoise.apply(torch.tanh(self.a(x)), self.noise)
+        return self.c(torch.sigmoid(self.b(h)))
+
+
+def test_a_function_setting_module_attributes_is_captured_and_never_recomputed():
+    torch.manual_seed(0)
+    model = Seeded().train()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1, capture="export")
+    assert not hasattr(model.noise, "seed")  # put back after the capture
+    op = _op(graph, "SeededNoise_apply")
+    assert "applies the autograd Function SeededNoise, whose forward sets Python attributes " \
+           "of the model's modules: a recomputation would set them again" in op.recompute_unsafe
+    tight = three_schedules(graph)["tight"]
+    assert op.id not in {j for st in tight.stages for j in st.recompute}
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, tight, graph=graph), (x,),
+                 steps=2, exact=True)

@@ -37,6 +37,7 @@ import torch.fx as fx
 from solver.errors import MonetlikeError
 
 from ..allocator import AllocatorLog
+from ..export_ops import RECOMPUTE_UNSAFE
 from ..impls.registry import observing_releases
 from ..runtime import recompute as rc
 from ..runtime.hooks import stage_roots
@@ -827,7 +828,7 @@ class ProfileRun(fx.Interpreter):
             return
 
         # Unsafe reasons raised in non-op nodes flow on to the ops that consume them.
-        reasons = list(rec.unsafe)
+        reasons = list(rec.unsafe) + list(n.meta.get(RECOMPUTE_UNSAFE, ()))  # from the capture
         for inp in n.all_input_nodes:
             reasons.extend(self.taint.get(inp.name, ()))
         fixed_writes, value_writes = [], []
