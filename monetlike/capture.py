@@ -9,6 +9,10 @@ Two ways to turn a model into an fx graph, chosen by `capture=`:
 - "auto" (the default): fx first, export when fx fails. `gm.meta["capture"]` says which was used;
   the profiler records it in `OpGraph.meta["capture"]` so the runtime captures the same way.
 
+Under export, a custom autograd Function is one op with its own backward, a torch.library custom
+op with a registered backward one op, and a branch on a tensor's value is captured for the real
+example's branch with a check at every step (monetlike/export_ops.py).
+
 Both give the same contract: a GraphModule whose placeholders are the call's tensor inputs in a
 fixed order (`CallSpec.flat`), whose get_attr targets are the model's own parameter and buffer
 names (so the runtime fetches the user's live parameters: tied weights stay one parameter, an
