@@ -89,6 +89,16 @@ class _Site:
         return op
 
 
+def _kinds(out) -> str:
+    """`(Tensor, int)` for a Function's output (the types of a tuple's items)."""
+    def kind(o) -> str:
+        return "Tensor" if isinstance(o, torch.Tensor) else type(o).__name__
+
+    if isinstance(out, (tuple, list)):
+        return "(" + ", ".join(map(kind, out)) + ")"
+    return kind(out)
+
+
 def _fake(tensors, key):
     """The Function's forward on the op's (fake, or real) tensors, outside the tracer."""
     site = _SITES[key]
@@ -100,8 +110,8 @@ def _fake(tensors, key):
     if leaves is None or not all(isinstance(t, torch.Tensor) for t in leaves):
         raise TraceError(
             f"the torch.autograd.Function {site.cls.__module__}.{site.cls.__qualname__} returned "
-            f"{type(out).__name__}; monetlike captures a Function that returns a tensor or a "
-            f"tuple of tensors, which is not the case here. Return the tensors as a tuple (and "
+            f"{_kinds(out)}; monetlike captures a Function that returns a tensor or a tuple of "
+            f"tensors only under torch.export. Return the tensors as a tuple (and "
             f"other values from outside the Function), or capture the model with torch.fx "
             f"(capture='fx')")
     # A custom op's outputs may not alias its inputs (a Function may return a view of one):

@@ -374,3 +374,56 @@ def test_a_function_setting_module_attributes_is_captured_and_never_recomputed()
     assert op.id not in {j for st in tight.stages for j in st.recompute}
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, tight, graph=graph), (x,),
                  steps=2, exact=True)
+
+
+class SinCos(torch.autograd.Function):
+    """Two outputs, both differentiated by its own backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin(), x.cos()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        (x,) = ctx.saved_tensors
+        return ga * x.cos() - gb * x.sin()
+
+
+class WithCount(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0, 3
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g * 2.0
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self, function=SinCos):
+        super().__init__()
+        self.function = function
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        p, q = self.function.apply(self.a(x))
+        return self.b(torch.tanh(p) * q) if torch.is_tensor(q) else self.b(p) * q
+
+
+def test_a_function_with_two_outputs_and_one_with_a_number():
+    torch.manual_seed(0)
+    model = TwoOutputs().train()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1, capture="export")
+    op = _op(graph, "SinCos_apply")
+    assert len(op.outputs) == 2 and op.impls[0].saved == op.inputs[:1]
+    tight = three_schedules(graph)["tight"]
+    assert op.id in {j for st in tight.stages for j in st.recompute}
+    compare_step(model, lambda m: monetlike.ScheduleWrapper(m, tight, graph=graph), (x,),
+                 steps=2, exact=True)
+    with pytest.raises(TraceError, match=r"the torch.autograd.Function test_capture_custom"
+                                         r"\.WithCount returned \(Tensor, int\); monetlike "
+                                         r"captures a Function that returns a tensor or a tuple "
+                                         r"of tensors only under torch.export"):
+        monetlike.profile(TwoOutputs(WithCount), x, repeat=1, capture="export")
