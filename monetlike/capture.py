@@ -218,7 +218,7 @@ def _export_error(model: torch.nn.Module, e: Exception) -> TraceError:
         fix = ("leave out the input that leads there (labels: compute the loss outside the "
                "model from its outputs), or capture the model with torch.fx (capture='fx') "
                "with the module that calls it made a leaf (leaf_modules=[...])")
-    elif "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
+    elif is_data_dependent(e):
         what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
         fix = ("profile with measured costs on the real example (cost='measured': the graph "
