@@ -292,8 +292,10 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return _SquarePlus.apply(a)
     if k == "custom_op":
         return scaled_tanh(a, 1.5)
-    if k == "value_branch":  # a branch on a value: captured for the example's (torch.export)
-        return torch.tanh(a) if a.mean() > 0 else a * 0.5
+    if k == "value_branch":  # a guard on a value, as T5's `if torch.isinf(h).any()`: captured
+        # for the example's branch (torch.export); one that training can flip (`a.mean() > 0`)
+        # is refused at its next step, as it should be, which is no model to fuzz
+        return a.clamp(-1e4, 1e4) if torch.isinf(a).any() else torch.tanh(a)
     raise ValueError(f"unknown construct {k!r}")
 
 
