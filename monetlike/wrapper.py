@@ -462,6 +462,14 @@ class ScheduleWrapper(torch.nn.Module):
             try:
                 entry = self._build_entry(inputs)
             except (ScheduleMismatchError, ScheduleError) as e:
+                reads = self._schedule.graph_summary.get("value_reads")
+                if reads:  # this batch's branch: another batch of this signature may fit
+                    raise type(e)(
+                        f"{e}. The schedule's graph was captured for the branch its example "
+                        f"took where the forward reads a tensor's value, at "
+                        f"{'; '.join(reads)}: a batch that takes another branch there is "
+                        f"another graph. Call the wrapped model with batches that take the "
+                        f"example's branch, or profile and wrap one model per branch") from None
                 entry = e
             self._entries[sig] = entry
         if isinstance(entry, Exception):

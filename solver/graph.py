@@ -581,6 +581,9 @@ class OpGraph:
             # The model's own train/eval mode when profiled: a schedule solved in eval mode (a
             # model trained with frozen statistics) runs in eval mode too.
             **({"training": self.meta["training"]} if "training" in self.meta else {}),
+            # The lines where the capture read a tensor's value (a branch taken for the
+            # example's): a batch taking another branch there is another graph.
+            **({"value_reads": self.meta["value_reads"]} if "value_reads" in self.meta else {}),
         }
 
     def without_impl(self, name: str) -> "OpGraph":

@@ -13,7 +13,9 @@ The constructs cover what a memory model must account per storage: matmuls and c
 transposed views, split/chunk/slice, view/reshape/permute, contiguous copies, cat/stack,
 softmax, dropout, three norms, in-place and out-of-place activations, broadcasting adds and muls,
 a Linear whose weight is used by two steps, complex views of float Values, an in-place add
-into an activation written in place with another Op computed in between, and recurrent layers.
+into an activation written in place with another Op computed in between, recurrent layers, and
+what torch.export alone refuses: a custom autograd Function, a torch.library custom op with a
+registered backward and a Python branch on a tensor's value (captured for the example's branch).
 
 `FUZZ_PROGRAMS` is a hypothesis strategy for programs; `build(program)` makes the module and its
 example batch.
@@ -52,6 +54,9 @@ CONSTRUCTS = (
     # recurrent layers: one fx leaf each (oneDNN's kernel on the CPU, its workspace saved), an
     # ATen op each under torch.export
     "gru", "lstm_bi",
+    # what torch.export alone refuses (issue 55): a custom autograd Function, a torch.library
+    # custom op with a registered backward, a Python branch on a tensor's value
+    "custom_function", "custom_op", "value_branch",
 )
 
 # How many of a step's three reads each construct uses (the others are not read at all).
@@ -62,6 +67,43 @@ ARITY.update({"attention_matmul": 3, "attention_bmm": 3, "attention_einsum": 3,
               "sigmoid_inplace": 2, "add": 2, "mul": 2, "swiglu": 2, "masked_fill": 2,
               "argmax_gather": 2, "sigmoid_gate": 2, "view_add_inplace": 2,
               "slice_broadcast": 2, "complex_mul": 2, "act_then_add_": 2})
+
+
+class _SquarePlus(torch.autograd.Function):
+    """A smooth activation with its own backward; saves its input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 0.5 * (x + torch.sqrt(x * x + 4.0))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 0.5 * (1.0 + x * torch.rsqrt(x * x + 4.0))
+
+
+@torch.library.custom_op("monetlike_fuzz::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _scaled_tanh_backward(ctx, g):
+    (y,) = ctx.saved_tensors
+    return g * (ctx.scale - y * y / ctx.scale), None
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_context)
 
 
 @dataclass(frozen=True)
@@ -246,6 +288,14 @@ def _apply(step: Step, layer: nn.Module, net: FuzzNet, a, b, c) -> torch.Tensor:
         return a[:, :1] * b
     if k in ("gru", "lstm_bi"):
         return layer(a)[0]
+    if k == "custom_function":
+        return _SquarePlus.apply(a)
+    if k == "custom_op":
+        return scaled_tanh(a, 1.5)
+    if k == "value_branch":  # a guard on a value, as T5's `if torch.isinf(h).any()`: captured
+        # for the example's branch (torch.export); one that training can flip (`a.mean() > 0`)
+        # is refused at its next step, as it should be, which is no model to fuzz
+        return a.clamp(-1e4, 1e4) if torch.isinf(a).any() else torch.tanh(a)
     raise ValueError(f"unknown construct {k!r}")
 
 

@@ -284,6 +284,12 @@ def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
 # store-all predicted 26,208 B against 24,936 measured (NOTE [No-grad runs outside the tracker]).
 @example(((Step("gru", (0, 0, 0), 0.25), Step("linear", (0, 0, 0), 0.1),
            Step("sigmoid_gate", (0, 1, 0), 0.1)), 1, 0))
+# What torch.export alone refuses (issue 55), in one program: a custom autograd Function, a
+# custom op with a registered backward, a branch on a value (captured by export for the
+# example's branch, capture="auto" falling back from fx).
+@example(((Step("linear", (0, 0, 0), 0.1), Step("custom_function", (1, 0, 0), 0.1),
+           Step("value_branch", (2, 0, 0), 0.1), Step("custom_op", (3, 0, 0), 0.1),
+           Step("linear", (4, 0, 0), 0.1)), 1, 0))
 def test_fuzzed_models(case):
     check_model(*case)
 
@@ -294,6 +300,8 @@ def test_fuzzed_models(case):
           print_blob=True, suppress_health_check=[HealthCheck.too_slow,
                                                   HealthCheck.data_too_large])
 @given(FUZZ_PROGRAMS)
+@example(((Step("linear", (0, 0, 0), 0.1), Step("custom_function", (1, 0, 0), 0.1),
+           Step("custom_op", (2, 0, 0), 0.1), Step("value_branch", (1, 2, 0), 0.1)), 2, 1))
 def test_fuzzed_models_under_export(case):
     check_model(*case, capture="export")
 

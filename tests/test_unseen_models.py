@@ -14,7 +14,7 @@ and the way out.
   by torch.export, which records the update.
 - A custom `torch.autograd.Function` (a gradient reversal, a straight-through estimator): both
   fx and export traced its forward and differentiated that, not its backward (the wrong sign of
-  gradient, silently). fx now applies the Function as one op; export refuses it.
+  gradient, silently). fx now applies the Function as one op; export too (issue 55).
 - Noise drawn from constant sizes (`torch.randn(64, 32)`): fx ran the draw once, at trace time,
   and kept it as a constant (the same noise every step, silently). Now refused by fx (the
   generator put back) and captured by torch.export, which records the draw.
@@ -319,14 +319,21 @@ def test_custom_autograd_function_keeps_its_backward(cls, functions):
     _trains_like_pytorch(model, "fx")
 
 
-def test_custom_autograd_function_is_refused_by_export():
-    msg = _refused_by_export(CustomFunctions().train())
-    assert "could not capture CustomFunctions faithfully: its forward applies the " \
-           "torch.autograd.Function test_unseen_models.GradReverse, " \
-           "test_unseen_models.RoundSTE" in msg, msg
-    assert "without the Function's own backward: the gradients would not be plain PyTorch's" \
-        in msg
-    assert "Way out: capture the model with torch.fx (capture='fx')" in msg
+@pytest.mark.parametrize("cls, functions", [
+    (CustomFunctions, ["RoundSTE_apply", "GradReverse_apply"]),
+    (ReentrantCheckpoint, ["CheckpointFunction_apply"])])
+def test_custom_autograd_function_is_one_op_under_export(cls, functions):
+    """Export traced a Function's forward and differentiated it (refused until issue 55): each
+    Function applied is now one op of the exported graph, with its own backward."""
+    torch.manual_seed(0)
+    model = cls().train()
+    x = _x()
+    graph = monetlike.profile(model, x, repeat=1, capture="export")
+    assert [op.kind for op in graph.ops if op.kind.endswith("_apply")] == functions
+    for name, schedule in three_schedules(graph).items():
+        if name != "middle":
+            _assert_trains_as_plain_and_peaks_as_predicted(model, x, graph, name, schedule,
+                                                           exact=True)
 
 
 class LstmLm(nn.Module):
@@ -477,10 +484,10 @@ def test_recomputed_result_in_another_layout_is_read_in_the_forwards():
                  steps=2, exact=True)
 
 
-def test_reentrant_checkpointing_in_a_transformers_model_is_refused_with_the_way_out():
+def test_reentrant_checkpointing_in_a_transformers_model_is_one_op_per_block():
     """Hugging Face's gradient checkpointing with use_reentrant=True runs each block in
     torch.utils.checkpoint's autograd Function, under no_grad: export captured the blocks without
-    their gradients. Refused now, naming the switch."""
+    their gradients (refused until issue 55). Each block is now one op, the Function applied."""
     import os
     import warnings
 
@@ -488,19 +495,17 @@ def test_reentrant_checkpointing_in_a_transformers_model_is_refused_with_the_way
     T = pytest.importorskip("transformers")
     T.logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=8,
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=8,
                                            vocab_size=50)).train()
     with warnings.catch_warnings():  # transformers 5 renames it activation_checkpointing_enable
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(TraceError) as e:
-        monetlike.profile(model, dict(input_ids=ids, labels=ids, use_cache=False),
-                          cost="analytical:A100-40GB")
-    msg = str(e.value)
-    assert "applies the torch.autograd.Function torch.utils.checkpoint.CheckpointFunction" in msg
-    assert "turn that checkpointing off (model.gradient_checkpointing_disable()" in msg
-    assert "or pass use_reentrant=False" in msg
+    graph = monetlike.profile(model, dict(input_ids=ids, labels=ids, use_cache=False),
+                              cost="analytical:A100-40GB")
+    kinds = [op.kind for op in graph.ops]
+    assert kinds.count("CheckpointFunction_apply") == 2, kinds
+    assert "addmm.default" not in kinds and "linear.default" in kinds  # only the head's
 
 
 def test_a_model_trained_in_eval_mode_runs_its_schedule():

@@ -9,6 +9,10 @@ Two ways to turn a model into an fx graph, chosen by `capture=`:
 - "auto" (the default): fx first, export when fx fails. `gm.meta["capture"]` says which was used;
   the profiler records it in `OpGraph.meta["capture"]` so the runtime captures the same way.
 
+Under export, a custom autograd Function is one op with its own backward, a torch.library custom
+op with a registered backward one op, and a branch on a tensor's value is captured for the real
+example's branch with a check at every step (monetlike/capture/export_ops.py).
+
 Both give the same contract: a GraphModule whose placeholders are the call's tensor inputs in a
 fixed order (`CallSpec.flat`), whose get_attr targets are the model's own parameter and buffer
 names (so the runtime fetches the user's live parameters: tied weights stay one parameter, an
@@ -41,7 +45,10 @@ profiler sees no new storage there, so it is no Op).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -49,7 +56,10 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
-from ..core.torch_private import PyTreeCodeGen, PyTreeInfo, tree_flatten, tree_unflatten
+from ..core.torch_private import (PyTreeCodeGen, PyTreeInfo, exporting_with_real_values,
+                                 tree_flatten, tree_unflatten)
+from .export_ops import (FunctionsAsOps, ValueReads, inside_function, is_data_dependent,
+                         name_guards)
 from .trace import (TraceError, attributes_set, check_attributes_set,
                     check_norms_under_checkpoint, functions_applied, norms_under_checkpoint,
                     python_draw_error, python_draws, trace, user_frame_of)
@@ -200,10 +210,21 @@ def export_error(model: torch.nn.Module, e: Exception) -> TraceError:
     text = f"{type(e).__name__}: {e}".strip()
     first = text.splitlines()[0][:400]
     low = text.lower()
-    if "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
+    if "dynamicoutputshape" in low:
+        op = re.search(r"DynamicOutputShapeException: (\S+)", text)
+        what = (f"an op whose output's shape depends on its inputs' values "
+                f"({op.group(1) if op else 'named above'}), which torch.export cannot trace, "
+                f"even from the real example")
+        fix = ("leave out the input that leads there (labels: compute the loss outside the "
+               "model from its outputs), or capture the model with torch.fx (capture='fx') "
+               "with the module that calls it made a leaf (leaf_modules=[...])")
+    elif is_data_dependent(e):
         what = ("Python control flow or a shape that depends on tensor values (an `if` on a "
                 "tensor, .item(), .nonzero(), boolean-mask indexing)")
-        fix = ("write it without the branch (torch.where, masks of fixed shape), or mark the "
+        fix = ("profile with measured costs on the real example (cost='measured': the graph "
+               "then holds for the branch the example takes, and a batch that takes another is "
+               "refused at that line), or "
+               "write it without the branch (torch.where, masks of fixed shape), or mark the "
                "value with torch._check, or profile with capture='fx' if fx can trace the "
                "model; where that line is a library's (a model's own loss), leave out the input "
                "that leads there (labels) and compute that part outside the model")
@@ -220,12 +241,8 @@ def export_error(model: torch.nn.Module, e: Exception) -> TraceError:
                       f"{at} The construct: {what}. Way out: {fix}")
 
 
-# NOTE [Custom autograd Functions under export]
-# Non-strict torch.export runs a custom autograd Function's forward on its tracing tensors and
-# records the ops inside; the exported graph differentiates them, not the Function's backward
-# (tested on torch 2.14: a gradient reversal's gradient comes back with the wrong sign). Every
-# `Function.apply` during the export is recorded, and a graph that had one is refused; fx applies
-# the Function as one op (NOTE [Custom autograd Functions] in monetlike/capture/trace.py).
+# NOTE [Custom autograd Functions under export] and NOTE [Data-dependent branches]: in
+# monetlike/capture/export_ops.py.
 # NOTE [Gradient hooks under export]
 # A hook registered on a tensor in forward (`h.register_hook(lambda g: 3 * g)`) changes the
 # gradient autograd computes; torch.export records ops, not hooks, so the exported graph would
@@ -252,23 +269,51 @@ class _RecordContiguous(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_READS_VALUES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
     """`model` captured with torch.export (non-strict) on the call `flat` describes."""
     args, kwargs = flat.spec.rebuild(_distinct(flat))
-    rng = torch.get_rng_state()
-    applied: list = []  # NOTE [Custom autograd Functions under export]
-    recorder = _RecordContiguous()
+    reads = ValueReads()  # NOTE [Data-dependent branches]
+    real = all(t.device.type != "meta" for t in flat)
+    gm = None
     try:
-        with recorder, functions_applied(lambda cls, a, k: applied.append(cls)), \
-                attributes_set(model) as written, norms_under_checkpoint(model) as (norms, _), \
+        gm = _export(model, args, kwargs, reads, real_values=real and model in _READS_VALUES)
+    except TraceError as e:
+        if not (real and is_data_dependent(e)) or model in _READS_VALUES:
+            raise
+    if gm is None:  # real tensors hold the values export asked for (outside the `except`: an
+        # error here is its own, not chained to the first's line)
+        reads.lines.clear()
+        gm = _export(model, args, kwargs, reads, real_values=True)
+        _READS_VALUES.add(model)  # its next capture (a wrapper's per input signature) goes here
+    gm.meta["value_reads"] = name_guards(gm, type(model).__name__, reads.lines)
+    _flatten_signature(gm, flat.spec)
+    gm.meta["capture"] = "export"
+    return gm
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, reads: ValueReads, *,
+            real_values: bool) -> fx.GraphModule:
+    rng = torch.get_rng_state()
+    functions = FunctionsAsOps()  # NOTE [Custom autograd Functions under export]
+    recorder = _RecordContiguous()
+    values = exporting_with_real_values() if real_values else contextlib.nullcontext()
+    try:
+        with recorder, reads, functions_applied(functions.hook), values, \
+                attributes_set(model, inside_function) as written, \
+                norms_under_checkpoint(model) as (norms, _), \
                 python_draws() as drawn:
             ep = torch.export.export(model, args, kwargs, strict=False)
         gm = ep.module()
+        functions.finish(gm)
     except TraceError:
         raise
     except Exception as e:
         raise export_error(model, e) from e
     finally:
+        functions.close()
         torch.set_rng_state(rng)  # capturing must not move the user's random stream
     if drawn:
         raise python_draw_error(type(model).__name__, "torch.export.export(strict=False)", drawn)
@@ -282,24 +327,6 @@ def export_graph(model: torch.nn.Module, flat: FlatInputs) -> fx.GraphModule:
             f"without it, so they would not be plain PyTorch's. Way out: capture the model with "
             f"torch.fx (capture='fx') with the module that registers the hook made a leaf "
             f"(leaf_modules=[<its name or class>]), so that it runs as one op, hook included")
-    if applied:
-        names = ", ".join(sorted({f"{c.__module__}.{c.__qualname__}" for c in applied}))
-        checkpoint = any(c.__module__ == "torch.utils.checkpoint" for c in applied)
-        hint = (" torch.utils.checkpoint.CheckpointFunction is checkpoint(..., "
-                "use_reentrant=True), as Hugging Face's gradient_checkpointing_enable() sets up: "
-                "turn that checkpointing off (model.gradient_checkpointing_disable(); the schedule "
-                "decides what to recompute) or pass use_reentrant=False." if checkpoint else "")
-        raise TraceError(
-            f"torch.export.export(strict=False) could not capture {type(model).__name__} "
-            f"faithfully: its forward applies the torch.autograd.Function {names}. The "
-            f"construct: a custom autograd Function, whose forward export traces and "
-            f"differentiates itself, without the Function's own backward: the gradients would "
-            f"not be plain PyTorch's. Way out: capture the model with torch.fx "
-            f"(capture='fx'), which applies the Function as one op with its own backward; "
-            f"where fx cannot trace the rest of the model, make the modules it fails on leaves "
-            f"(leaf_modules=[...]).{hint}")
-    _flatten_signature(gm, flat.spec)
-    gm.meta["capture"] = "export"
     return gm
 
 

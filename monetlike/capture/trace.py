@@ -347,13 +347,15 @@ def _same_plain_value(old, new) -> bool:
 
 
 @contextlib.contextmanager
-def attributes_set(model: torch.nn.Module):
+def attributes_set(model: torch.nn.Module, exempt: Callable[[], bool] = lambda: False):
     """NOTE [Python state set in forward]: a capture runs the forward's Python once, so an
     attribute the forward sets (a call counter, `self.last = h.detach()` kept for logging) is set
     once, at capture time (to a tracer's proxy under fx; torch.export puts it back), and never at
     a training step. Yields the (module name, attribute) pairs set on the model's modules while
     capturing (Module.__setattr__, which `self.calls += 1` calls), and puts them back after,
-    with the modules' hooks as they were."""
+    with the modules' hooks as they were. A set made while `exempt()` holds is put back and not
+    yielded: one made by code the graph runs for real at every step (an autograd Function's
+    forward, which the capture keeps as one op)."""
     modules = dict(model.named_modules(remove_duplicate=True))
     names = {id(m): prefix for prefix, m in modules.items()}
     before = {(prefix, k): v for prefix, m in modules.items() for k, v in vars(m).items()}
@@ -361,10 +363,14 @@ def attributes_set(model: torch.nn.Module):
     # sets: a failed fx attempt that kept them made the export attempt register them twice.
     hooks = [(d, dict(d)) for m in modules.values() for d in _hook_dicts(m)]
     written: list = []
+    restored: list = []  # the exempt sets
     setattr_ = torch.nn.Module.__setattr__
 
     def recording(self, name, value):
         prefix = names.get(id(self))
+        if prefix is not None and exempt():
+            restored.append((prefix, name))
+            prefix = None
         # Not a registered parameter, buffer or submodule (`self.steps += 1` on a buffer: its
         # in-place update is what _check_state sees), nor a constant fx keeps on the root.
         if prefix is not None and (prefix, name) not in written \
@@ -384,7 +390,7 @@ def attributes_set(model: torch.nn.Module):
             if d.keys() != kept.keys():
                 d.clear()
                 d.update(kept)
-        for prefix, k in written:
+        for prefix, k in dict.fromkeys(written + restored):
             m = modules[prefix]
             if (prefix, k) in before:
                 object.__setattr__(m, k, before[(prefix, k)])
@@ -567,8 +573,14 @@ def restore_rng(state: dict) -> bool:
 
 def _user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch and monetlike: the line of the user's model."""
+    return user_frame_in(traceback.extract_tb(tb))
+
+
+def user_frame_in(frames: Iterable[traceback.FrameSummary]) -> str | None:
+    """The innermost of `frames` outside torch and monetlike, as
+    "file:line in function: `code`"."""
     best = None
-    for fr in traceback.extract_tb(tb):
+    for fr in frames:
         path = os.path.abspath(fr.filename)
         if not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIR):
             best = fr

@@ -18,6 +18,7 @@ Imports stay as cheap as before: everything imported at the top here is already 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Iterator
 
@@ -32,7 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_on
 __all__ = [
     "BatchNormBase", "HARDTANH", "InstanceNormBase", "PyTreeCodeGen", "PyTreeInfo",
     "RELU6_INPLACE", "RELU6_OUT", "TorchDispatchMode", "batch_norm_saved_stats",
-    "checkpoint_hook_class", "neg_view", "parametrize_cache_on",
+    "checkpoint_hook_class", "custom_op_autograd_class", "exporting_with_real_values",
+    "neg_view", "parametrize_cache_on",
     "current_graph_task_id", "sole_owner",
     "fsdp_unit_settings", "global_module_hooks", "profiler_events", "queue_engine_callback",
     "sdp_priority_order", "tensors_in", "aot_backend", "default_partition",
@@ -142,6 +144,33 @@ def derived_from_parameters(module: torch.nn.Module) -> frozenset[str]:
     if isinstance(module, torch.nn.RNNBase):
         return frozenset({"_flat_weights", "_flat_weight_refs"})
     return frozenset()
+
+
+def custom_op_autograd_class(cls: type) -> bool:
+    """Whether `cls` is the autograd Function torch.library makes for a custom op's registered
+    backward (`register_autograd`: GeneratedBackwardFor_<op>), applied by the op's autograd
+    kernel; not public."""
+    return cls.__module__ == "torch._library.autograd"
+
+
+@contextlib.contextmanager
+def exporting_with_real_values():
+    """torch.export's fake tensors carry the real values of the example they were made from: a
+    guard on a data-dependent value (`if y.sum() > 0`, `int(n)`) takes the example's value and
+    becomes a run-time assertion in the graph (`aten._assert_scalar`), as torch.export's
+    draft_export does; no public switch. Its log line per guard is silenced."""
+    import logging
+
+    import torch._functorch.config as functorch_config
+
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def parametrize_cache_on() -> bool:

@@ -234,7 +234,9 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
                 "device": _device_name(device) if measured else preset.name, "cost": cost,
                 "repeat": repeat if measured else 0, "clock": clock if measured else None,
                 "leaf_modules": _leaf_names(leaf_modules), "training": bool(model.training),
-                "autocast": autocast, "capture": gm.meta["capture"], "loss": _loss_name(loss_fn)}
+                "autocast": autocast, "capture": gm.meta["capture"], "loss": _loss_name(loss_fn),
+                # NOTE [Data-dependent branches] (monetlike/capture/export_ops.py)
+                **({"value_reads": gm.meta["value_reads"]} if gm.meta.get("value_reads") else {})}
 
         def assemble(fwd_times, bwd_times, alternatives, provenance) -> OpGraph:
             graph = _assemble(run, gm, work, model, xs, batch=batch, measured=measured,

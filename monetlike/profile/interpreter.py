@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from solver.errors import MonetlikeError
 
+from ..capture.export_ops import RECOMPUTE_UNSAFE
 from ..core.allocator import AllocatorLog
 from ..impls.registry import observing_releases
 from ..core import recompute as rc
@@ -449,7 +450,7 @@ class ProfileRun(AllocatorWindows, fx.Interpreter):
             return
 
         # Unsafe reasons raised in non-op nodes flow on to the ops that consume them.
-        reasons = list(rec.unsafe)
+        reasons = list(rec.unsafe) + list(n.meta.get(RECOMPUTE_UNSAFE, ()))  # from the capture
         for inp in n.all_input_nodes:
             reasons.extend(self.taint.get(inp.name, ()))
         fixed_writes, value_writes = [], []
