@@ -18,24 +18,11 @@ import monetlike
 import solver
 from monetlike.capture.api import capture
 from monetlike.capture.trace import TraceError
+from fuzz_models import SquarePlus
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
 from solver.simulate import store_all_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class SquarePlus(torch.autograd.Function):
-    """A smooth activation written as a Function: it saves its input, its backward is its own."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return 0.5 * (x + torch.sqrt(x * x + 4.0))
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 0.5 * (1.0 + x * torch.rsqrt(x * x + 4.0))
 
 
 class GradReverse(torch.autograd.Function):
