@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import solver
+from solver.simulate import gradient_bytes_at
 from solver.units import format_bytes
 
 from .plotting import axis_unit, save_figure
@@ -138,12 +139,7 @@ def explain_graph(graph: solver.OpGraph, model=None, *, time_limit_s: float = 60
     tl = solver.simulate(graph, sched)
     peak = tl.peak_point
     values, ops = graph.values, graph.ops
-    if peak.phase == "end":
-        grads = graph.final_grad_bytes
-    elif peak.stage is not None:
-        grads = graph.stage_grad_bytes[peak.stage]
-    else:
-        grads = 0
+    grads = gradient_bytes_at(graph, peak)
     # Internals held at the peak: ops whose forward ran and whose backward has not finished.
     if peak.phase == "forward":
         held_ops = [o.id for o in ops if o.id <= peak.op]

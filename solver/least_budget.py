@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .graph import OpGraph
 from .schedule import Schedule
-from .simulate import simulate, store_all_schedule
+from .simulate import gradient_bytes_at, simulate, store_all_schedule
 from .units import budget_text, format_bytes
 
 
@@ -24,12 +24,7 @@ def peak_breakdown(graph: OpGraph, schedule: Schedule) -> tuple[str, dict[str, i
     """(the op at the schedule's peak point, bytes there by category; the values sum to the
     peak)."""
     point = simulate(graph, schedule).peak_point
-    if point.phase == "end":
-        grads = graph.final_grad_bytes
-    elif point.stage is not None:
-        grads = graph.stage_grad_bytes[point.stage]
-    else:
-        grads = 0
+    grads = gradient_bytes_at(graph, point)
     parts = {"parameters and buffers": graph.param_bytes,
              "optimizer state": graph.optimizer_bytes,
              "inputs": graph.input_bytes, "gradients": grads}

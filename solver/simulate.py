@@ -49,6 +49,13 @@ class Timeline:
         return max(self.points, key=lambda p: p.bytes)
 
 
+def gradient_bytes_at(graph: OpGraph, point: Point) -> int:
+    """The gradient bytes counted at a point: its backward stage's, the end's, none forward."""
+    if point.phase == "end":
+        return graph.final_grad_bytes
+    return graph.stage_grad_bytes[point.stage] if point.stage is not None else 0
+
+
 def check_fingerprint(graph: OpGraph, schedule: Schedule) -> None:
     if schedule.fingerprint != graph.fingerprint:
         raise ScheduleMismatchError(
