@@ -604,24 +604,17 @@ class ScheduleWrapper(torch.nn.Module):
 
 
 # NOTE [The model checked every step]
-# A training loop may change the model after the first step: a head replaced by a wider one with
-# the same parameter names, an activation swapped for dropout, a parameter re-assigned. The old
-# plan would run on it (above budget, or a recomputation replaying another op: wrong gradients,
-# silently). So each module's identity and type and each parameter's identity, shape, dtype and
-# requires_grad are part of the call's signature (a few attribute reads per module): a change is
-# traced and profiled again and then runs under the schedule or is refused naming what differs,
-# as a fresh wrapper would.
+# A model changed after the first step (a wider head, a swapped activation) would run the old
+# plan: over budget, or wrong gradients. So each module's identity and type and each parameter's
+# identity, shape, dtype and requires_grad are in the call's signature (a few attribute reads):
+# a change is profiled again and runs or is refused naming what differs, as a new wrapper would.
 
 
 # NOTE [Python attributes read in forward]
-# A capture runs the forward's Python once: a plain attribute it reads (`h * self.scale`,
-# `F.dropout(h, self.p)`, `if self.use_extra:`) is baked into the graph as the value it had then.
-# A training loop that changes one between steps (scheduled dropout, a warm-up flag) would run
-# the old value, silently. So the modules' attributes of plain immutable types are part of the
-# call's signature: when one changes, the model is captured and matched to the schedule again
-# (a new branch taken is another structure: a clear ScheduleMismatchError). Listed once (what a
-# forward sets is refused at capture, NOTE [Python state set in forward] in trace.py), read at
-# each call: a few getattr per module.
+# A capture bakes a plain attribute the forward reads (`h * self.scale`, `if self.use_extra:`)
+# into the graph. A loop that changes one between steps would run the old value, silently, so
+# the modules' plain immutable attributes are in the call's signature: a change is captured and
+# matched again (another branch is another structure: a clear ScheduleMismatchError).
 
 
 def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
