@@ -143,9 +143,7 @@ def test_lightning_trains_like_plain(tmp_path):
     plain, model = _cnn(), _cnn()
     fit(plain)
     fit(_wrap_cnn(model, tmp_path))
-    for a, b in zip([*plain.parameters(), *plain.buffers()],
-                    [*model.parameters(), *model.buffers()]):
-        assert torch.equal(a, b)
+    _assert_same_state(plain, model)
 
 
 def test_accelerate_trains_like_plain(tmp_path):
@@ -163,6 +161,11 @@ def test_accelerate_trains_like_plain(tmp_path):
     plain, model = _cnn(), _cnn()
     fit(plain)
     fit(_wrap_cnn(model, tmp_path))
+    _assert_same_state(plain, model)
+
+
+def _assert_same_state(plain: nn.Module, model: nn.Module) -> None:
+    """Parameters and buffers bitwise equal after the same training."""
     for a, b in zip([*plain.parameters(), *plain.buffers()],
                     [*model.parameters(), *model.buffers()]):
         assert torch.equal(a, b)
