@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Callable
 
 from solver.errors import FormatError
-from solver.graph import atomic_write_text, file_kind
+from solver.jsonio import atomic_write_text, file_kind
 from solver.schedule import Schedule
 
 __all__ = ["entry_path", "read_entry", "write_entry"]

@@ -12,7 +12,7 @@ import stat
 from typing import Sequence
 
 from solver.errors import BudgetParseError, MonetlikeError
-from solver.graph import file_kind
+from solver.jsonio import file_kind
 from solver.units import parse_bytes
 
 from .profile.costs import parse_cost

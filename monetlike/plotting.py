@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from solver.graph import atomic_write_bytes
+from solver.jsonio import atomic_write_bytes
 
 
 def save_figure(fig, path: str, dpi: int = 120) -> None:

@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any
 
 from solver.errors import FormatError, MonetlikeError, ScheduleMismatchError
-from solver.graph import _get, _int, _ints, _str
+from solver.jsonio import get_field, int_field, ints_field, str_field
 from solver.schedule import Schedule
 from solver.units import format_bytes, parse_bytes
 from solver.verify import verified, with_recorded_optimizer_state
@@ -73,18 +73,18 @@ class ZooEntry:
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "ZooEntry":
         gap = d.get("mip_gap") if isinstance(d, dict) else None
-        return cls(name=_str(d, "name", where), model=_str(d, "model", where),
-                   batch=_int(d, "batch", where, minimum=1),
-                   input_shape=_ints(d, "input_shape", where),
-                   budget_bytes=_int(d, "budget_bytes", where),
-                   predicted_peak_bytes=_int(d, "predicted_peak_bytes", where),
-                   predicted_time=float(_get(d, "predicted_time", where)),
-                   store_all_time=float(_get(d, "store_all_time", where)),
-                   store_all_peak_bytes=_int(d, "store_all_peak_bytes", where),
-                   mode=_str(d, "mode", where), status=_str(d, "status", where),
+        return cls(name=str_field(d, "name", where), model=str_field(d, "model", where),
+                   batch=int_field(d, "batch", where, minimum=1),
+                   input_shape=ints_field(d, "input_shape", where),
+                   budget_bytes=int_field(d, "budget_bytes", where),
+                   predicted_peak_bytes=int_field(d, "predicted_peak_bytes", where),
+                   predicted_time=float(get_field(d, "predicted_time", where)),
+                   store_all_time=float(get_field(d, "store_all_time", where)),
+                   store_all_peak_bytes=int_field(d, "store_all_peak_bytes", where),
+                   mode=str_field(d, "mode", where), status=str_field(d, "status", where),
                    mip_gap=None if gap is None else float(gap),
-                   cost_provenance=_str(d, "cost_provenance", where),
-                   fingerprint=_str(d, "fingerprint", where))
+                   cost_provenance=str_field(d, "cost_provenance", where),
+                   fingerprint=str_field(d, "fingerprint", where))
 
 
 def _folder():

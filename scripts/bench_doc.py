@@ -15,7 +15,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from solver.graph import atomic_write_text  # noqa: E402
+from solver.jsonio import atomic_write_text  # noqa: E402
 
 DEFAULT_PATH = os.path.join(ROOT, "docs", "BENCHMARKS.md")
 

@@ -36,7 +36,7 @@ import monetlike  # noqa: E402
 import solver  # noqa: E402
 from bench_doc import header_with_commit, replace_section  # noqa: E402
 from bench_solver import markdown_table  # noqa: E402
-from solver.graph import atomic_write_text  # noqa: E402
+from solver.jsonio import atomic_write_text  # noqa: E402
 from solver.simulate import simulate, store_all_schedule  # noqa: E402
 
 MIB = 2 ** 20

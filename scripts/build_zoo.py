@@ -36,7 +36,7 @@ import solver  # noqa: E402
 from monetlike.modelspec import build_model  # noqa: E402
 from monetlike.profile import profile  # noqa: E402
 from monetlike.zoo import INDEX, ZooEntry, dominated  # noqa: E402
-from solver.graph import atomic_write_text  # noqa: E402
+from solver.jsonio import atomic_write_text  # noqa: E402
 
 # name -> (factory as given to the CLI, batch, input shape)
 MODELS = {

@@ -42,7 +42,8 @@ import solver  # noqa: E402
 from monetlike.modelspec import build_model  # noqa: E402
 from monetlike.profile import profile  # noqa: E402
 from monetlike.zoo import ZooEntry, example_batch  # noqa: E402
-from solver.graph import atomic_write_text, fingerprint_of  # noqa: E402
+from solver.graph import fingerprint_of  # noqa: E402
+from solver.jsonio import atomic_write_text  # noqa: E402
 from solver.schedule import Schedule  # noqa: E402
 
 OUT = os.path.join(ROOT, "schedules")

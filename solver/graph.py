@@ -16,105 +16,19 @@ Vocabulary (see docs/execution-model.md for the semantics every part must agree 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
-import stat
-import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from .errors import FormatError
+from .jsonio import (atomic_write_text, bool_field, float_field, int_field, ints_field, list_field,
+                     read_json_file, str_field, strs_field)
 
 SCHEMA_VERSION = 1
 GRAPH_FORMAT = "monetlike.graph"
-
-
-# ----------------------------------------------------------------------------------------------
-# Checked field readers: every malformed input becomes a FormatError naming the bad field.
-# ----------------------------------------------------------------------------------------------
-def _get(d: Any, key: str, where: str) -> Any:
-    if not isinstance(d, dict):
-        raise FormatError(f"{where}: expected an object, got {type(d).__name__}")
-    if key not in d:
-        raise FormatError(f"{where}: missing field '{key}'")
-    return d[key]
-
-
-def _int(d: Any, key: str, where: str, *, minimum: int | None = 0, optional: bool = False) -> Any:
-    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"{where}.{key}: expected an integer, got {type(v).__name__} {v!r:.60}")
-    if minimum is not None and v < minimum:
-        raise FormatError(f"{where}.{key}: expected an integer >= {minimum}, got {v}")
-    if v > _INT_MAX:
-        raise FormatError(f"{where}.{key}: expected an integer below 2^63 (a byte count, size or "
-                          f"index), got one of {len(str(v))} digits")
-    return v
-
-
-# Every integer a graph or schedule holds (bytes, sizes, ids) fits a signed 64-bit int; a larger
-# one in a file is an edit, refused where it is read rather than overflowing where it is used.
-_INT_MAX = 2**63 - 1
-
-
-def _float(d: Any, key: str, where: str, *, optional: bool = False) -> float | None:
-    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 \
-            or v == float("inf"):
-        raise FormatError(f"{where}.{key}: expected a non-negative, finite number, got "
-                          f"{v!r:.60}")
-    return float(v)
-
-
-def _str(d: Any, key: str, where: str, *, optional: bool = False) -> Any:
-    v = d.get(key) if (optional and isinstance(d, dict)) else _get(d, key, where)
-    if v is None and optional:
-        return None
-    if not isinstance(v, str):
-        raise FormatError(f"{where}.{key}: expected a string, got {type(v).__name__} {v!r:.60}")
-    return v
-
-
-def _bool(d: Any, key: str, where: str) -> bool:
-    v = _get(d, key, where)
-    if not isinstance(v, bool):
-        raise FormatError(f"{where}.{key}: expected true or false, got {v!r:.60}")
-    return v
-
-
-def _list(d: Any, key: str, where: str) -> list:
-    v = _get(d, key, where)
-    if not isinstance(v, list):
-        raise FormatError(f"{where}.{key}: expected a list, got {type(v).__name__}")
-    return v
-
-
-def _ints(d: Any, key: str, where: str) -> tuple[int, ...]:
-    out = []
-    for i, v in enumerate(_list(d, key, where)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise FormatError(f"{where}.{key}[{i}]: expected a non-negative integer, got {v!r:.60}")
-        if v > _INT_MAX:
-            raise FormatError(f"{where}.{key}[{i}]: expected an integer below 2^63, got one of "
-                              f"{len(str(v))} digits")
-        out.append(v)
-    return tuple(out)
-
-
-def _strs(d: Any, key: str, where: str) -> tuple[str, ...]:
-    out = []
-    for i, v in enumerate(_list(d, key, where)):
-        if not isinstance(v, str):
-            raise FormatError(f"{where}.{key}[{i}]: expected a string, got {v!r:.60}")
-        out.append(v)
-    return tuple(out)
 
 
 def cost_kind(provenance: str) -> str:
@@ -139,106 +53,14 @@ def _params(d: dict, where: str) -> tuple:
     if "params" not in d:
         return ()
     out = []
-    for i, row in enumerate(_list(d, "params", where)):
+    for i, row in enumerate(list_field(d, "params", where)):
         w = f"{where}.params[{i}]"
         if (not isinstance(row, list) or len(row) != 4 or not isinstance(row[0], str)
                 or not isinstance(row[2], str) or not isinstance(row[3], bool)):
             raise FormatError(f"{w}: expected [name, shape, dtype, requires_grad], got "
                               f"{row!r:.80}")
-        out.append((row[0], _ints({"shape": row[1]}, "shape", w), row[2], row[3]))
+        out.append((row[0], ints_field({"shape": row[1]}, "shape", w), row[2], row[3]))
     return tuple(out)
-
-
-def atomic_write_text(path: "str | os.PathLike", text: str, *,
-                      follow_symlinks: bool = True) -> None:
-    """Write `text` (UTF-8) to `path` atomically; see `atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode("utf-8"), follow_symlinks=follow_symlinks)
-
-
-def atomic_write_bytes(path: "str | os.PathLike", data: bytes, *,
-                       follow_symlinks: bool = True) -> None:
-    """Write `data` to `path` so that a reader sees the old file or the new one, never a part.
-
-    A symlink is written through: its target gets the new content and the link stays (a user's
-    `-o` onto a link). With follow_symlinks=False (a cache folder, whose entries nobody chose)
-    whatever sits at `path`, a link or a FIFO included, is replaced by the new regular file. The
-    new file keeps the mode of the file it replaces, or gets the umask's default for a new file
-    (mkstemp alone would make it 0600). The temporary name is short (a 255-byte name still has
-    room). Errors name `path`, never the temporary file."""
-    path = os.fspath(path)
-    target = os.path.realpath(path) if follow_symlinks else os.path.abspath(path)
-    directory = os.path.dirname(target)
-    try:
-        st = os.stat(target) if follow_symlinks else os.lstat(target)
-        if follow_symlinks and not stat.S_ISREG(st.st_mode):
-            # A device, FIFO or directory named as an output is never replaced by a file
-            # (`-o /dev/null` as root would replace the system's).
-            raise OSError(errno.EINVAL, f"cannot write {path!r}: it is {file_kind(st.st_mode)}, "
-                                        f"not a regular file; write to a file path")
-        mode = st.st_mode & 0o7777 if stat.S_ISREG(st.st_mode) else 0o666 & ~_umask()
-    except FileNotFoundError:
-        mode = 0o666 & ~_umask()
-    except OSError as e:
-        raise OSError(e.errno, e.strerror if str(e.strerror).startswith("cannot write")
-                      else f"cannot write {path!r}: {e.strerror}") from None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".monetlike-", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"cannot write {path!r}: {e.strerror}") from None
-        raise
-
-
-def file_kind(mode: int) -> str:
-    """'a directory', 'a FIFO', 'a character device', ... for an lstat/stat mode."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _umask() -> int:
-    """The process umask (only readable by setting it: set and restore at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def read_json_file(path: "str | os.PathLike", what: str) -> Any:
-    """Read a JSON file, turning unreadable or truncated content into a FormatError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise FormatError(f"{what} file {os.fspath(path)!r} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{what} file {os.fspath(path)!r} is not UTF-8 text: {e}") from None
-    except OSError as e:  # a directory, no permission: cannot be the file meant
-        raise FormatError(f"{what} file {os.fspath(path)!r} cannot be read: {e.strerror}; pass "
-                          f"the path of a {what} JSON file") from None
-    try:
-        return json.loads(text)
-    except RecursionError:  # a hostile file nests arrays thousands deep
-        raise FormatError(f"{what} file {os.fspath(path)!r} nests JSON arrays or objects too "
-                          f"deeply to be a {what} written by monetlike; regenerate it") from None
-    except ValueError as e:  # JSONDecodeError, or an integer of more than 4,300 digits
-        raise FormatError(
-            f"{what} file {os.fspath(path)!r} is not valid JSON (truncated or corrupted?): {e}; "
-            f"regenerate it") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,14 +93,14 @@ class Value:
     @classmethod
     def from_dict(cls, d: Any, where: str = "value") -> "Value":
         return cls(
-            id=_int(d, "id", where),
-            name=_str(d, "name", where),
-            index=_int(d, "index", where, optional=True),
-            shape=_ints(d, "shape", where),
-            dtype=_str(d, "dtype", where),
-            bytes=_int(d, "bytes", where),
-            producer=_int(d, "producer", where, optional=True),
-            requires_grad=_bool(d, "requires_grad", where),
+            id=int_field(d, "id", where),
+            name=str_field(d, "name", where),
+            index=int_field(d, "index", where, optional=True),
+            shape=ints_field(d, "shape", where),
+            dtype=str_field(d, "dtype", where),
+            bytes=int_field(d, "bytes", where),
+            producer=int_field(d, "producer", where, optional=True),
+            requires_grad=bool_field(d, "requires_grad", where),
         )
 
 
@@ -360,17 +182,17 @@ class Impl:
     @classmethod
     def from_dict(cls, d: Any, where: str = "impl") -> "Impl":
         return cls(
-            name=_str(d, "name", where),
-            saved=_ints(d, "saved", where),
-            internal_bytes=_int(d, "internal_bytes", where),
-            fwd_time=_float(d, "fwd_time", where),
-            bwd_time=_float(d, "bwd_time", where),
-            fwd_workspace=_int(d, "fwd_workspace", where),
-            bwd_workspace=_int(d, "bwd_workspace", where),
-            overwrites=_int(d, "overwrites", where, optional=True),
-            recompute_workspace=_int(d, "recompute_workspace", where, optional=True),
-            recompute_time=_float(d, "recompute_time", where, optional=True),
-            early_release=(_ints(d, "early_release", where)
+            name=str_field(d, "name", where),
+            saved=ints_field(d, "saved", where),
+            internal_bytes=int_field(d, "internal_bytes", where),
+            fwd_time=float_field(d, "fwd_time", where),
+            bwd_time=float_field(d, "bwd_time", where),
+            fwd_workspace=int_field(d, "fwd_workspace", where),
+            bwd_workspace=int_field(d, "bwd_workspace", where),
+            overwrites=int_field(d, "overwrites", where, optional=True),
+            recompute_workspace=int_field(d, "recompute_workspace", where, optional=True),
+            recompute_time=float_field(d, "recompute_time", where, optional=True),
+            early_release=(ints_field(d, "early_release", where)
                            if isinstance(d, dict) and "early_release" in d else ()),
         )
 
@@ -409,19 +231,19 @@ class Op:
     @classmethod
     def from_dict(cls, d: Any, where: str = "op") -> "Op":
         impls = tuple(Impl.from_dict(x, f"{where}.impls[{i}]")
-                      for i, x in enumerate(_list(d, "impls", where)))
+                      for i, x in enumerate(list_field(d, "impls", where)))
         if not impls:
             raise FormatError(f"{where}.impls: expected at least one Impl, got none")
         return cls(
-            id=_int(d, "id", where),
-            name=_str(d, "name", where),
-            kind=_str(d, "kind", where),
-            nodes=_strs(d, "nodes", where),
-            inputs=_ints(d, "inputs", where),
-            outputs=_ints(d, "outputs", where),
+            id=int_field(d, "id", where),
+            name=str_field(d, "name", where),
+            kind=str_field(d, "kind", where),
+            nodes=strs_field(d, "nodes", where),
+            inputs=ints_field(d, "inputs", where),
+            outputs=ints_field(d, "outputs", where),
             impls=impls,
-            has_backward=_bool(d, "has_backward", where),
-            recompute_unsafe=_str(d, "recompute_unsafe", where, optional=True),
+            has_backward=bool_field(d, "has_backward", where),
+            recompute_unsafe=str_field(d, "recompute_unsafe", where, optional=True),
         )
 
 
@@ -721,19 +543,20 @@ class OpGraph:
                               f"second or null, got {bw!r:.60}")
         return cls(
             host_bandwidth=None if bw is None else float(bw),
-            model=_str(d, "model", where),
-            batch=_int(d, "batch", where, minimum=1),
+            model=str_field(d, "model", where),
+            batch=int_field(d, "batch", where, minimum=1),
             values=tuple(Value.from_dict(x, f"values[{i}]")
-                         for i, x in enumerate(_list(d, "values", where))),
-            ops=tuple(Op.from_dict(x, f"ops[{i}]") for i, x in enumerate(_list(d, "ops", where))),
-            backward_order=_ints(d, "backward_order", where),
-            stage_grad_bytes=_ints(d, "stage_grad_bytes", where),
-            final_grad_bytes=_int(d, "final_grad_bytes", where),
-            outputs=_ints(d, "outputs", where),
-            param_bytes=_int(d, "param_bytes", where),
-            optimizer_bytes=_int(d, "optimizer_bytes", where),
-            input_bytes=_int(d, "input_bytes", where),
-            cost_provenance=_str(d, "cost_provenance", where),
+                         for i, x in enumerate(list_field(d, "values", where))),
+            ops=tuple(Op.from_dict(x, f"ops[{i}]")
+                      for i, x in enumerate(list_field(d, "ops", where))),
+            backward_order=ints_field(d, "backward_order", where),
+            stage_grad_bytes=ints_field(d, "stage_grad_bytes", where),
+            final_grad_bytes=int_field(d, "final_grad_bytes", where),
+            outputs=ints_field(d, "outputs", where),
+            param_bytes=int_field(d, "param_bytes", where),
+            optimizer_bytes=int_field(d, "optimizer_bytes", where),
+            input_bytes=int_field(d, "input_bytes", where),
+            cost_provenance=str_field(d, "cost_provenance", where),
             meta=meta,
             params=_params(d, where),
         )

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError
-from .graph import _get, _int, _ints, _list, _str, atomic_write_text, read_json_file
+from .jsonio import (atomic_write_text, get_field, int_field, ints_field, list_field,
+                     read_json_file, str_field)
 
 SCHEDULE_FORMAT = "monetlike.schedule"
 SCHEDULE_SCHEMA_VERSION = 1
@@ -58,9 +59,10 @@ class StageSchedule:
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "StageSchedule":
-        return cls(op=_int(d, "op", where), recompute=_ints(d, "recompute", where),
-                   drop=_ints(d, "drop", where),
-                   fetch=_ints(d, "fetch", where) if isinstance(d, dict) and "fetch" in d else ())
+        return cls(op=int_field(d, "op", where), recompute=ints_field(d, "recompute", where),
+                   drop=ints_field(d, "drop", where),
+                   fetch=(ints_field(d, "fetch", where)
+                          if isinstance(d, dict) and "fetch" in d else ()))
 
 
 @dataclass(frozen=True)
@@ -116,34 +118,34 @@ class Schedule:
         if d.get("schema_version") != SCHEDULE_SCHEMA_VERSION:
             raise FormatError(f"{where}.schema_version: expected {SCHEDULE_SCHEMA_VERSION}, got "
                               f"{d.get('schema_version')!r}; re-solve with this version")
-        summary = _get(d, "graph_summary", where)
+        summary = get_field(d, "graph_summary", where)
         if not isinstance(summary, dict):
             raise FormatError(f"{where}.graph_summary: expected an object, got "
                               f"{type(summary).__name__}")
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise FormatError(f"{where}.meta: expected an object, got {type(meta).__name__}")
-        peak = _int(d, "predicted_peak_bytes", where, optional=True)
+        peak = int_field(d, "predicted_peak_bytes", where, optional=True)
         t = d.get("predicted_time")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not math.isfinite(t) or t < 0):
             raise FormatError(f"{where}.predicted_time: expected a non-negative, finite number "
                               f"or null, got {t!r:.60}")
         return cls(
-            fingerprint=_str(d, "fingerprint", where),
+            fingerprint=str_field(d, "fingerprint", where),
             graph_summary=summary,
-            impl=_ints(d, "impl", where),
-            forward_keep=_ints(d, "forward_keep", where),
+            impl=ints_field(d, "impl", where),
+            forward_keep=ints_field(d, "forward_keep", where),
             stages=tuple(StageSchedule.from_dict(x, f"{where}.stages[{i}]")
-                         for i, x in enumerate(_list(d, "stages", where))),
-            budget_bytes=_int(d, "budget_bytes", where, optional=True),
-            mode=_str(d, "mode", where),
-            created_by=_str(d, "created_by", where),
-            cost_provenance=_str(d, "cost_provenance", where),
+                         for i, x in enumerate(list_field(d, "stages", where))),
+            budget_bytes=int_field(d, "budget_bytes", where, optional=True),
+            mode=str_field(d, "mode", where),
+            created_by=str_field(d, "created_by", where),
+            cost_provenance=str_field(d, "cost_provenance", where),
             predicted_peak_bytes=peak,
             predicted_time=None if t is None else float(t),
             meta=meta,
-            offload=_ints(d, "offload", where) if "offload" in d else (),
+            offload=ints_field(d, "offload", where) if "offload" in d else (),
         )
 
     def save(self, path: "str | os.PathLike") -> None:

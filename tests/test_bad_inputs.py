@@ -361,7 +361,7 @@ def test_ctrl_c_during_a_solve_is_one_line_rc_130_and_keeps_the_old_file(work, c
 
 
 def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
-    from solver.graph import atomic_write_text
+    from solver.jsonio import atomic_write_text
 
     p = tmp_path / "a.json"
     p.write_text("old")

@@ -36,8 +36,8 @@ MONETLIKE_FLOORS = {
 }
 SOLVER_FLOORS = {
     **{f"solver.{m}": (0, "base", False) for m in (
-        "errors", "units", "graph", "schedule", "release", "canonical", "simulate", "analysis",
-        "least_budget", "verify")},
+        "errors", "units", "jsonio", "graph", "schedule", "release", "canonical", "simulate",
+        "analysis", "least_budget", "verify")},
     **{f"solver.{m}": (1, "model", False) for m in (
         "milp", "formulation", "formulation_rows", "cuts", "stage_bound", "compiled")},
     "solver.backends": (2, "backends", True),
