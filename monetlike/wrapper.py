@@ -60,14 +60,14 @@ from solver.graph import OpGraph, cost_device, cost_kind
 from solver.schedule import Schedule
 from solver.verify import budget_limit, verified, with_recorded_optimizer_state
 
-from .capture.api import (FlatInputs, call_spec, check_capture, example_of, export_graph,
-                       flat_fx_inputs)
+from .capture.api import (FlatInputs, bind_inputs, call_spec, check_capture, example_of,
+                          export_graph, placeholder_names, resolve)
 from .core import recompute as rc
 from .capture.trace import is_plain_value
 from .runtime.executor import ScheduledForward, StepState
 from .runtime.offload import check_cuda_available, check_offload_devices
 from .runtime.plan import Plan, build_plan
-from .capture.trace import MonetTracer, TraceError, trace
+from .capture.trace import MonetTracer, trace
 from .profile import profile, profile_memory
 from .core.modules import fsdp_units_inside, has_forward_hooks
 
@@ -366,8 +366,7 @@ class ScheduleWrapper(torch.nn.Module):
         if self._input_names is not None:
             return set(self._input_names)
         if self._capture == "fx" or self._placeholders is not None:
-            return set(self._placeholders or [n.target for n in self._traced().graph.nodes
-                                              if n.op == "placeholder"])
+            return set(self._placeholders or placeholder_names(self._traced()))
         return set()
 
     def _keywords(self, kwargs: dict) -> dict:
@@ -401,18 +400,9 @@ class ScheduleWrapper(torch.nn.Module):
         kwargs = self._keywords(kwargs)
         if self._exported(args, kwargs):
             return call_spec(self._model, args, kwargs)  # FlatInputs (monetlike.capture)
-        names = self._placeholders
-        if names is None:
-            names = [n.target for n in self._traced().graph.nodes if n.op == "placeholder"]
-            self._placeholders = names
-        if not kwargs and len(args) == len(names):
-            return args
-        try:
-            bound = inspect.signature(self._model.forward).bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"ScheduleWrapper: {e}") from None
-        bound.apply_defaults()
-        return tuple(bound.arguments[n] for n in names)
+        if self._placeholders is None:
+            self._placeholders = placeholder_names(self._traced())
+        return bind_inputs(self._model, self._placeholders, args, kwargs)
 
     def _signature(self, inputs: tuple):
         parts = []
@@ -553,16 +543,7 @@ class ScheduleWrapper(torch.nn.Module):
         """Whether this model runs through torch.export (capture "export", or "auto" where fx
         symbolic tracing fails or the call hands forward a container of tensors, as
         monetlike.capture decides for the profile)."""
-        if self._capture == "auto":
-
-            try:
-                flat_fx_inputs(self._model, self._traced(), args, kwargs or {})
-            except TraceError:
-                self._capture = "export"
-            except TypeError:  # not a call forward accepts: reported by the caller
-                self._capture = "fx"
-            else:
-                self._capture = "fx"
+        self._capture = resolve(self._model, args, kwargs, self._capture, self._traced)
         return self._capture == "export"
 
     def _traced(self, inputs: tuple | None = None):

@@ -50,7 +50,7 @@ import inspect
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -383,21 +383,14 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     fx_error = None
     if mode in ("auto", "fx"):
         try:
-            gm = trace(model, leaf_modules)
+            gm, inputs = fx_attempt(model, args, kwargs, lambda: trace(model, leaf_modules))
         except TraceError as e:
             if mode == "fx":
                 raise
             fx_error = e
         else:
-            try:
-                inputs = flat_fx_inputs(model, gm, args, kwargs)
-            except TraceError as e:
-                if mode == "fx":
-                    raise
-                fx_error = e
-            else:
-                gm.meta["capture"] = "fx"
-                return gm, inputs
+            gm.meta["capture"] = "fx"
+            return gm, inputs
     leaf_modules = list(leaf_modules)
     if leaf_modules:
         raise ValueError(f"leaf_modules={leaf_modules!r}: leaves are a torch.fx notion; "
@@ -413,11 +406,41 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     return gm, flat
 
 
+def resolve(model, args: tuple, kwargs: dict | None, mode: str,
+            traced: Callable[[], fx.GraphModule]) -> str:
+    """The capture that runs this call, "fx" or "export": `mode` itself, or for "auto" fx where
+    torch.fx traces the model (`traced()`) and the call hands forward only tensors, export
+    otherwise. A call forward does not accept resolves to fx, whose binding reports it."""
+    check_capture(mode)
+    if mode != "auto":
+        return mode
+    try:
+        fx_attempt(model, args, kwargs or {}, traced)
+    except TraceError:
+        return "export"
+    except TypeError:
+        return "fx"
+    return "fx"
+
+
+def fx_attempt(model, args: tuple, kwargs: dict,
+               traced: Callable[[], fx.GraphModule]) -> tuple[fx.GraphModule, tuple]:
+    """(fx graph, its inputs) for the call; TraceError where fx cannot capture it: the trace
+    fails, or an input is a container holding tensors or a non-tensor (the rule "auto" follows,
+    for the profile and the runtime alike)."""
+    gm = traced()
+    return gm, flat_fx_inputs(model, gm, args, kwargs)
+
+
+def placeholder_names(gm: fx.GraphModule) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def flat_fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
-    """fx_inputs, where none is a container holding tensors; TraceError otherwise (how "auto"
-    chooses between fx and export, for the profile and the runtime alike)."""
-    inputs = fx_inputs(model, gm, args, kwargs)
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    """bind_inputs, where none is a container holding tensors or a non-tensor; TraceError
+    otherwise."""
+    names = placeholder_names(gm)
+    inputs = bind_inputs(model, names, args, kwargs)
     nested = [f"'{name}' (a {type(x).__name__})" for name, x in zip(names, inputs)
               if not isinstance(x, torch.Tensor)
               and any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])]
@@ -445,9 +468,9 @@ def flat_fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tupl
     return inputs
 
 
-def fx_inputs(model, gm: fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
-    """The fx graph's placeholders filled from a call (keywords bound by the signature)."""
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+def bind_inputs(model, names: list[str], args: tuple, kwargs: dict) -> tuple:
+    """The fx graph's placeholders (`names`) filled from a call (keywords bound by the
+    signature)."""
     if not kwargs and len(args) == len(names):
         return tuple(args)
     try:
