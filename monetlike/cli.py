@@ -28,6 +28,7 @@ from solver.errors import (BackendUnavailableError, BudgetParseError, FormatErro
                            InfeasibleBudgetError, MonetlikeError, OverBudgetError,
                            ScheduleMismatchError)
 from solver.units import format_bytes, parse_bytes
+from solver.formulation import OFFLOAD_MODES, offload_obstacle
 from solver.verify import verified
 
 from . import zoo
@@ -134,7 +135,7 @@ _NO_LINK = ("--offload needs the bandwidth of the device<->host link, and this g
 def cmd_solve(args) -> int:
 
     check_writable(args.output, args.graph, model_file(args.model))
-    if args.offload and args.mode != "full":
+    if args.offload and args.mode not in OFFLOAD_MODES:
         raise UsageError(f"--offload is a choice of --mode full, not of --mode {args.mode}")
     if args.graph:
         graph = solver.OpGraph.load(args.graph)
@@ -151,7 +152,7 @@ def cmd_solve(args) -> int:
                 parse_cost(args.cost)[0] != "analytical":
             raise UsageError(_NO_LINK)  # before profiling: the profile would have no link
         graph = _profile_args(args)
-    if args.offload and graph.host_bandwidth is None:
+    if args.offload and offload_obstacle(args.mode, graph.host_bandwidth) == "link":
         raise UsageError(_NO_LINK)
     best = _BestSoFar(graph, args)
     try:

@@ -38,7 +38,17 @@ from .milp import MILP, Builder, pow2_scale
 from .schedule import Schedule, StageSchedule
 
 OBJECTIVES = ("time", "peak")
+OFFLOAD_MODES = ("full",)  # offload is an operator choice, and only mode 'full' chooses operators
 
+
+def offload_obstacle(mode: str, host_bandwidth: float | None) -> str | None:
+    """Why a solve cannot offload: "mode" (not one of OFFLOAD_MODES), "link" (the graph has no
+    device<->host bandwidth to price a copy), or None."""
+    if mode not in OFFLOAD_MODES:
+        return "mode"
+    if host_bandwidth is None:
+        return "link"
+    return None
 
 
 class Formulation(FormulationRows):
@@ -55,13 +65,14 @@ class Formulation(FormulationRows):
                  facts: GraphFacts | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if offload and graph.host_bandwidth is None:
+        obstacle = offload_obstacle(mode, graph.host_bandwidth) if offload else None
+        if obstacle == "mode":
+            raise ValueError(f"offload is an operator choice of mode 'full', not of {mode!r}")
+        if obstacle == "link":
             raise ValueError(f"offload=True needs the graph's host_bandwidth (bytes per second of "
                              f"the device<->host link), but {graph.model} has none (profiled on "
                              f"{graph.cost_provenance or 'an unknown device'}); profile on a GPU, "
                              f"pass host_bandwidth= to profile, or solve without offload")
-        if offload and mode != "full":
-            raise ValueError(f"offload is an operator choice of mode 'full', not of {mode!r}")
         self.offload = offload
         if objective == "time" and budget is None:
             raise ValueError("objective 'time' needs a budget")
