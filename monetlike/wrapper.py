@@ -308,6 +308,12 @@ class ScheduleWrapper(torch.nn.Module):
         finally:
             self._recompute_log = None
 
+    @property
+    def plans(self) -> tuple[Plan, ...]:
+        """The plans built so far, one per input signature this wrapper has run (or been asked
+        about with graph_for/schedule_for)."""
+        return tuple(e.plan for e in self._entries.values() if isinstance(e, _Entry))
+
     def graph_for(self, *args, **kwargs) -> OpGraph:
         """The OpGraph this wrapper runs the schedule on for inputs like these (profiling the
         structure if this input signature is new); raises ScheduleMismatchError like a call."""

@@ -55,7 +55,7 @@ def _worker(rank: int, store_path: str, reshard: bool) -> None:
                                            msg=lambda msg: f"step {step} {n}: {msg}")
             opt_r.step()
             opt_w.step()
-        assert len(wrapped._entries) == 1  # the scheduled forward ran (one input signature)
+        assert len(wrapped.plans) == 1  # the scheduled forward ran (one input signature)
         dist.barrier()
         del ref, wrapped, opt_r, opt_w
         gc.collect()

@@ -52,7 +52,7 @@ def test_only_runtime_nodes_call_into_the_runtime(resnet, monkeypatch):
 
     monkeypatch.setattr(ScheduledForward, "run_node", counting)
     wrapped(x).sum().backward()
-    plan = next(iter(wrapped._entries.values())).plan
+    (plan,) = wrapped.plans
     n_nodes = len(plan.gm.graph.nodes)
     # Every call is a runtime node, each runs once, and they are few: the rest is plain code.
     assert sorted(calls) == sorted(plan.runtime_nodes)
@@ -166,7 +166,7 @@ def test_a_recomputation_runs_as_generated_code(resnet, monkeypatch):
 
         monkeypatch.setattr(Recomputation, name, counting)
     wrapped(x).sum().backward()
-    plan = next(iter(wrapped._entries.values())).plan
+    (plan,) = wrapped.plans
     recomputed = [j for st in schedule.stages for j in st.recompute]
     nodes = list(plan.gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}

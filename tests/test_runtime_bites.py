@@ -466,7 +466,7 @@ def test_eval_and_no_grad_run_the_model_plainly():
         torch.manual_seed(0)
         b = model(x)
     torch.testing.assert_close(a, b)
-    assert not w._entries  # nothing was profiled or planned
+    assert not w.plans  # nothing was profiled or planned
 
 
 # ----------------------------------------------------------------------------------------------

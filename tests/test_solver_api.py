@@ -301,19 +301,19 @@ def test_an_unproven_least_budget_is_searched_again_with_a_longer_limit():
     """The cache returned an answer found in a short time limit, unproven, to a call with a
     longer limit, at once (hunt52)."""
     pipeline = importlib.import_module("solver.search.pipeline")
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
     g = resnet_like(blocks=(1, 1), batch=8)
     real = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
     assert real[2]  # proven on this small graph
     store = store_all_schedule(g)
     unproven = (simulate(g, store).peak_bytes, 0, False, store)
     assert unproven[0] > real[0]
-    pipeline._MIN_BUDGET_CACHE[pipeline._min_budget_key(g, "checkpoint", False)] = (unproven, 1.0)
+    pipeline.MIN_BUDGET_CACHE.put(g, "checkpoint", False, unproven, 1.0)
     assert pipeline.min_budget_details(g, "checkpoint", time_limit_s=1.0) == unproven
     again = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
     assert again[0] == real[0] and again[2]
     assert pipeline.min_budget_details(g, "checkpoint", time_limit_s=1.0) == again  # proven
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
 
 
 def test_the_least_budget_is_never_above_store_all():
@@ -328,13 +328,13 @@ def test_the_least_budget_is_never_above_store_all():
     from toy_graphs import chain as toy_chain
 
     pipeline = importlib.import_module("solver.search.pipeline")
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
     g = toy_chain((100, 200, 300))
     g = dataclasses.replace(g, ops=tuple(dataclasses.replace(op, impls=tuple(
         dataclasses.replace(i, recompute_workspace=10_000) for i in op.impls)) for op in g.ops))
     assert pipeline.min_budget(g, "checkpoint", time_limit_s=5, backend=FindingNothing()) == \
         simulate(g, store_all_schedule(g)).peak_bytes
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
 
 
 def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
@@ -343,7 +343,7 @@ def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
     search is starved (its rules give only store-all, its MILP finds nothing), as a time limit
     can starve it on a large graph, and still it reports checkpoint's least peak."""
     pipeline = importlib.import_module("solver.search.pipeline")
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
     g = resnet_like(blocks=(1, 1), batch=8)
     checkpoint = pipeline.min_budget_details(g, "checkpoint", time_limit_s=20)
     store = simulate(g, store_all_schedule(g)).peak_bytes
@@ -354,8 +354,8 @@ def test_full_modes_least_budget_starts_from_checkpoints(monkeypatch):
     full = pipeline.min_budget_details(g, "full", time_limit_s=20, backend=FindingNothing())
     assert full[0] == checkpoint[0]
     assert simulate(g, full[3]).peak_bytes == full[0]
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()
     starved = pipeline.min_budget_details(g, "full", time_limit_s=20,
                                           backend=FindingNothing())  # no checkpoint answer
     assert starved[0] == store
-    pipeline._MIN_BUDGET_CACHE.clear()
+    pipeline.MIN_BUDGET_CACHE.clear()

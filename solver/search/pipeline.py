@@ -124,15 +124,32 @@ def _lower_peak(form: Formulation, pool: Pool) -> int:
 # ----------------------------------------------------------------------------------------------
 # Min budget
 # ----------------------------------------------------------------------------------------------
-# key -> (the answer, the time limit it was found in): an unproven answer is found again when a
-# longer limit is asked for.
-_MIN_BUDGET_CACHE: dict[tuple, tuple[tuple[int, int, bool, Schedule], float]] = {}
+class LeastBudgetCache:
+    """The least budgets found in this process, each with the time limit it was found in: an
+    unproven answer is found again when a longer limit is asked for."""
+
+    def __init__(self):
+        self._answers: dict[tuple, tuple[tuple[int, int, bool, Schedule], float]] = {}
+
+    @staticmethod
+    def key(graph: OpGraph, mode: str, offload: bool) -> tuple:
+        """What a least budget depends on: the structure and every byte count, not the costs."""
+        return (graph.fingerprint, graph.memory_digest, mode,
+                graph.host_bandwidth if offload else None)
+
+    def get(self, graph: OpGraph, mode: str, offload: bool):
+        """(answer, time limit it was found in), or None."""
+        return self._answers.get(self.key(graph, mode, offload))
+
+    def put(self, graph: OpGraph, mode: str, offload: bool,
+            answer: tuple[int, int, bool, Schedule], time_limit_s: float) -> None:
+        self._answers[self.key(graph, mode, offload)] = (answer, time_limit_s)
+
+    def clear(self) -> None:
+        self._answers.clear()
 
 
-def _min_budget_key(graph: OpGraph, mode: str, offload: bool) -> tuple:
-    """What a least budget depends on: the structure and every byte count, not the costs."""
-    return (graph.fingerprint, graph.memory_digest, mode,
-            graph.host_bandwidth if offload else None)
+MIN_BUDGET_CACHE = LeastBudgetCache()
 
 
 def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "highs",
@@ -145,8 +162,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     bound). Cached per graph and mode, until a longer time limit is asked for an
     unproven answer."""
     check_time_limit(time_limit_s)
-    key = _min_budget_key(graph, mode, offload)
-    hit = _MIN_BUDGET_CACHE.get(key)
+    hit = MIN_BUDGET_CACHE.get(graph, mode, offload)
     if hit is not None and (hit[0][2] or hit[1] >= time_limit_s):
         return hit[0]
     started = time.perf_counter()
@@ -159,8 +175,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                                                                deadline=rules_deadline))
     # Full mode contains checkpoint mode (Impl 0 everywhere): a checkpoint answer already found
     # is a start, so full's least budget is never reported above checkpoint's.
-    done = (_MIN_BUDGET_CACHE.get(_min_budget_key(graph, "checkpoint", offload))
-            if mode == "full" else None)
+    done = MIN_BUDGET_CACHE.get(graph, "checkpoint", offload) if mode == "full" else None
     if done is not None and done[0][0] < peak0:
         name, s0, peak0 = "checkpoint", done[0][3], done[0][0]
     if hit is not None and hit[0][0] < peak0:  # what a shorter solve found: the start
@@ -189,7 +204,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                                     and ctx.bb_result.status == B_OPTIMAL)
     lower = min(lower, best_peak)
     out = (best_peak, lower, proven, best_s)
-    _MIN_BUDGET_CACHE[key] = (out, time_limit_s)
+    MIN_BUDGET_CACHE.put(graph, mode, offload, out, time_limit_s)
     return out
 
 
