@@ -31,15 +31,11 @@ import torch.nn.functional as F
 from .torch_private import BatchNormBase, InstanceNormBase, batch_norm_saved_stats
 
 # NOTE [RNG capture]
-# The CPU generator state is 5 KB. The executor holds it as a clone of the generator
-# (`Generator.clone_state`), host bookkeeping outside the tensor allocator, as CUDA's states are
-# host tensors outside the device's: the budget counts the step's tensors, not the runtime's
-# notes. Setting the generator from a clone goes through a state tensor (`get_state`), a 5 KB
-# transient that the profiler adds to every random Op's recomputation workspace on the CPU.
-# Holders that need a tensor (an Impl saving the state for its backward, so that the profiler
-# counts it) ask for one (`as_tensor=True`); consecutive equal tensor captures share one tensor.
-# CUDA states are captured per device the step's inputs live on (like checkpoint's
-# get_device_states), only when CUDA is initialised.
+# The executor holds a CPU generator state (5 KB) as a clone of the generator, host bookkeeping
+# outside the tensor allocator (as CUDA's states are): the budget counts the step's tensors.
+# Restoring from a clone goes through a 5 KB state tensor, which the profiler adds to each random
+# Op's recomputation workspace. An Impl that saves the state for its backward asks for a tensor
+# (`as_tensor=True`). CUDA states are captured per device of the step's inputs, once CUDA is up.
 
 
 @dataclass
@@ -161,20 +157,13 @@ def _same_autocast(ctx: ForwardContext, autocast: tuple) -> bool:
 
 
 # NOTE [Autocast cache]
-# Autocast keeps the casts of parameters (a bfloat16 copy of each weight) in a cache until the
-# outermost autocast block exits, so how long they live depends on where the user's `with` ends:
-# around the forward only (the usual recipe), a cast lives while the backward of the op that read
-# it holds it; around the backward too, every cast lives to the end of the backward (a
-# Linear-GELU-Linear measured 21% over the prediction that way). The profiler's steps would also
-# share one cache. So the profile runs with the cache off (`uncached_autocast`): each op casts the
-# weight it reads and the cast lives as its backward holds it, which is what a step with the
-# backward outside the block (PyTorch's recipe) measures, cache or not (but for the casts no
-# backward saves, a bias's, which the cache keeps to the end of the forward: NOTE [Cached casts]
-# in profile/interpreter.py). The wrapped step keeps the user's cache, because the cache changes
-# values too: inside one block, a weight updated in place (an optimizer step) is still read
-# through its stale cached cast, in plain PyTorch and so in the wrapped model alike. A backward
-# inside the block is warned about at its start (executor.AUTOCAST_CACHE_MESSAGE), with the ways
-# out.
+# Autocast caches each weight's cast until the outermost autocast block exits, so a cast's life
+# depends on where the user's `with` ends. The profile runs with the cache off
+# (`uncached_autocast`): each cast lives as its op's backward holds it, which is what PyTorch's
+# recipe (backward outside the block) measures, cache or not; the casts no backward saves are
+# counted by NOTE [Cached casts]. The wrapped step keeps the user's cache, which changes values too
+# (a weight updated inside the block is read through its stale cast); a backward inside the block
+# is warned about (executor.AUTOCAST_CACHE_MESSAGE).
 def casts_cached() -> bool:
     """Whether autocast is on for some device with its weight-cast cache on."""
     return torch.is_autocast_cache_enabled() and autocast_on()
@@ -407,20 +396,13 @@ def call_function_for_recompute(fn, args: tuple, kwargs: dict,
 
 
 # NOTE [BatchNorm from its statistics]
-# A training BatchNorm recomputed as the forward ran it computes its batch statistics again, a
-# reduction that costs the CPU about nine tenths of the whole kernel (a 4M-element tensor: 5.6 ms
-# against 0.6 for the normalisation alone). The forward's autograd node already holds them
-# (`save_mean`, `save_invstd`, for its backward, alive until that backward ran, which comes after
-# every recomputation of the Op). ATen's CPU kernel normalises as `x * alpha + beta` per channel
-# with alpha = invstd * weight, beta = bias - mean * alpha, in training and in eval mode alike;
-# so the eval-mode kernel given weight alpha, bias beta, mean 0, variance 1 and eps 0 (its own
-# alpha is then 1 * alpha, its beta beta - 0 * alpha) gives the training kernel's bits from the
-# held statistics. How the kernel rounds beta (one fused multiply-add or not) depends on how it
-# was compiled for this CPU, so `_beta_rules` asks it once per dtype, on a probe whose channels
-# tell the two apart, and the held statistics are used only where a rule reproduced the kernel
-# exactly: float32/float64 CPU tensors, dense in channels-first or channels-last order. The
-# runtime holds the statistics from the forward to the Op's last recomputation: the node holds
-# them longer, so nothing outlives what the profile measured.
+# Recomputing a training BatchNorm recomputes its batch statistics, about nine tenths of the
+# kernel's time on the CPU, while the forward's autograd node already holds them (`save_mean`,
+# `save_invstd`) until after every recomputation. ATen's CPU kernel normalises as `x * alpha +
+# beta` per channel in both modes, so the eval-mode kernel fed alpha and beta reproduces the
+# training kernel's bits. How it rounds beta depends on how it was compiled, so `_beta_rules` probes
+# it once per dtype, and the held statistics are used only where a rule reproduced it exactly
+# (float32/float64 CPU tensors, channels-first or channels-last).
 def batch_stats(result: Any) -> tuple | None:
     """(save_mean, save_invstd) of a training BatchNorm's result, from its autograd node, or
     None (no node: nothing requires grad; another kind of node)."""

@@ -152,16 +152,11 @@ class NodeRec:
 
 
 # NOTE [Cached casts]
-# Autocast casts a float32 leaf that requires grad (a parameter) to its lower precision once per
-# autocast block when its cache is on (the default), and keeps the cast until the block exits.
-# The profile runs with the cache off (NOTE [Autocast cache] in monetlike/core/recompute.py): a cast
-# the backward saves (a Linear's weight) lives as long either way, but one it does not save (a
-# Linear's bias) dies with its op there, while a cached step keeps it to the end of the forward
-# (a two-layer ViT under bfloat16: 960 B over the predicted forward peak, and a schedule over its
-# budget). So, when the caller's autocast caches, each leaf's first cast that died with its node
-# is counted held from then to the end of the forward: every later Op's `fwd_workspace` carries
-# the bytes held so far (`Group.cached_casts_before`; the forward is the same for every schedule
-# and Impl). The backward and its recomputations run after the block, with the cache empty.
+# With autocast's cache on, a leaf's cast lives until the block exits. The profile runs with it
+# off (NOTE [Autocast cache] in monetlike/core/recompute.py), where a cast no backward saves (a
+# Linear's bias) dies with its op. So, when the caller's autocast caches, each leaf's first such
+# cast is counted held to the end of the forward: every later Op's `fwd_workspace` carries the
+# bytes held so far (`Group.cached_casts_before`). The backward runs after the block, cache empty.
 TO_COPY = torch.ops.aten._to_copy.default
 
 

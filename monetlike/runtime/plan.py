@@ -28,41 +28,24 @@ from ..impls.registry import stashed_recompute_of
 from ..core.modules import module_of
 
 # NOTE [Value handling]
-# Every Value falls in one of three classes, decided once per plan:
-# - scheduled: produced by an Op that some stage recomputes. Its forward copy may be freed and a
-#   recomputed copy used instead, so every saved tensor on its storage is packed as a handle
-#   (value id and geometry) and unpacked from `StepState.resident`.
-# - pass-through: saved by some backward but never recomputed. The schedule keeps it from the
-#   forward pass until after its last use, which is exactly what autograd does with a saved
-#   tensor: it is saved the ordinary way (or, inside an Op that also touches a scheduled Value,
-#   as a detached alias in its handle), and autograd frees it after the last backward node that
-#   saved it ran, never later than the schedule's drop. This keeps a store-all schedule as cheap
-#   as plain PyTorch.
-# - neither: never saved; freed at its last forward use by the generated forward.
-# Independently, a Value is held in `resident` (from the forward pass when it is in
-# `forward_keep`, or from its recomputation) if a handle or a recomputation reads it: scheduled
-# Values and inputs of recomputed Ops. Nothing else is held by the runtime, so the runtime never
-# keeps more than the simulator's resident set.
-# An offloaded Value (schedule.offload, CUDA only: offload.py) is scheduled and held too: its
-# forward copy leaves the device at its last forward use, and the copy fetched back from host
-# memory at a stage start is put in `resident` exactly like a recomputed one.
+# Every Value is in one of three classes, decided once per plan:
+# - scheduled: produced by an Op that some stage recomputes (or offloaded). Its forward copy may be
+#   freed and another copy used, so each saved tensor on its storage is packed as a handle and
+#   unpacked from `StepState.resident`.
+# - pass-through: saved by a backward, never recomputed. Autograd saves it the ordinary way and
+#   frees it after its last backward use, no later than the schedule's drop: a store-all schedule
+#   costs what plain PyTorch does.
+# - neither: never saved; the generated forward frees it at its last forward use.
+# The runtime holds a Value in `resident` only where a handle or a recomputation reads it, so it
+# never keeps more than the simulator's resident set.
 #
 # NOTE [Ops no backward reaches]
-# An Op whose results do not lead to the loss (`has_backward` False: `mask = (u * scale) > 0`)
-# still gets autograd nodes when its inputs require grad, and they keep what they save until the
-# tensors that reference them die: `u` lives on with `u * scale`'s MulBackward until the mask has
-# been computed, past its last use, where the model (simulator and MILP alike) frees it; they hold
-# nothing for such an Op. So the runtime runs such an Op's nodes under no_grad, and gives each
-# result that requires grad in the model a grad_fn of its own that saves nothing and raises if a
-# backward ever reaches it (a loss other than the profiled one), saying so
-# (executor._unreached_results). Packing what the nodes save as nothing was not enough: autograd
-# keeps a Python number it wraps as a 0-dim tensor (`u * 1.5`'s 1.5) without the saved-tensor hooks
-# (8 B over the prediction in tests/test_fuzz_models.py). An unreached Op that a model output
-# derives from is the exception: its nodes live with the output, in the profiled step too, so it
-# runs as it did there. Under autocast with its weight-cast cache on, a cast made under no_grad
-# would be cached for the reached Ops that read the weight later, without a gradient: there the
-# nodes run with grad, and what they save is packed as nothing. The profile measures such an Op's
-# forward as its no_grad run (Group.forward_figures).
+# An Op whose results do not lead to the loss (`mask = (u * scale) > 0`) still gets autograd nodes
+# when its inputs require grad, and they keep `u` alive past where the model frees it. So such an Op
+# runs under no_grad, and each result that requires grad gets a grad_fn that saves nothing and
+# raises if a backward reaches it (executor._unreached_results). Exceptions: an Op a model output
+# derives from runs as profiled; under autocast's weight-cast cache the nodes run with grad (a cast
+# made under no_grad would be cached without a gradient) and save nothing.
 
 # Functions whose recomputation would not reproduce the original result or would repeat a side
 # effect. The profiler marks such Ops `recompute_unsafe` and the simulator refuses to recompute
