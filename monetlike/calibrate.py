@@ -22,13 +22,14 @@ measures the model itself and returns the graph with its costs fitted:
    Values), which no Op's timing holds; an equal share per recomputation is added to every
    Impl's `recompute_time`.
 4. Each Impl (by name) in context: store-all steps choosing it on every Op it applies to, each
-   timed beside a store-all step of the defaults (alternating, so load cancels). What that
+   timed in rounds beside a store-all step of the defaults (order turned each round, so load
+   from other processes cancels). What that
    costs over the defaults, by `credited_difference` (a saving only when every pair showed
    one), replaces what the per-Op timings predicted for it, spread over its Ops by the
    default's time; no Op's Impl is then credited a saving its name did not show in context.
-   Per-Op timings alone mispredicted whole Impls by 5-8 points of the step (ResNet-18's
-   conv_split +0.7% predicted, +7.6% measured), and the solver picks exactly the Impls whose
-   timings came out lowest.
+   Per-Op timings alone mispredicted whole Impls by 5-8 points of the step (ResNet-18,
+   8x3x64x64 on the CPU: conv_split +0.7% predicted, +7.6% measured), and the solver picks
+   exactly the Impls whose timings came out lowest.
 
 The graph's fingerprint does not change (costs are not part of it), so schedules solved on the
 calibrated graph run on the model as before. `graph.meta["calibration"]` records the scales and
@@ -231,43 +232,46 @@ def _step(model, schedule, graph: OpGraph, args, kwargs):
     return step
 
 
-def _paired(step_a, step_b, timer, steps: int) -> list[float]:
-    """b's time less a's over `steps` pairs run side by side, alternating which goes first,
-    after one pair that builds the plans and warms up."""
-    diffs = []
+def _beside(reference, others: dict, timer, steps: int) -> dict:
+    """Name -> its step's time less the reference step's in the same round, over `steps` rounds
+    that each run the reference and every other step once, in an order turned each round and
+    reversed every other (load from other processes hits them alike), after one round that
+    builds the plans and warms up."""
+    order = [None, *others]
+    out: dict = {name: [] for name in others}
     for i in range(steps + 1):
+        turn = order[i % len(order):] + order[:i % len(order)]
         took = {}
-        for fn in ((step_a, step_b) if i % 2 == 0 else (step_b, step_a)):
+        for name in (turn[::-1] if i % 2 else turn):
             timer.sync()
             a = timer.mark()
-            fn()
+            (reference if name is None else others[name])()
             b = timer.mark()
             timer.sync()
-            took[fn] = timer.seconds(a, b)
-        if i:
-            diffs.append(took[step_b] - took[step_a])
-    return diffs
+            took[name] = timer.seconds(a, b)
+        for name in others if i else ():
+            out[name].append(took[name] - took[None])
+    return out
 
 
 def _impls_timed(model, args, kwargs, graph: OpGraph, timer, steps: int) -> dict:
-    """Impl name -> (the store-all schedule choosing it wherever it applies, the paired
-    differences of its steps over the store-all steps of the defaults)."""
+    """Impl name -> (the store-all schedule choosing it wherever it applies, the differences of
+    its steps over the store-all steps of the defaults run beside them)."""
     chosen: dict[str, list[int]] = {}
     for j, op in enumerate(graph.ops):
         for k, im in enumerate(op.impls):
             if k:
                 chosen.setdefault(im.name, [0] * len(graph.ops))[j] = k
-    if not chosen:
+    schedules = {name: store_all_schedule(graph, impl)  # in-place clashes back to the default
+                 for name, impl in chosen.items()}
+    schedules = {name: s for name, s in schedules.items() if any(s.impl)}
+    if not schedules:
         return {}
-    defaults = _step(model, store_all_schedule(graph), graph, args, kwargs)
-    out = {}
-    for name, impl in chosen.items():
-        schedule = store_all_schedule(graph, impl)  # in-place clashes back to the default
-        if any(schedule.impl):
-            out[name] = (schedule, _paired(defaults, _step(model, schedule, graph, args, kwargs),
-                                           timer, steps))
+    diffs = _beside(_step(model, store_all_schedule(graph), graph, args, kwargs),
+                    {name: _step(model, s, graph, args, kwargs) for name, s in schedules.items()},
+                    timer, steps)
     model.zero_grad(set_to_none=True)
-    return out
+    return {name: (s, diffs[name]) for name, s in schedules.items()}
 
 
 def _fit_impls(graph: OpGraph, in_context: dict) -> tuple[OpGraph, dict]:

@@ -279,6 +279,7 @@ def main(argv=None) -> list[dict]:
         with_impls = [r for r in rows if r["impls"] != "-"]
         impl_err = [load_adjusted(r) for r in with_impls]
         impl_within = sum(abs(e) <= 0.05 for e in impl_err)
+        faster = [r for r in rows if r["predicted overhead"] < 0]
         raw_within = sum(abs(e) <= 0.05 for e in raw_err)
         peaks = (f"Measured peaks (the CPU allocator's count) against predicted: worst "
                  f"{100 * max(errors, key=abs):+.2f}%, {sum(e <= 0 for e in errors)} of "
@@ -308,7 +309,9 @@ def main(argv=None) -> list[dict]:
                 f"measured, over plain\", which load between calibration and timing leaves "
                 f"alone): {impl_within} of {len(with_impls)} within 5%"
                 + (f" (worst {100 * max(impl_err, key=abs):+.1f}%)" if impl_err else "")
-                + f". Commit {commit}; raw rows: {raw}.\n\n"
+                + f". Rows predicted faster than plain: {len(faster)}, of which measured "
+                f"slower: {sum(r['measured overhead'] > 0 for r in faster)}. Commit {commit}; "
+                f"raw rows: {raw}.\n\n"
                 + header + "\n" + "\n".join(_row_text(r) for r in rows) + "\n\n"
                 "Reading it: the forward is fx's generated code for the traced graph, bound to "
                 "the model; only the nodes a schedule needs at run time (saved-tensor handles, "
