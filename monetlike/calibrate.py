@@ -23,10 +23,11 @@ measures the model itself and returns the graph with its costs fitted:
    Impl's `recompute_time`.
 4. Each Impl (by name) in context: store-all steps choosing it on every Op it applies to, each
    timed in rounds beside a store-all step of the defaults (order turned each round, so load
-   from other processes cancels). What that
-   costs over the defaults, by `credited_difference` (a saving only when every pair showed
-   one), replaces what the per-Op timings predicted for it, spread over its Ops by the
-   default's time; no Op's Impl is then credited a saving its name did not show in context.
+   from other processes cancels). What the per-Op timings predicted for it is kept where it
+   lies within the middle half of those differences, else moved to the nearer quartile
+   (`in_context_difference`; a saving only when every round showed one, `credited_difference`),
+   spread over its Ops by the default's time; no Op's Impl is then credited a saving its name
+   did not show in context.
    Per-Op timings alone mispredicted whole Impls by 5-8 points of the step (ResNet-18,
    8x3x64x64 on the CPU: conv_split +0.7% predicted, +7.6% measured), and the solver picks
    exactly the Impls whose timings came out lowest.
@@ -52,7 +53,7 @@ from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
 
 from .capture.api import split_example
-from .profile.costs import Timer, check_clock, credited_difference
+from .profile.costs import Timer, check_clock, in_context_difference
 from .profile.records import loss_fn_in_use, training_loss
 from .core.torch_private import tree_leaves
 from .impls.registry import stashed_recompute_of
@@ -285,7 +286,7 @@ def _fit_impls(graph: OpGraph, in_context: dict) -> tuple[OpGraph, dict]:
     info = {}
     for name, (schedule, diffs) in in_context.items():
         predicted = simulate(graph, schedule).total_time - base
-        credited = credited_difference(diffs)
+        credited = in_context_difference(predicted, diffs)
         on = [j for j, k in enumerate(schedule.impl) if k]
         weight = {j: graph.ops[j].impls[0].fwd_time + graph.ops[j].impls[0].bwd_time for j in on}
         total = sum(weight.values())

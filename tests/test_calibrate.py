@@ -11,7 +11,7 @@ import torch
 import monetlike
 from monetlike.calibrate import CalibrationError, calibrate
 from monetlike.models import unet
-from monetlike.profile.costs import credited_difference
+from monetlike.profile.costs import credited_difference, in_context_difference
 from monetlike import ScheduleWrapper
 from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
@@ -153,6 +153,17 @@ def test_credited_difference_credits_only_a_saving_every_pair_showed():
     assert credited_difference([-0.3, -0.1, -0.2]) == pytest.approx(-0.1)  # the least saving
     assert credited_difference([-0.3, 0.1, -0.2]) == 0.0  # one pair did not save: nothing
     assert credited_difference([0.0, -1.0, -1.0]) == 0.0
+
+
+def test_the_per_op_prediction_stands_within_the_middle_half_of_what_context_measured():
+    diffs = [1.0, 2.0, 3.0, 4.0, 5.0]  # quartiles 1.5 and 4.5
+    assert in_context_difference(3.9, diffs) == pytest.approx(3.9)
+    assert in_context_difference(0.2, diffs) == pytest.approx(1.5)
+    assert in_context_difference(9.0, diffs) == pytest.approx(4.5)
+    # a saving: only as far as every round showed one
+    assert in_context_difference(-1.0, [-2.0, 0.5, -1.0, -3.0, -0.5]) == 0.0
+    assert in_context_difference(-9.0, [-2.0, -0.5, -1.0, -3.0, -0.7]) == pytest.approx(-0.5)
+    assert in_context_difference(-1.0, []) == 0.0 and in_context_difference(2.0, [7.0]) == 7.0
 
 
 def test_an_impl_saving_not_measured_in_context_is_not_credited():
