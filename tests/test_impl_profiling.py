@@ -58,3 +58,19 @@ def test_an_impl_that_cannot_be_timed_is_left_out_and_its_level_keeps_the_others
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any("tanh_timing_fails" in m and "cannot be timed" in m for m in messages), messages
     assert not any("linear_split" in m for m in messages), messages
+
+
+def test_measured_impls_are_their_defaults_time_plus_what_was_credited():
+    """An Impl's measured figures are differences over its Op's default, timed side by side and
+    credited by costs.credited_difference: adding the default's median times gives its own."""
+    from monetlike.profile.costs import credited_difference
+    from monetlike.profile.impl_timing import over_defaults
+
+    alternatives = {3: [dict(name="a", fwd_time=credited_difference([-0.1, 0.2, -0.3]),
+                             bwd_time=credited_difference([-0.2, -0.1, -0.3]))],
+                    4: [dict(name="b", fwd_time=credited_difference([0.5, 0.7, 0.6]),
+                             bwd_time=-3.0)]}
+    over_defaults(alternatives, {3: [1.0, 2.0, 9.0], 4: [0.1]}, {3: [1.0], 4: [1.0]})
+    (a,), (b,) = alternatives[3], alternatives[4]
+    assert (a["fwd_time"], a["bwd_time"]) == pytest.approx((2.0, 0.9))  # no saving; the least
+    assert (b["fwd_time"], b["bwd_time"]) == pytest.approx((0.7, 0.0))  # never below zero

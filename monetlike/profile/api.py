@@ -37,7 +37,7 @@ from .costs import (CLOCKS, Roofline, Timer, check_clock, check_host_bandwidth,
 from .fsdp import FSDPConfig, cast_for_mixed_precision, per_rank_graph
 from .gpu_like import GpuLike
 from .impl_timing import (alternatives_from, inplace_alternatives, measure_alternatives,
-                          profile_rounds)
+                          over_defaults, profile_rounds)
 from .interpreter import ProfileRun
 from .records import ProfileError, loss_fn_in_use
 from .timing import TimingRun
@@ -392,6 +392,8 @@ def _timed(gm, work, xs, run: ProfileRun, rounds: list | None, *, measured: bool
             note=note, clock=clock, target=target, context=context, rounds=rounds)
         _merge(alternatives, inplace_alternatives(gm, xs, run, measured=measured, device=device,
                                                   repeat=repeat, clock=clock))
+        if measured:
+            over_defaults(alternatives, fwd_times, bwd_times)
     return fwd_times, bwd_times, alternatives
 
 
