@@ -155,17 +155,13 @@ def profile(model: torch.nn.Module, example_inputs: Any, *, cost: str = "measure
         (True) unless it is given a graph whose Ops offer no Impl: a graph made with
         impls=False must be passed to ScheduleWrapper as `graph=`.
     host_bandwidth: bytes/s of the device<->host link, the cost of offloading a Value to host
-        memory (OpGraph.host_bandwidth). A number overrides everything; None: measured on a CUDA
-        device (pinned copies of 64 MiB each way, the slower direction), the preset's nominal
-        figure for analytical costs (costs.PRESETS), and None for a measured CPU profile (no
-        link, so no offload).
+        memory (OpGraph.host_bandwidth); None: measured on a CUDA device, the preset's nominal
+        figure for analytical costs, and none for a measured CPU profile (so no offload).
     clock: for measured CPU costs, "wall" (the default) or "thread": the calling thread's CPU
         time, which other processes on a shared machine do not inflate; it needs
         torch.set_num_threads(1). Ignored for analytical costs.
     impl_target: the device type ('cpu' or 'cuda') whose Impl set to offer (ImplSpec.devices);
-        None: the profile's own target (the measured device; a GPU for analytical costs). The
-        runtime's structure check re-profiles on the meta device and passes the device the
-        schedule was measured on, so that both graphs have the same Impls.
+        None: the profile's own target (the measured device; a GPU for analytical costs).
     loss_fn: the training loss as a function of the model's output (a scalar tensor), e.g.
         `lambda out: F.cross_entropy(out, labels)`; None: the sum of the floating outputs.
         The step's memory depends on it: its backward hands the model a real output gradient
