@@ -102,3 +102,23 @@ def test_cli_plans_one_rank(tmp_path, capsys):
     # --fsdp with a profiled graph is a contradiction
     assert main(["solve", "--graph", str(out), "--budget", "1GiB", "--fsdp", "2"]) == 2
     assert "--fsdp" in capsys.readouterr().err
+
+
+def test_a_graph_too_large_for_the_milp_gets_the_best_rule_and_its_bound(graphs, monkeypatch):
+    from solver.analysis import GraphFacts
+    from solver.rules.segments import block_schedule
+    from solver.search import pipeline
+
+    _, _, graph = graphs
+    base = solver.simulate(graph, solver.store_all_schedule(graph))
+    peer = solver.simulate(graph, block_schedule(graph, GraphFacts(graph, "full")))
+    budget = (base.peak_bytes + peer.peak_bytes) // 2
+    monkeypatch.setattr(pipeline, "MAX_MILP_CELLS", 1)  # every graph is too large
+    r = solver.solve(graph, budget, time_limit_s=30, mip_gap=1e-9)
+    assert r.stats["search"].startswith("skipped: the MILP")
+    tl = solver.simulate(graph, r.schedule)
+    assert tl.peak_bytes == r.predicted_peak_bytes <= budget
+    lower = r.stats["lower_bound_s"]
+    assert lower <= tl.total_time
+    assert r.mip_gap == pytest.approx((tl.total_time - lower) / tl.total_time)
+    assert r.status == ("optimal" if r.mip_gap <= 1e-9 else "feasible-at-time-limit")
