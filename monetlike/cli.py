@@ -36,9 +36,9 @@ from . import zoo
 from .calibrate import calibrate
 from .check import check_schedule
 from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_fsdp_args,
-                       add_host_bandwidth, add_model_args, budget_arg, budgets_arg, check_writable, example_inputs,
-                       model_file, percent_arg, positive_int, profile_device, seconds_arg,
-                       shape_arg)
+                       add_host_bandwidth, add_model_args, budget_arg, budgets_arg,
+                       check_writable, example_inputs, model_file, percent_arg, positive_int,
+                       profile_device, seconds_arg, shape_arg)
 from .cli_help import add_examples
 from .core.torch_private import tree_leaves
 from .explain import explain

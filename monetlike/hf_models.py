@@ -17,8 +17,9 @@ The shapes are the published configurations: GPT-2 small and medium (Radford et 
 Llama 3.2 1B (its config.json: 16 layers, d 2048, 32 heads of which 8 key-value, MLP 8192,
 vocabulary 128256, tied embeddings, rope theta 500000), Llama 3 8B and 70B (their config.json:
 32 layers, d 4096, 32 heads of which 8 key-value, MLP 14336; 80 layers, d 8192, 64 heads of
-which 8 key-value, MLP 28672; both vocabulary 128256, untied, 8192 positions), BERT-base and ViT-B/16 (the transformers
-config defaults). `transformers` is an optional dependency (`pip install -e ".[hf]"`).
+which 8 key-value, MLP 28672; both vocabulary 128256, untied, 8192 positions), BERT-base and
+ViT-B/16 (the transformers config defaults). `transformers` is an optional dependency
+(`pip install -e ".[hf]"`).
 
 The Llama 3 shapes are for planning with analytical costs: build them under
 `torch.device("meta")` (`monetlike solve` does for analytical costs), as 8B parameters take
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["gpt2", "gpt2_medium", "llama_1b", "llama3_8b", "llama_70b", "bert_base", "vit_base", "hf_model", "SHAPES"]
+__all__ = ["gpt2", "gpt2_medium", "llama_1b", "llama3_8b", "llama_70b", "bert_base", "vit_base",
+           "hf_model", "SHAPES"]
 
 # name -> (config class, model class, config fields); aliases below map overrides to each
 # family's own field names.
