@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Sequence
 
+import torch
+
 import solver
 from solver import backends, simulate, store_all_schedule
 from solver.errors import (BackendUnavailableError, BudgetParseError, FormatError,
@@ -34,17 +36,17 @@ from solver.verify import verified
 from . import zoo
 from .calibrate import calibrate
 from .check import check_schedule
-from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_host_bandwidth,
-                       add_model_args, budget_arg, budgets_arg, check_writable, example_inputs,
-                       model_file, percent_arg, positive_int, profile_device, seconds_arg,
-                       shape_arg)
+from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_fsdp_args,
+                       add_host_bandwidth, add_model_args, budget_arg, budgets_arg,
+                       check_writable, example_inputs, model_file, percent_arg, positive_int,
+                       profile_device, seconds_arg, shape_arg)
 from .cli_help import add_examples
 from .core.torch_private import tree_leaves
 from .explain import explain
 from .maxbatch import max_batch, model_batch_maker
 from .modelspec import LOSSES, ModelSpecError, build_model, load_loss
 from .pareto import pareto, plot_pareto, table
-from .profile import profile
+from .profile import FSDPConfig, profile
 from .profile.costs import parse_cost
 from .profile.records import ProfileError
 from .zoo import ZooError
@@ -81,16 +83,52 @@ def _profile_args(args):
     """Build MODEL and profile it at --batch/--input-shape with --cost, --optimizer and
     --host-bandwidth (commands without that flag: the profiler's own figure)."""
 
-    model = build_model(args.model)
+    device = profile_device(args.cost)
+    # Analytical costs need shapes only: built on the meta device, an 8B model allocates nothing.
+    with torch.device(device) if device == "meta" else contextlib.nullcontext():
+        model = build_model(args.model)
     loss_fn = load_loss(args.loss)
-    x = example_inputs(args.batch, args.input_shape, profile_device(args.cost), model)
+    x = example_inputs(args.batch, args.input_shape, device, model)
+    fsdp = _fsdp_config(args, model)
     with _fed_by_the_cli(args, model, getattr(x, "shape", ())):
         graph = profile(model, x, cost=args.cost, optimizer=args.optimizer,
-                        host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn)
+                        host_bandwidth=getattr(args, "host_bandwidth", None), loss_fn=loss_fn,
+                        fsdp=fsdp)
     if getattr(args, "calibrate", False):
 
         graph = calibrate(model, x, graph)
     return graph
+
+
+def _fsdp_config(args, model) -> "FSDPConfig | None":
+    """--fsdp RANKS: FSDP2 as torchtitan shards a transformer (FSDPConfig.per_block)."""
+    if getattr(args, "fsdp", None) is None:
+        return None
+    dtype = None if args.fsdp_param_dtype == "none" else getattr(torch, args.fsdp_param_dtype)
+    fsdp = FSDPConfig.per_block(model, args.fsdp, param_dtype=dtype)
+    if not fsdp.units:
+        print(f"--fsdp: {type(model).__name__} has no block list (nn.ModuleList): the root is "
+              f"its only fully_shard unit", file=sys.stderr)
+    return fsdp
+
+
+def fsdp_summary(graph) -> str:
+    """One rank's FSDP2 figures of a graph profiled with fsdp=..., in a few lines; '' without."""
+    fsdp = graph.meta.get("fsdp") if isinstance(graph.meta, dict) else None
+    if not fsdp or "per_rank" not in fsdp:
+        return ""
+    f = fsdp["per_rank"]
+    n = fsdp["world_size"]
+    units = fsdp["units"]
+    return "\n".join([
+        f"FSDP2 per rank ({n} ranks; {len(units)} block units and the root; param_dtype "
+        f"{fsdp['param_dtype']}; reshard_after_forward {fsdp['reshard_after_forward']}):",
+        f"  parameters {format_bytes(f['unsharded_params'])} unsharded in param_dtype, "
+        f"{format_bytes(f['sharded_params'])} sharded (1/{n}); sharded gradients "
+        f"{format_bytes(f['sharded_grads'])}; optimizer state {format_bytes(f['optimizer'])}",
+        f"  all-gathered while in use: the root's {format_bytes(f['root_unsharded'])} (all "
+        f"step), a block's {format_bytes(f['largest_unit_unsharded'])} (its own, the one "
+        f"prefetched, and their flat buffers)"])
 
 
 def cmd_profile(args) -> int:
@@ -99,6 +137,9 @@ def cmd_profile(args) -> int:
         raise UsageError(f"--calibrate fits measured costs to the step as it runs on this "
                          f"device; --cost {args.cost} is a roofline for another one: use "
                          f"--cost measured, or leave out --calibrate")
+    if args.calibrate and args.fsdp is not None:
+        raise UsageError("--calibrate times the unsharded step on this device; it is not "
+                         "modelled under --fsdp: leave out one of them")
     start = time.perf_counter()
     graph = _profile_args(args)
     seconds = time.perf_counter() - start
@@ -110,6 +151,8 @@ def cmd_profile(args) -> int:
     print(f"store-all (plain PyTorch) peak: {format_bytes(peak)} ({peak / 1e9:.2f} GB); "
           f"fixed {format_bytes(graph.fixed_bytes)}; host link "
           f"{_format_rate(graph.host_bandwidth)}")
+    if fsdp_summary(graph):
+        print(fsdp_summary(graph))
     cal = graph.meta.get("calibration")
     if cal:
         print(f"calibrated: forward x{cal['forward_scale']:.3f}, backward "
@@ -137,6 +180,10 @@ def cmd_solve(args) -> int:
     check_writable(args.output, args.graph, model_file(args.model))
     if args.offload and args.mode not in OFFLOAD_MODES:
         raise UsageError(f"--offload is a choice of --mode full, not of --mode {args.mode}")
+    if args.graph and args.fsdp is not None:
+        raise UsageError("--fsdp profiles MODEL as one rank of FSDP2; a --graph is already "
+                         "profiled: profile it with --fsdp (monetlike profile MODEL --fsdp N -o "
+                         "FILE), or give MODEL instead of --graph")
     if args.graph:
         graph = solver.OpGraph.load(args.graph)
         _check_graph_agrees(graph, args)
@@ -167,6 +214,8 @@ def cmd_solve(args) -> int:
         # a bad mode) before any work: a usage error here.
         raise UsageError(str(e)) from e
     base = solver.simulate(graph, solver.store_all_schedule(graph))
+    if fsdp_summary(graph):
+        print(fsdp_summary(graph))
     print(summary_table(graph, result, args.budget, base))
     if not result.ok:
         print(f"error: {result.message}", file=sys.stderr)
@@ -578,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="trace and profile a model into an operator graph")
     add_model_args(p)
     add_host_bandwidth(p)
+    add_fsdp_args(p)
     p.add_argument("--calibrate", action="store_true",
                    help="fit measured costs to the step as it runs: time the plain forward and "
                         "backward and every recomputation in context (monetlike.calibrate)")
@@ -597,6 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds; the best schedule found by then is returned with its gap")
     p.add_argument("--verbose", action="store_true", help="show the solver's progress")
     add_host_bandwidth(p)
+    add_fsdp_args(p)
     p.add_argument("--offload", action="store_true",
                    help="also let the solver copy activations to host memory and back (runs on "
                         "CUDA only; needs the graph's host link bandwidth)")

@@ -214,8 +214,20 @@ def add_model_args(p, *, model_required: bool = True, batch: bool = True,
     p.add_argument("--loss", default="sum",
                    help="the training loss of the model's output, whose memory is part of the "
                         "step: sum (default), cross_entropy (logits against class 0), "
-                        "mean_square, or a function like mypkg.losses:loss or "
+                        "mean_square, model (the model's own 'loss' output: a Hugging Face "
+                        "model given labels), or a function like mypkg.losses:loss or "
                         "path/to/loss.py:loss")
+
+
+def add_fsdp_args(p) -> None:
+    p.add_argument("--fsdp", type=positive_int, default=None, metavar="RANKS",
+                   help="plan one rank of FSDP2 over RANKS ranks, as torchtitan shards a "
+                        "transformer: every block of the model's block list a fully_shard unit, "
+                        "then the root; the budget is a per-rank peak")
+    p.add_argument("--fsdp-param-dtype", choices=("bfloat16", "float16", "none"),
+                   default="bfloat16",
+                   help="with --fsdp: the MixedPrecisionPolicy's param_dtype (default bfloat16, "
+                        "torchtitan's; none: no mixed precision)")
 
 
 def add_host_bandwidth(p) -> None:

@@ -2,6 +2,8 @@
 
     model = monetlike.models.gpt2()                      # GPT-2 small: 12 layers, d 768
     model = monetlike.models.llama_1b(layers=2)          # a Llama-3.2-1B-style model, 2 layers
+    with torch.device("meta"):                           # shapes only: nothing allocated
+        model = monetlike.models.llama3_8b()             # Llama-3-8B, to plan for a GPU
     batch = model.example_inputs(batch=8, seq_len=1024)  # input_ids, attention_mask, labels
     graph = monetlike.profile(model, batch, cost="analytical:A100-40GB")   # captured by export
 
@@ -13,8 +15,15 @@ of the graph; `use_cache=False` for causal LMs), which the profiler and the wrap
 
 The shapes are the published configurations: GPT-2 small and medium (Radford et al., 2019),
 Llama 3.2 1B (its config.json: 16 layers, d 2048, 32 heads of which 8 key-value, MLP 8192,
-vocabulary 128256, tied embeddings, rope theta 500000), BERT-base and ViT-B/16 (the transformers
-config defaults). `transformers` is an optional dependency (`pip install -e ".[hf]"`).
+vocabulary 128256, tied embeddings, rope theta 500000), Llama 3 8B and 70B (their config.json:
+32 layers, d 4096, 32 heads of which 8 key-value, MLP 14336; 80 layers, d 8192, 64 heads of
+which 8 key-value, MLP 28672; both vocabulary 128256, untied, 8192 positions), BERT-base and
+ViT-B/16 (the transformers config defaults). `transformers` is an optional dependency
+(`pip install -e ".[hf]"`).
+
+The Llama 3 shapes are for planning with analytical costs: build them under
+`torch.device("meta")` (`monetlike solve` does for analytical costs), as 8B parameters take
+32 GB in float32 and 70B 280 GB.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["gpt2", "gpt2_medium", "llama_1b", "bert_base", "vit_base", "hf_model", "SHAPES"]
+__all__ = ["gpt2", "gpt2_medium", "llama_1b", "llama3_8b", "llama_70b", "bert_base", "vit_base",
+           "hf_model", "SHAPES"]
 
 # name -> (config class, model class, config fields); aliases below map overrides to each
 # family's own field names.
@@ -37,6 +47,14 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
         rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)),
+    "llama3_8b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "llama_70b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)),
     "bert_base": ("BertConfig", "BertForMaskedLM", dict(
         num_hidden_layers=12, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
         vocab_size=30522, max_position_embeddings=512)),
@@ -173,6 +191,16 @@ def gpt2_medium(**overrides) -> torch.nn.Module:
 def llama_1b(**overrides) -> torch.nn.Module:
     """A Llama-3.2-1B-style causal LM (1.24B parameters)."""
     return hf_model("llama_1b", **overrides)
+
+
+def llama3_8b(**overrides) -> torch.nn.Module:
+    """Llama-3-8B's shape (8.03B parameters); build it on the meta device (module docstring)."""
+    return hf_model("llama3_8b", **overrides)
+
+
+def llama_70b(**overrides) -> torch.nn.Module:
+    """Llama-3-70B's shape (70.6B parameters); build it on the meta device (module docstring)."""
+    return hf_model("llama_70b", **overrides)
 
 
 def bert_base(**overrides) -> torch.nn.Module:

@@ -11,9 +11,9 @@
 
 All are torch.fx-traceable at module granularity. Factories take sizes so tests can stay small.
 
-Named Hugging Face transformers shapes (`gpt2`, `gpt2_medium`, `llama_1b`, `bert_base`,
-`vit_base`; captured with torch.export) live in hf_models.py and are re-exported here, so a MODEL
-argument can name them like the models above.
+Named Hugging Face transformers shapes (`gpt2`, `gpt2_medium`, `llama_1b`, `llama3_8b`,
+`llama_70b`, `bert_base`, `vit_base`; captured with torch.export) live in hf_models.py and are
+re-exported here, so a MODEL argument can name them like the models above.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .hf_models import bert_base, gpt2, gpt2_medium, llama_1b, vit_base  # noqa: E402,F401
+from .hf_models import (bert_base, gpt2, gpt2_medium, llama3_8b, llama_1b,  # noqa: F401
+                        llama_70b, vit_base)
 from .llama_tiny import llama_tiny  # noqa: F401  (a small Llama-style model: FSDP2 examples)
 
 __all__ = ["UNet", "TransformerBlock", "TwoInOut", "unet", "transformer_block", "two_in_out",
-           "gpt2", "gpt2_medium", "llama_1b", "bert_base", "vit_base", "llama_tiny"]
+           "gpt2", "gpt2_medium", "llama_1b", "llama3_8b", "llama_70b", "bert_base", "vit_base",
+           "llama_tiny"]
 
 
 class DoubleConv(nn.Sequential):

@@ -103,13 +103,24 @@ def mean_square_loss(out):
     return sum(t.pow(2).mean() for t in leaves)
 
 
+def model_loss(out):
+    """The loss the model computes itself: a Hugging Face output's `loss` (given `labels`, as a
+    causal LM trains), or an output mapping's "loss"."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None or getattr(loss, "dim", lambda: -1)() != 0:
+        raise ModelSpecError(f"--loss model needs a scalar 'loss' among the model's outputs (a "
+                             f"Hugging Face model given labels); got {_outputs(out)}")
+    return loss
+
+
 def _outputs(out) -> str:
 
     shapes = [tuple(t.shape) for t in tensors_in(out)]
     return f"outputs of shapes {shapes}" if shapes else f"an output of type {type(out).__name__}"
 
 
-LOSSES = {"sum": None, "cross_entropy": cross_entropy_loss, "mean_square": mean_square_loss}
+LOSSES = {"sum": None, "cross_entropy": cross_entropy_loss, "mean_square": mean_square_loss,
+          "model": model_loss}
 """The losses a LOSS argument names; "sum" is the profiler's default (the sum of the outputs)."""
 
 

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
+import torch
+
 from solver.errors import FormatError, MonetlikeError, ScheduleMismatchError
 from solver.jsonio import get_field, int_field, ints_field, str_field
 from solver.schedule import Schedule
@@ -30,7 +32,8 @@ from solver.units import format_bytes, parse_bytes
 from solver.verify import verified, with_recorded_optimizer_state
 
 from .maxbatch import model_batch_maker
-from .profile import profile
+from .modelspec import load_loss
+from .profile import FSDPConfig, profile
 
 INDEX = "index.json"
 
@@ -59,6 +62,14 @@ class ZooEntry:
     mip_gap: float | None
     cost_provenance: str
     fingerprint: str
+    fsdp: dict | None = None
+    """One rank of FSDP2 (issue 53): {"world_size": N, "param_dtype": "bfloat16" or None},
+    every block of the model's block list a unit (`FSDPConfig.per_block`); the budget is a
+    per-rank peak. None: one device."""
+    optimizer: str | None = None
+    """The optimizer whose state the budget holds (profile's `optimizer`); None: none."""
+    loss: str | None = None
+    """The loss of the step, a name of monetlike.modelspec.LOSSES; None: the profiler's sum."""
 
     @property
     def overhead(self) -> float:
@@ -68,7 +79,14 @@ class ZooEntry:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["input_shape"] = list(self.input_shape)
+        for key in ("fsdp", "optimizer", "loss"):  # the index names them only where set
+            if d[key] is None:
+                del d[key]
         return d
+
+    def profile_settings(self, model) -> dict:
+        """The keyword arguments of `profile` (besides the cost) that made this entry's graph."""
+        return profile_settings(model, fsdp=self.fsdp, optimizer=self.optimizer, loss=self.loss)
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "ZooEntry":
@@ -84,7 +102,33 @@ class ZooEntry:
                    mode=str_field(d, "mode", where), status=str_field(d, "status", where),
                    mip_gap=None if gap is None else float(gap),
                    cost_provenance=str_field(d, "cost_provenance", where),
-                   fingerprint=str_field(d, "fingerprint", where))
+                   fingerprint=str_field(d, "fingerprint", where), fsdp=_fsdp(d, where),
+                   optimizer=str_field(d, "optimizer", where, optional=True),
+                   loss=str_field(d, "loss", where, optional=True))
+
+
+def profile_settings(model, *, fsdp: dict | None = None, optimizer: str | None = None,
+                     loss: str | None = None) -> dict:
+    """`profile`'s keyword arguments for an entry's `fsdp`, `optimizer` and `loss` (ZooEntry)."""
+    settings: dict = {"optimizer": optimizer, "loss_fn": load_loss(loss)}
+    if fsdp is not None:
+        dtype = fsdp.get("param_dtype")
+        settings["fsdp"] = FSDPConfig.per_block(
+            model, int(fsdp["world_size"]),
+            param_dtype=None if dtype is None else getattr(torch, dtype))
+    return settings
+
+
+def _fsdp(d: Any, where: str) -> dict | None:
+    f = d.get("fsdp") if isinstance(d, dict) else None
+    if f is None:
+        return None
+    int_field(f, "world_size", f"{where}.fsdp", minimum=1)
+    dtype = str_field(f, "param_dtype", f"{where}.fsdp", optional=True)
+    if dtype not in (None, "bfloat16", "float16"):
+        raise FormatError(f"{where}.fsdp.param_dtype: expected 'bfloat16', 'float16' or null, "
+                          f"got {dtype!r}")
+    return {"world_size": f["world_size"], "param_dtype": dtype}
 
 
 def _folder():
@@ -214,7 +258,9 @@ def load(name: str, model) -> Schedule:
 
     entry = get(name)
     sched = schedule(name)
-    graph = profile(model, example_batch(entry, model), cost="analytical:A100-40GB")
+    # The entry's own costs: the preset decides the attention kernels, so the memory.
+    graph = profile(model, example_batch(entry, model), cost=entry.cost_provenance,
+                    **entry.profile_settings(model))
     if graph.fingerprint != sched.fingerprint:
         raise ScheduleMismatchError(
             f"zoo schedule {name!r} was made for {entry.model} batch {entry.batch} input "

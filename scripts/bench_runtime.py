@@ -261,7 +261,7 @@ def main(argv=None) -> list[dict]:
         import subprocess
 
         from bench_doc import header as doc_header, replace_section
-        from solver.graph import atomic_write_text
+        from solver.jsonio import atomic_write_text
 
         command = "python scripts/bench_runtime.py " + " ".join(argv if argv is not None
                                                                 else sys.argv[1:])

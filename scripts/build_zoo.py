@@ -11,8 +11,9 @@ that `monetlike zoo` reads. Sizes follow MONeT: 3x224x224 inputs, UNet at 3x416x
 UNet input), and MONeT's "GB", which are GiB (its solver converts with 1024^3). The transformers
 shapes (monetlike.hf_models) make their own keyword batch (input_ids, attention_mask, labels; the
 input shape is the sequence length) and have budgets of their own, spread between the least
-feasible peak and store-all (HF_BUDGETS_GIB). Every model is built on the meta device: no weights
-are allocated (a 1B model would take 5 GB of RAM). A rebuilt entry
+feasible peak and store-all (HF_BUDGETS_GIB). Llama 3 8B and 70B are planned as one rank of FSDP2
+on 8 and 64 H100s (FSDP_SHAPES; the budget per rank). Every model is built on the meta device: no
+weights are allocated (a 1B model would take 5 GB of RAM). A rebuilt entry
 replaces the old one only when its schedule is faster for the same graph and costs (a solve that
 stops at its time limit may end worse than an earlier one); --force replaces it anyway.
 """
@@ -35,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 import solver  # noqa: E402
 from monetlike.modelspec import build_model  # noqa: E402
 from monetlike.profile import profile  # noqa: E402
-from monetlike.zoo import INDEX, ZooEntry, dominated  # noqa: E402
+from monetlike.zoo import INDEX, ZooEntry, dominated, profile_settings  # noqa: E402
 from solver.jsonio import atomic_write_text  # noqa: E402
 
 # name -> (factory as given to the CLI, batch, input shape)
@@ -49,11 +50,26 @@ MODELS = {
     # Hugging Face shapes: batch x 1024 tokens (input shape = sequence length).
     "gpt2": ("monetlike.models.gpt2", 8, (1024,)),
     "llama_1b": ("monetlike.models.llama_1b", 4, (1024,)),
+    # One rank of FSDP2 (FSDP_SHAPES): batch 1 x 8192 tokens per rank.
+    "llama3_8b": ("monetlike.models.llama3_8b", 1, (8192,)),
+    "llama_70b": ("monetlike.models.llama_70b", 1, (8192,)),
+}
+# Planned as one rank of FSDP2 as torchtitan trains them (every decoder layer a fully_shard unit
+# and the root, bf16 parameters, AdamW state, the model's own loss) on H100s: name -> the
+# ZooEntry's fsdp, optimizer, loss and cost.
+FSDP_SHAPES = {
+    "llama3_8b": dict(fsdp={"world_size": 8, "param_dtype": "bfloat16"}, optimizer="adam",
+                      loss="model", cost="analytical:H100-80GB"),
+    "llama_70b": dict(fsdp={"world_size": 64, "param_dtype": "bfloat16"}, optimizer="adam",
+                      loss="model", cost="analytical:H100-80GB"),
 }
 BUDGETS_GIB = (5, 6, 7, 8, 9, 10)
 # Budgets of the transformers shapes: four, spread from just above the least feasible peak to
 # just below store-all (analytical A100-40GB, no optimizer state; see docs/BENCHMARKS.md, Zoo).
-HF_BUDGETS_GIB = {"gpt2": (8, 10, 12, 14), "llama_1b": (16, 19, 22, 25)}
+HF_BUDGETS_GIB = {"gpt2": (8, 10, 12, 14), "llama_1b": (16, 19, 22, 25),
+                  # per rank, within an H100's 80 GB, above per-block checkpointing's peak
+                  # (33.6 and 52.3 GiB; docs/BENCHMARKS.md, FSDP shapes)
+                  "llama3_8b": (60,), "llama_70b": (70,)}
 DEFAULT_COST = "analytical:A100-40GB"
 OUT = os.path.join(ROOT, "schedules")
 
@@ -88,10 +104,14 @@ def build(names, budgets_gib, cost, time_limit, backend, force=False):
     graphs = {}
     for name, gib in bar:
         spec, batch, shape = MODELS[name]
+        settings = FSDP_SHAPES.get(name, {})
         if name not in graphs:
             with torch.device("meta"):  # shapes only: nothing allocated, no init time
                 model = build_model(spec)
-            graphs[name] = profile(model, example_batch(model, batch, shape), cost=cost)
+            graphs[name] = profile(model, example_batch(model, batch, shape),
+                                   cost=settings.get("cost", cost), **profile_settings(
+                                       model, **{k: v for k, v in settings.items()
+                                                 if k != "cost"}))
         g = graphs[name]
         base = solver.simulate(g, solver.store_all_schedule(g))
         budget = gib * 2**30
@@ -121,7 +141,8 @@ def build(names, budgets_gib, cost, time_limit, backend, force=False):
             predicted_time=tl.total_time, store_all_time=base.total_time,
             store_all_peak_bytes=base.peak_bytes, mode="full", status=r.status,
             mip_gap=r.mip_gap, cost_provenance=g.cost_provenance,
-            fingerprint=g.fingerprint).to_dict()
+            fingerprint=g.fingerprint,
+            **{k: v for k, v in settings.items() if k != "cost"}).to_dict()
         print(f"{entry_name}: {r.status}, peak {tl.peak_bytes / 2**30:.2f} GiB, overhead "
               f"{100 * (tl.total_time / base.total_time - 1):.2f}%, gap "
               f"{'-' if r.mip_gap is None else f'{100 * r.mip_gap:.2f}%'}, "

@@ -184,6 +184,7 @@ def test_export_graphs_split_their_linear_layers(name):
 @pytest.mark.parametrize("name, params", [
     # Published parameter counts (tied embeddings counted once).
     ("gpt2", 124_439_808), ("gpt2_medium", 354_823_168), ("llama_1b", 1_235_814_400),
+    ("llama3_8b", 8_030_261_248), ("llama_70b", 70_553_706_496),
     ("bert_base", 109_514_298), ("vit_base", 86_567_656)])
 def test_named_shapes_have_their_published_sizes(name, params):
     with torch.device("meta"):  # no memory, no init time

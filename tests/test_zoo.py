@@ -30,21 +30,28 @@ def _meta_model(spec: str):
         return build_model(spec)
 
 
+def _key(e: zoo.ZooEntry) -> tuple:
+    """What an entry's graph depends on: model, batch, shape, costs, FSDP2, optimizer, loss."""
+    fsdp = None if e.fsdp is None else tuple(sorted(e.fsdp.items()))
+    return (e.model, e.batch, e.input_shape, e.cost_provenance, fsdp, e.optimizer, e.loss)
+
+
 @pytest.fixture(scope="module")
 def graphs():
-    """One analytical profile per (model, batch, shape) in the zoo (meta device: nothing real)."""
+    """One analytical profile per graph in the zoo (meta device: nothing real), made as the
+    entry's own settings say (one rank of FSDP2, optimizer state, loss)."""
     out = {}
     for e in ENTRIES:
-        key = (e.model, e.batch, e.input_shape)
-        if key not in out:
+        if _key(e) not in out:
             model = _meta_model(e.model)
-            out[key] = profile(model, zoo.example_batch(e, model), cost=e.cost_provenance)
+            out[_key(e)] = profile(model, zoo.example_batch(e, model), cost=e.cost_provenance,
+                                   **e.profile_settings(model))
     return out
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_entry_matches_todays_profiler_and_simulator(entry, graphs):
-    g = graphs[(entry.model, entry.batch, entry.input_shape)]
+    g = graphs[_key(entry)]
     sched = zoo.schedule(entry.name)
     # A profiler change that alters the graph (ops, shapes, Impl set) must come with a new zoo.
     assert sched.fingerprint == entry.fingerprint == g.fingerprint
@@ -179,7 +186,7 @@ def test_transformers_shapes_have_four_budgets_between_least_feasible_and_store_
     mine = [e for e in ENTRIES if e.model == model]
     assert len(mine) == 4, [e.name for e in mine]
     assert {(e.batch, e.input_shape) for e in mine} == {(batch, shape)}
-    g = graphs[(model, batch, shape)]
+    g = graphs[_key(mine[0])]
     assert g.meta["capture"] == "export"  # torch.export: attention at ATen level
     store_all = solver.simulate(g, solver.store_all_schedule(g)).peak_bytes
     for e in mine:
@@ -239,3 +246,33 @@ def test_dominated_finds_a_slower_entry_of_a_larger_budget_only_for_the_same_gra
     small, mid, big = entry("a", 10, 1.2), entry("b", 20, 1.1), entry("c", 30, 1.3)
     other = entry("d", 40, 1.4, fingerprint="g")  # another graph: not comparable
     assert [(e.name, s.name) for e, s in zoo.dominated([small, mid, big, other])] == [("c", "b")]
+
+
+# -- one rank of FSDP2 (issue 53) ---------------------------------------------------------------
+FSDP = {"monetlike.models.llama3_8b": (8, 32), "monetlike.models.llama_70b": (64, 80)}
+
+
+@pytest.mark.parametrize("model", sorted(FSDP))
+def test_fsdp_entries_plan_one_rank_of_their_shape(model, graphs):
+    pytest.importorskip("transformers")
+    ranks, layers = FSDP[model]
+    mine = [e for e in ENTRIES if e.model == model]
+    assert mine
+    for e in mine:
+        assert e.fsdp == {"world_size": ranks, "param_dtype": "bfloat16"}
+        assert (e.optimizer, e.loss, e.cost_provenance) == ("adam", "model", "analytical:H100-80GB")
+        g = graphs[_key(e)]
+        f = g.meta["fsdp"]
+        assert f["world_size"] == ranks and len(f["units"]) == layers
+        assert g.param_bytes < f["per_rank"]["unsharded_params"] / ranks * 2.01  # fp32 shards
+        assert g.optimizer_bytes == 2 * f["per_rank"]["sharded_grads"]
+        assert e.predicted_peak_bytes <= e.budget_bytes < e.store_all_peak_bytes
+        assert zoo.ZooEntry.from_dict(e.to_dict(), "e") == e
+
+
+def test_entries_without_fsdp_keep_their_index_form():
+    e = next(x for x in ENTRIES if x.fsdp is None)
+    assert not {"fsdp", "optimizer", "loss"} & set(e.to_dict())
+    with pytest.raises(solver.FormatError, match="param_dtype"):
+        zoo.ZooEntry.from_dict({**e.to_dict(), "fsdp": {"world_size": 8,
+                                                        "param_dtype": "int8"}}, "e")

@@ -44,7 +44,7 @@ from solver.analysis import inplace_freed
 from ..core import torch_private
 from solver.graph import OpGraph
 
-__all__ = ["FSDPConfig", "per_rank_graph", "cast_for_mixed_precision"]
+__all__ = ["FSDPConfig", "block_units", "per_rank_graph", "cast_for_mixed_precision"]
 
 @dataclass(frozen=True, kw_only=True)
 class FSDPConfig:
@@ -118,11 +118,30 @@ class FSDPConfig:
                    reshard_after_forward=reshard.pop() if reshard else True,
                    param_dtype=dtypes.pop())
 
+    @classmethod
+    def per_block(cls, model: torch.nn.Module, world_size: int, **settings) -> "FSDPConfig":
+        """As torchtitan shards a transformer: every block of the model's block list a unit of
+        its own (`block_units`), then the root; `settings` as the other fields
+        (`param_dtype=torch.bfloat16` for its bf16 mixed precision)."""
+        return cls(world_size=world_size, units=block_units(model), **settings)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["units"] = list(self.units)
         d["param_dtype"] = None if self.param_dtype is None else str(self.param_dtype)
         return d
+
+
+def block_units(model: torch.nn.Module) -> tuple[str, ...]:
+    """The paths of the children of the model's block list: the `nn.ModuleList` holding the most
+    parameters (a Llama's `model.layers`, GPT-2's `transformer.h`); () when it has none."""
+    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return ()
+    _, name = max(lists, key=lambda t: (t[0], -len(t[1])))
+    prefix = f"{name}." if name else ""
+    return tuple(f"{prefix}{child}" for child, _ in model.get_submodule(name).named_children())
 
 
 @dataclass(frozen=True)
@@ -134,6 +153,7 @@ class _Unit:
     state: int        # optimizer state per rank (rank 0's local shard, the largest)
     reduce_out: int   # the reduce-scatter's output, in param_dtype (cast to the sharded dtype)
     gather_in: int    # the all-gather's inputs cast to param_dtype (mixed precision only)
+    sharded_grads: int  # the sharded gradients after the step (the trainable parameters' shards)
 
     def running(self, gloo: bool) -> int:
         """Bytes an all-gather holds while it runs: its flat buffer, gloo's copy of it, and the
@@ -162,7 +182,7 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
                          f"{type(model).__name__}; expected paths such as "
                          f"{[p for p in paths if p][:4]}")
     n = config.world_size
-    sums: dict[str, list[int]] = {u: [0] * 7 for u in ("", *config.units)}
+    sums: dict[str, list[int]] = {u: [0] * 8 for u in ("", *config.units)}
     for name, p in model.named_parameters():
         cast = config.param_dtype if config.param_dtype and p.is_floating_point() else p.dtype
         low = torch.empty((), dtype=cast).element_size()
@@ -177,6 +197,7 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
         s[4] += mult * min(chunk, rows) * per_row * p.element_size() if p.requires_grad else 0
         s[5] += chunk * per_row * low if p.requires_grad else 0
         s[6] += chunk * per_row * low if cast != p.dtype else 0
+        s[7] += chunk * per_row * p.element_size() if p.requires_grad else 0
     return {u: _Unit(*s) for u, s in sums.items()}
 
 
@@ -221,7 +242,18 @@ def per_rank_graph(graph: OpGraph, model: torch.nn.Module, config: FSDPConfig, *
         graph, ops=tuple(ops), stage_grad_bytes=tuple(stage_grad), final_grad_bytes=end,
         param_bytes=graph.param_bytes - params + s_all,
         optimizer_bytes=sum(u.state for u in units.values()),
-        meta={**graph.meta, "fsdp": config.to_dict()})
+        meta={**graph.meta, "fsdp": {**config.to_dict(), "per_rank": _per_rank(units)}})
+
+
+def _per_rank(units: dict[str, _Unit]) -> dict:
+    """One rank's FSDP2 figures in bytes, for reports (`meta["fsdp"]["per_rank"]`)."""
+    blocks = [u for name, u in units.items() if name]
+    return {"sharded_params": sum(u.sharded for u in units.values()),
+            "sharded_grads": sum(u.sharded_grads for u in units.values()),
+            "optimizer": sum(u.state for u in units.values()),
+            "unsharded_params": sum(u.full for u in units.values()),
+            "root_unsharded": units[""].unsharded,
+            "largest_unit_unsharded": max((u.unsharded for u in blocks), default=0)}
 
 
 def _forward(graph, units, unit_of, first, root, config, gloo) -> list:
@@ -287,7 +319,9 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
     stage_grad, extra = [], []
     for t, k in enumerate(order):
         post_backward(t - 1)
-        peak = 0
+        # Levels are relative to the profile's unsharded gradients, so they go negative once
+        # enough blocks are reduced: no all-gather here is no extra, not a rise to 0.
+        peak = level()
         starting = [b for b in blocks if first_stage.get(b) == t]
         if t == 0 or starting:  # a pre-backward: the unit's own copy-out, then a prefetch
             target = rev[0] if rev else None
