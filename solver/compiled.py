@@ -14,9 +14,14 @@ The memory model (docs/execution-model.md, "The compiled execution model"), as t
   freed after the last node that reads any value on it, unless a graph output holds it;
 - the forward's user outputs are held by the caller until the backward ends; saved values are
   held from their producer to their last use in the backward;
-- the backward allocates its tangents (a contiguous copy), then runs its nodes in the order
-  `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its first user);
-  its outputs (gradients) stay; a recomputed random op saves the RNG state in the forward.
+- the backward's tangents (the gradients of the forward's outputs) arrive with it and are held
+  until it returns (autograd's engine holds the gradients it passes in; counted at the outputs'
+  own strides: exact where they arrive so, as a scalar loss's seed does; where AOTAutograd
+  restrides one, an expanded gradient of `.sum()`, the copy is counted and held instead of the
+  smaller original: over by the difference after the copy's last use); it runs its nodes in
+  the order `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its
+  first user); its outputs (gradients) stay; a recomputed random op saves the RNG state in the
+  forward.
 An op allocates its outputs, and briefly its kernel's scratch, while its inputs are live.
 """
 
@@ -25,11 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .errors import InfeasibleBudgetError
-from .units import format_bytes
+import math
+
+from .errors import BudgetParseError, InfeasibleBudgetError
+from .units import BudgetSpec, format_bytes, parse_budget
 
 __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
-           "torch_default_saved", "least_peak"]
+           "torch_default_saved", "least_peak", "resolve_budget",
+           "AUTO_REFUSED"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
 # Where an op's time was not measured, a roofline at nominal CPU rates prices it: its FLOPs at
@@ -53,7 +61,7 @@ class JointNode:
     """Names of the nodes it reads, in order, without repeats."""
     out_bytes: tuple[int, ...] = ()
     """Bytes of each fresh storage it allocates: one per output of a multi-output op, none for a
-    view, a getitem or a primal (counted by `fixed_bytes`); a tangent's own (contiguous) copy."""
+    view, a getitem or a primal (counted by `fixed_bytes`); a tangent's, at the output's strides."""
     alias: tuple[str, int] | None = None
     """(node, output index) of the storage this value lives on when it is not its own: a view's
     base storage, a getitem's output of its multi-output op. None: its own storage 0."""
@@ -318,7 +326,9 @@ def predict(g: JointGraph, saved: "frozenset[str] | set[str]") -> Prediction:
     grads = {s for n in g.backward_outputs for s in g.storages_of(n)}
     fresh = set(body)
     grads = {(("re:" + b) if b in fresh else b, k) for b, k in grads}
-    b_peak, b_where, _ = _run(g, order, level, live, grads | outs, "backward", fresh, states)
+    tangents = {(t.name, 0) for t in g.nodes if t.phase == "tangent" and t.out_bytes}
+    b_peak, b_where, _ = _run(g, order, level, live, grads | outs | tangents, "backward", fresh,
+                              states)
     peak, where = (f_peak, f_where) if f_peak >= b_peak else (b_peak, b_where)
     cost = sum(g.by_name[n].cost for n in recomputed)
     return Prediction(saved=saved, recomputed=tuple(recomputed), peak_bytes=g.fixed_bytes + peak,
@@ -413,3 +423,23 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     assert check.peak_bytes <= budget and check.saved == cur.saved
     return CompiledPlan(prediction=check, budget=budget, default=default, steps=len(trail) - 1,
                         trail=tuple(trail))
+
+
+AUTO_REFUSED = ("budget 'auto' is the free memory of the CUDA device the model trains on, which "
+                "the compiled plan does not read; pass it to monetlike.optimize(..., "
+                "compile=True), which reads it, or give bytes")
+
+
+def resolve_budget(g: JointGraph, budget: "int | str | BudgetSpec", width: int = 8) -> int:
+    """Bytes for a budget form on the joint graph: bytes as given; 'min' the least peak the
+    search reaches; '90%' that share of torch's default partition's peak (the compiled step's
+    store-all: it saves everything the backward reads), rounded up to a byte. 'auto' (a CUDA
+    device's free memory) is read by monetlike.optimize, not here: it raises."""
+    spec = parse_budget(budget)
+    if spec.kind == "bytes":
+        return int(spec.value)
+    if spec.kind == "min":
+        return least_peak(g, width).peak_bytes
+    if spec.kind == "share":
+        return int(math.ceil(spec.value * predict(g, torch_default_saved(g)).peak_bytes))
+    raise BudgetParseError(AUTO_REFUSED)

@@ -281,7 +281,8 @@ def inductor_backend(partition_fn: Callable) -> Callable:
 
     def backend(gm, example_inputs):
         return compile_fx(gm, example_inputs,
-                          config_patches={"custom_partitioner_fn": _Partitioner()})
+                          config_patches={"custom_partitioner_fn": _Partitioner(),
+                                          "fx_graph_cache": False})
     return backend
 
 

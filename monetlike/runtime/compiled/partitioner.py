@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch.fx as fx
 
-from solver.compiled import CompiledPlan, JointGraph, plan_saved
-from solver.errors import MonetlikeError
-from solver.units import format_bytes, parse_bytes
+from solver.compiled import AUTO_REFUSED, CompiledPlan, JointGraph, plan_saved, resolve_budget
+from solver.errors import BudgetParseError, MonetlikeError
+from solver.units import format_bytes, parse_budget
 
 from ...core import torch_private
 from .joint import describe, measure_ops, saved_names, tag_saved
@@ -67,7 +67,11 @@ class CompiledBackend:
             raise ValueError(f"compiler {compiler!r} is not one of {', '.join(COMPILERS)}; "
                              f"'aot_eager' runs the graphs' aten ops (gradients bitwise equal "
                              f"to eager), 'inductor' compiles them")
-        self.budget = parse_bytes(budget)
+        self.spec = parse_budget(budget)
+        if self.spec.kind == "auto":
+            raise BudgetParseError(AUTO_REFUSED)
+        self.budget: int | None = int(self.spec.value) if self.spec.kind == "bytes" else None
+        """The budget in bytes; a relative form ('min', '90%') is resolved on the joint graph."""
         self.compiler = compiler
         self.width = width
         # the search by default; a seam for a caller (or a test) that picks the saved set itself
@@ -99,6 +103,7 @@ class CompiledBackend:
                 f"the break (torch._dynamo.explain lists them) or use one backend per shape")
         measures = measure_ops(joint)
         graph = describe(joint, num_fwd_outputs, measures)
+        self.budget = resolve_budget(graph, self.spec, self.width)
         plan = self.planner(graph, self.budget)
         if plan.prediction.peak_bytes > self.budget:
             raise MonetlikeError(f"the planner's saved set peaks at "
@@ -120,4 +125,5 @@ class CompiledBackend:
         return forward, backward
 
     def __repr__(self) -> str:
-        return f"monetlike.backend(budget={format_bytes(self.budget)!r}, compiler={self.compiler!r})"
+        budget = str(self.spec) if self.budget is None else format_bytes(self.budget)
+        return f"monetlike.backend(budget={budget!r}, compiler={self.compiler!r})"
