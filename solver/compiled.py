@@ -75,6 +75,9 @@ class JointNode:
     """Whether it may be saved: a forward value that is one tensor (not a multi-output tuple)."""
     rng: bool = False
     """A random op: recomputing it replays the forward's RNG state, saved by the forward."""
+    pinned: bool = False
+    """Saved whenever the backward needs it, never recomputed: a random op whose replay the
+    compiler does not reproduce (Inductor's seeds: saving the seed recomputes the same draw)."""
     multi: int = 0
     """Number of outputs of a multi-output op (read through getitems); 0 otherwise."""
 
@@ -341,6 +344,12 @@ def torch_default_saved(g: JointGraph) -> frozenset[str]:
                      if g.by_name[i].candidate)
 
 
+def _start(g: JointGraph) -> Prediction:
+    """The search's start: torch's default partition, with the pinned values saved too (kept
+    wherever a recomputation reads them)."""
+    return predict(g, torch_default_saved(g) | {n.name for n in g.nodes if n.pinned})
+
+
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
     """Saved values worth trying to recompute, in shortlists to simulate one after another: the
     `width` that free the most bytes of their own, and the `width` that do among those without
@@ -353,7 +362,7 @@ def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
     def own(name: str) -> int:
         return sum(g.bytes_of(st) for st in g.storages_of(name) if held[st] == 1)
 
-    ranked = sorted((n for n in current.saved if own(n) > 0),
+    ranked = sorted((n for n in current.saved if own(n) > 0 and not g.by_name[n].pinned),
                     key=lambda n: (-own(n), g.by_name[n].cost, g.order[n]))
     cheap = [n for n in ranked if g.by_name[n].flops == 0]
     first = list(dict.fromkeys(ranked[:width] + cheap[:width]))
@@ -399,8 +408,7 @@ def _polish(g: JointGraph, budget: int, cur: Prediction) -> Prediction:
 
 def least_peak(g: JointGraph, width: int = 8) -> Prediction:
     """The least peak the search reaches (the search run with no budget to stop it)."""
-    start = predict(g, torch_default_saved(g))
-    low, trail = _descend(g, -1, start, width)
+    low, trail = _descend(g, -1, _start(g), width)
     return low
 
 
@@ -408,7 +416,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
     torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
-    cur, trail = _descend(g, budget, default, width)
+    cur, trail = _descend(g, budget, _start(g), width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget)} is below the least peak the compiled plan's search "
