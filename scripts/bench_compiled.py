@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import monetlike  # noqa: E402
 from monetlike.core.allocator import AllocatorLog  # noqa: E402
+from monetlike.runtime.compiled import GraphBreakError  # noqa: E402
 from peers import (_sac_context, adapter_for, bench_loss, labels_for, ModelSpec,  # noqa: E402
                    SPECS, TransformerStack, GPT2Logits)
 from solver.errors import InfeasibleBudgetError  # noqa: E402
@@ -221,15 +222,16 @@ def run_rows(args, base, x, spec) -> tuple[list[Row], int]:
             cause = e
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            if not isinstance(cause, InfeasibleBudgetError):
+            if not isinstance(cause, (InfeasibleBudgetError, GraphBreakError)):
                 raise
-            row.error = str(cause).split(";")[0]
+            row.error = str(cause).split(";")[0][:200]
         rows.append(row)
         print(f"  {name}: compile {row.compile_s:.1f} s, peak {format_bytes(row.peak)}"
               f"{', ' + row.error if row.error else ''}", file=sys.stderr, flush=True)
         return row
 
     plain = add("compile plain", "plain")
+    plain.grads = f"{plain.grads} (vs eager)"
     if not bitwise:  # Inductor: the others against torch.compile's own step
         clear(plain.model)
         step(plain.fn, plain.model, x)
@@ -265,7 +267,7 @@ def report(args, rows: list[Row], fixed: int, spec) -> list[dict]:
     print(f"\n{args.model}, input {shape}, {args.compiler}, CPU, 1 torch thread, thread time, "
           f"median of {args.rounds} interleaved rounds; fixed (parameters, buffers, input) "
           f"{format_bytes(fixed)}; peaks are transient (above the fixed bytes)\n")
-    print("| row | compile s | step, x compile plain | measured peak | predicted | "
+    print("| row | compile s (compiles) | step, x compile plain | measured peak | predicted | "
           "pred. error | gradients |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -273,7 +275,8 @@ def report(args, rows: list[Row], fixed: int, spec) -> list[dict]:
         err = f"{100 * (pred - r.peak) / r.peak:+.2f}%" if pred and r.peak else "-"
         ratio = f"{statistics.median(r.times) / plain_s:.2f}" if r.times else "-"
         peak = format_bytes(r.peak) if not r.error else r.error
-        print(f"| {r.name} | {r.compile_s:.1f} | {ratio} | {peak} | "
+        n = f" ({r.backend.compiles})" if r.backend is not None else ""
+        print(f"| {r.name} | {r.compile_s:.1f}{n} | {ratio} | {peak} | "
               f"{format_bytes(pred) if pred else '-'} | {err} | {r.grads or '-'} |")
     print()
     for r in rows:
