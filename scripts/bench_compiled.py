@@ -220,9 +220,11 @@ def run_rows(args, base, x, spec) -> tuple[list[Row], int]:
                     row.first_step(x, want, bitwise)
         except Exception as e:  # ours below its least: reported, not timed
             cause = e
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            if not isinstance(cause, (InfeasibleBudgetError, GraphBreakError)):
+            while cause is not None and not isinstance(
+                    cause, (InfeasibleBudgetError, GraphBreakError)):
+                cause = (getattr(cause, "inner_exception", None) or cause.__cause__
+                         or cause.__context__)
+            if cause is None:
                 raise
             row.error = str(cause).split(";")[0][:200]
         rows.append(row)
