@@ -7,8 +7,8 @@ exactly that set, and checks that the forward it got saves what the plan says.
 
 Under Inductor the plan is searched on the eager-op model at a target, Inductor compiles it, and
 the step's peak is read off the code it generated (inductor_code.py); the target moves by the
-difference between that peak and the budget, up to MAX_COMPILES compiles, and the cheapest plan
-whose code fits the budget runs.
+difference between that peak and the budget (to the search's least after two compiles over the
+budget), up to MAX_COMPILES compiles, and the cheapest plan whose code fits the budget runs.
 
 One plan per step: the budget is the whole step's, so a second graph (a graph break, or a
 recompilation for other shapes) is refused, naming where it starts.
@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch.fx as fx
 
-from solver.compiled import AUTO_REFUSED, CompiledPlan, JointGraph, plan_saved, resolve_budget
+from solver.compiled import (AUTO_REFUSED, CompiledPlan, JointGraph, least_peak, plan_saved,
+                             resolve_budget)
 from solver.errors import BudgetParseError, InfeasibleBudgetError, MonetlikeError
 from solver.units import format_bytes, parse_budget
 
@@ -173,6 +174,10 @@ class CompiledBackend:
             settled = over <= 0 and (over >= -SETTLE * self.budget
                                      or rec.target >= rec.plan.default.peak_bytes)
             nxt = rec.target - over
+            if over > 0 and len(tried) >= 2 and all(
+                    r.code.peak_bytes > self.budget for _, r in tried.values()):
+                # over twice: the search's least, the plan most likely to fit, if anything does
+                nxt = least_peak(rec.graph, self.width).peak_bytes
             if settled or nxt in tried:
                 break
             target = nxt
