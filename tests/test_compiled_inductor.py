@@ -1,7 +1,8 @@
 """monetlike.backend under Inductor: the forward saves the plan's set, gradients within
 torch.testing.assert_close of torch.compile's own Inductor step, the step's peak by the CPU
 allocator's own events at the peak read off Inductor's generated code (within 2%) and within
-the budget, and a recomputed dropout draws the forward's numbers (its seed saved).
+the budget, a recomputed dropout draws the forward's numbers (its seed saved), and the plan's
+target moves by what the code allocates (with compiles faked).
 
 Inductor compiles C++ kernels: 20-35 s for the file on the loaded 2-core machine (its kernel cache
 warm or cold), so one small MLP, three compiles, marked slow.
@@ -9,14 +10,18 @@ warm or cold), so one small MLP, three compiles, marked slow.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
 
 import monetlike
 from compiled_support import Summed, compiled_step, within
+from monetlike.runtime.compiled import partitioner
 from monetlike.runtime.compiled.inductor_code import read_call, replay_step
 from solver.compiled import CompiledPlan, predict, torch_default_saved
+from solver.errors import InfeasibleBudgetError
 
 X = (512, 16)
 
@@ -126,3 +131,45 @@ def test_the_code_reader_counts_what_the_wrapper_allocates_and_frees():
     # del, the tangent not (autograd holds it), buf1 32 -> 352
     assert (peak.backward_peak, peak.where) == (448, "backward:buf0")
     assert (peak.transient_peak_bytes, peak.peak_bytes) == (448, 1448)
+
+
+def fake_compiles(monkeypatch, be, code_peak: dict[int, int]):
+    """Make `be` compile without Inductor: a compile at target t "generates code" peaking at
+    code_peak[t]; returns the targets compiled, in order."""
+    calls = []
+
+    def once(gm, example_inputs, target):
+        t = be.budget if target is None else target
+        calls.append(t)
+        plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
+                               prediction=SimpleNamespace(recompute_cost=1 / t))
+        return f"compiled at {t}", SimpleNamespace(
+            target=t, code=SimpleNamespace(peak_bytes=code_peak[t]), plan=plan, graph=None)
+    monkeypatch.setattr(be, "_inductor_once", once)
+    monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
+        peak_bytes=400))
+    return calls
+
+
+@pytest.mark.parametrize("code_peak, targets, runs", [
+    # the code allocates 300 less than the plan's model: the target rises by 300, which fits
+    ({1000: 700, 1300: 1000}, [1000, 1300], 1300),
+    # over twice: the search's least (400), the one that fits
+    ({1000: 1300, 700: 1050, 400: 600}, [1000, 700, 400], 400),
+    # fits 10% under, then over twice: the cheapest fit is compiled again, Dynamo keeps the last
+    ({1000: 900, 1100: 1150, 950: 1010}, [1000, 1100, 950, 1000], 1000),
+])
+def test_the_target_moves_by_what_the_code_allocates(monkeypatch, code_peak, targets, runs):
+    be = monetlike.backend(budget=1000, compiler="inductor")
+    calls = fake_compiles(monkeypatch, be, code_peak)
+    assert be._compile_inductor(None, None) == f"compiled at {runs}"
+    assert calls == targets and be.record.target == runs
+
+
+def test_no_target_fits_raises_with_the_least_the_code_reached(monkeypatch):
+    be = monetlike.backend(budget=1000, compiler="inductor")
+    fake_compiles(monkeypatch, be, {1000: 1300, 700: 1050, 400: 1020})
+    with pytest.raises(InfeasibleBudgetError) as e:
+        be._compile_inductor(None, None)
+    assert e.value.min_budget == 1020
+    assert "the least of the 3 tried peaks at" in str(e.value)
