@@ -62,7 +62,7 @@ def _tv(name: str, **kw):
 SIZES: dict[str, ModelSpec] = {
     "mobilenet_v2": ModelSpec("mobilenet_v2", _tv("mobilenet_v2", num_classes=10),
                               (4, 3, 64, 64), "mobilenet_v2"),
-    "densenet121": ModelSpec("densenet121", _tv("densenet121", num_classes=10), (2, 3, 32, 32),
+    "densenet121": ModelSpec("densenet121", _tv("densenet121", num_classes=10), (8, 3, 64, 64),
                              "densenet"),
     "transformer": ModelSpec("transformer", lambda: TransformerStack(depth=2, dim=64, heads=2),
                              (4, 64, 64), "transformer"),
