@@ -43,9 +43,10 @@ from .core.torch_private import tree_leaves
 from .max_shape import at_largest
 from .profile import profile, profile_memory
 from .profile.costs import parse_cost
+from .runtime.compiled import CompiledBackend
 from .wrapper import ScheduleWrapper
 
-__all__ = ["optimize", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
+__all__ = ["optimize", "compiled", "min_budget", "auto_budget", "solve_cached", "default_cache_dir"]
 
 CACHE_VERSION = 2
 
@@ -124,8 +125,11 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
              cost: str = "measured", optimizer: str | None = None, cache_dir: str | None = None,
              leaf_modules: Iterable = (), loss_fn=None, verbose: bool = False,
              max_batch: int | None = None, max_seq_len: int | None = None, solve=None,
-             **solve_kwargs) -> ScheduleWrapper:
+             compile: bool = False, compiler: str = "aot_eager",
+             **solve_kwargs) -> "ScheduleWrapper | torch.nn.Module":
     """Profile `model` on `example_inputs`, solve for `budget` (cached), return the wrapper.
+    With compile=True: `model` compiled by torch.compile with monetlike.backend at `budget`
+    instead (see compiled()).
 
     budget: the whole training-step peak (parameters, gradients, optimizer state, inputs,
         activations, workspace): bytes or a string such as "8GiB"; "min" (the least budget any
@@ -146,7 +150,14 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
         terminal and nothing elsewhere.
     solve, solve_kwargs: the solve (None: solver.solve) and what is passed to it (mode, backend,
         time_limit_s, ...), as in solve_cached.
+    compile, compiler: see compiled().
     """
+    if compile:
+        given = {"cost": cost != "measured", "optimizer": optimizer, "cache_dir": cache_dir,
+                 "leaf_modules": list(leaf_modules), "loss_fn": loss_fn, "max_batch": max_batch,
+                 "max_seq_len": max_seq_len, "solve": solve, **solve_kwargs}
+        return compiled(model, example_inputs, budget=budget, compiler=compiler,
+                        refused=[k for k, v in given.items() if v not in (None, False, [])])
     spec = parse_budget(budget)
     auto = auto_budget(model, example_inputs) if spec.kind == "auto" else None
     mode, offload = solve_kwargs.get("mode", "full"), solve_kwargs.get("offload", False)
@@ -182,6 +193,38 @@ def optimize(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str"
                                 solve=solve, **solve_kwargs)
     with phase("verify"):
         return ScheduleWrapper(model, schedule, graph=graph, leaf_modules=leaf_modules)
+
+
+def compiled(model: torch.nn.Module, example_inputs: Any, *, budget: "int | str",
+             compiler: str = "aot_eager", refused: Iterable[str] = ()) -> torch.nn.Module:
+    """`torch.compile(model, backend=monetlike.backend(budget, compiler=compiler))`, what
+    optimize(..., compile=True) returns; the backend is its `monetlike_backend` attribute (its
+    `record` holds the plan after the first training step).
+
+    budget: bytes or '8GiB', 'min', a share such as '60%' (of torch's default partition's peak),
+        both resolved on the joint graph at the first step, or 'auto' (read here from the CUDA
+        device the model is on). The budget counts parameters, inputs, activations and
+        gradients, not optimizer state. The plan is made when the first step compiles: an
+        infeasible budget raises InfeasibleBudgetError then, naming the least peak.
+    compiler: 'aot_eager' (gradients bitwise equal to eager) or 'inductor'.
+    refused: names of optimize's arguments the caller set that the compiled path does not take
+        (they raise MonetlikeError naming them).
+    """
+    refused = list(refused)
+    if refused:
+        raise MonetlikeError(
+            f"optimize(..., compile=True) does not take {', '.join(refused)}: the compiled plan "
+            f"is made by torch.compile's first step from its own joint graph (its ops timed "
+            f"there, nothing cached; the budget counts no optimizer state; the step is "
+            f"model(x) and its backward, one input shape); leave them out, or use "
+            f"compile=False for the eager schedule")
+    if parse_budget(budget).kind == "auto":
+        budget = auto_budget(model, example_inputs)
+    backend = CompiledBackend(budget, compiler=compiler)
+    out = torch.compile(model, backend=backend)
+    # torch.compile's module forwards attribute writes to the model: set it on the wrapper itself
+    object.__setattr__(out, "monetlike_backend", backend)
+    return out
 
 
 def auto_budget(model: torch.nn.Module, example_inputs: Any) -> int:

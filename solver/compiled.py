@@ -14,9 +14,14 @@ The memory model (docs/execution-model.md, "The compiled execution model"), as t
   freed after the last node that reads any value on it, unless a graph output holds it;
 - the forward's user outputs are held by the caller until the backward ends; saved values are
   held from their producer to their last use in the backward;
-- the backward allocates its tangents (a contiguous copy), then runs its nodes in the order
-  `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its first user);
-  its outputs (gradients) stay; a recomputed random op saves the RNG state in the forward.
+- the backward's tangents (the gradients of the forward's outputs) arrive with it and are held
+  until it returns (autograd's engine holds the gradients it passes in; counted at the outputs'
+  own strides: exact where they arrive so, as a scalar loss's seed does; where AOTAutograd
+  restrides one, an expanded gradient of `.sum()`, the copy is counted and held instead of the
+  smaller original: over by the difference after the copy's last use); it runs its nodes in
+  the order `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its
+  first user); its outputs (gradients) stay; a recomputed random op saves the RNG state in the
+  forward.
 An op allocates its outputs, and briefly its kernel's scratch, while its inputs are live.
 """
 
@@ -25,11 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .errors import InfeasibleBudgetError
-from .units import format_bytes
+import math
+
+from .errors import BudgetParseError, InfeasibleBudgetError
+from .units import BudgetSpec, format_bytes, parse_budget
 
 __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
-           "torch_default_saved", "least_peak"]
+           "torch_default_saved", "least_peak", "resolve_budget",
+           "AUTO_REFUSED"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
 # Where an op's time was not measured, a roofline at nominal CPU rates prices it: its FLOPs at
@@ -53,7 +61,7 @@ class JointNode:
     """Names of the nodes it reads, in order, without repeats."""
     out_bytes: tuple[int, ...] = ()
     """Bytes of each fresh storage it allocates: one per output of a multi-output op, none for a
-    view, a getitem or a primal (counted by `fixed_bytes`); a tangent's own (contiguous) copy."""
+    view, a getitem or a primal (counted by `fixed_bytes`); a tangent's, at the output's strides."""
     alias: tuple[str, int] | None = None
     """(node, output index) of the storage this value lives on when it is not its own: a view's
     base storage, a getitem's output of its multi-output op. None: its own storage 0."""
@@ -67,6 +75,9 @@ class JointNode:
     """Whether it may be saved: a forward value that is one tensor (not a multi-output tuple)."""
     rng: bool = False
     """A random op: recomputing it replays the forward's RNG state, saved by the forward."""
+    pinned: bool = False
+    """Saved whenever the backward needs it, never recomputed: a random op whose replay the
+    compiler does not reproduce (Inductor's seeds: saving the seed recomputes the same draw)."""
     multi: int = 0
     """Number of outputs of a multi-output op (read through getitems); 0 otherwise."""
 
@@ -318,7 +329,9 @@ def predict(g: JointGraph, saved: "frozenset[str] | set[str]") -> Prediction:
     grads = {s for n in g.backward_outputs for s in g.storages_of(n)}
     fresh = set(body)
     grads = {(("re:" + b) if b in fresh else b, k) for b, k in grads}
-    b_peak, b_where, _ = _run(g, order, level, live, grads | outs, "backward", fresh, states)
+    tangents = {(t.name, 0) for t in g.nodes if t.phase == "tangent" and t.out_bytes}
+    b_peak, b_where, _ = _run(g, order, level, live, grads | outs | tangents, "backward", fresh,
+                              states)
     peak, where = (f_peak, f_where) if f_peak >= b_peak else (b_peak, b_where)
     cost = sum(g.by_name[n].cost for n in recomputed)
     return Prediction(saved=saved, recomputed=tuple(recomputed), peak_bytes=g.fixed_bytes + peak,
@@ -329,6 +342,12 @@ def torch_default_saved(g: JointGraph) -> frozenset[str]:
     """What torch's default partition saves: every forward value a backward node reads."""
     return frozenset(i for n in g.nodes if n.phase == "backward" for i in n.inputs
                      if g.by_name[i].candidate)
+
+
+def _start(g: JointGraph) -> Prediction:
+    """The search's start: torch's default partition, with the pinned values saved too (kept
+    wherever a recomputation reads them)."""
+    return predict(g, torch_default_saved(g) | {n.name for n in g.nodes if n.pinned})
 
 
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
@@ -343,7 +362,7 @@ def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
     def own(name: str) -> int:
         return sum(g.bytes_of(st) for st in g.storages_of(name) if held[st] == 1)
 
-    ranked = sorted((n for n in current.saved if own(n) > 0),
+    ranked = sorted((n for n in current.saved if own(n) > 0 and not g.by_name[n].pinned),
                     key=lambda n: (-own(n), g.by_name[n].cost, g.order[n]))
     cheap = [n for n in ranked if g.by_name[n].flops == 0]
     first = list(dict.fromkeys(ranked[:width] + cheap[:width]))
@@ -389,8 +408,7 @@ def _polish(g: JointGraph, budget: int, cur: Prediction) -> Prediction:
 
 def least_peak(g: JointGraph, width: int = 8) -> Prediction:
     """The least peak the search reaches (the search run with no budget to stop it)."""
-    start = predict(g, torch_default_saved(g))
-    low, trail = _descend(g, -1, start, width)
+    low, trail = _descend(g, -1, _start(g), width)
     return low
 
 
@@ -398,7 +416,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
     torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
-    cur, trail = _descend(g, budget, default, width)
+    cur, trail = _descend(g, budget, _start(g), width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget)} is below the least peak the compiled plan's search "
@@ -413,3 +431,23 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     assert check.peak_bytes <= budget and check.saved == cur.saved
     return CompiledPlan(prediction=check, budget=budget, default=default, steps=len(trail) - 1,
                         trail=tuple(trail))
+
+
+AUTO_REFUSED = ("budget 'auto' is the free memory of the CUDA device the model trains on, which "
+                "the compiled plan does not read; pass it to monetlike.optimize(..., "
+                "compile=True), which reads it, or give bytes")
+
+
+def resolve_budget(g: JointGraph, budget: "int | str | BudgetSpec", width: int = 8) -> int:
+    """Bytes for a budget form on the joint graph: bytes as given; 'min' the least peak the
+    search reaches; '90%' that share of torch's default partition's peak (the compiled step's
+    store-all: it saves everything the backward reads), rounded up to a byte. 'auto' (a CUDA
+    device's free memory) is read by monetlike.optimize, not here: it raises."""
+    spec = parse_budget(budget)
+    if spec.kind == "bytes":
+        return int(spec.value)
+    if spec.kind == "min":
+        return least_peak(g, width).peak_bytes
+    if spec.kind == "share":
+        return int(math.ceil(spec.value * predict(g, torch_default_saved(g)).peak_bytes))
+    raise BudgetParseError(AUTO_REFUSED)

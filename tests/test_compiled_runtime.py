@@ -11,18 +11,10 @@ import torch
 import torch.nn as nn
 
 import monetlike
-from monetlike.core.allocator import AllocatorLog
+from compiled_support import PEAK_TOLERANCE, compiled_step, eager_grads, mlp
 from monetlike.runtime.compiled import GraphBreakError
 from solver.compiled import CompiledPlan, least_peak, predict, torch_default_saved
 from solver.errors import InfeasibleBudgetError
-
-PEAK_TOLERANCE = 0.02
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.3), nn.Linear(512, 512),
-                         nn.Tanh(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 10))
 
 
 def cnn() -> nn.Module:
@@ -33,37 +25,6 @@ def cnn() -> nn.Module:
                              nn.ReLU6())
     return nn.Sequential(block(3, 16), block(16, 32), nn.MaxPool2d(2), block(32, 32),
                          nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
-
-
-def grads(model) -> list[torch.Tensor]:
-    out = [p.grad.clone() for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = None
-    return out
-
-
-def eager_grads(model, x, seed=1):
-    torch.manual_seed(seed)
-    model(x).sum().backward()
-    return grads(model)
-
-
-def compiled_step(model, x, backend, seed=1):
-    """(gradients of a first compiled step, peak bytes of a second, as the allocator saw it)."""
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
-    torch.manual_seed(seed)
-    compiled(x).sum().backward()
-    first = grads(model)
-    torch.manual_seed(seed)
-    with AllocatorLog() as log:
-        log.mark("start")
-        out = compiled(x)
-        out.sum().backward()
-        log.mark("end")
-    del out
-    grads(model)
-    return first, log.peak_between("start", "end")
 
 
 @pytest.fixture(scope="module")

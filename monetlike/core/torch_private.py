@@ -266,10 +266,15 @@ def joint_forward_tagged(node: torch.fx.Node) -> bool:
     return p._has_tag_is_forward(node)
 
 
-def inductor_backend(partition_fn: Callable) -> Callable:
+def inductor_backend(partition_fn: Callable,
+                     on_code: "Callable[[bool, str], None] | None" = None) -> Callable:
     """A torch.compile backend: Inductor with `partition_fn` as its partitioner (Inductor's
-    joint-graph passes run first), through `torch._inductor.config.custom_partitioner_fn`."""
-    from torch._inductor.compile_fx import compile_fx
+    joint-graph passes run first), through `torch._inductor.config.custom_partitioner_fn`.
+    `on_code(is_backward, source)` gets the Python wrapper Inductor generated for each graph;
+    the backward is compiled with the forward (not at its first run), so both are known before
+    the step runs."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class _Partitioner(CustomPartitionerFn):
@@ -279,9 +284,19 @@ def inductor_backend(partition_fn: Callable) -> Callable:
         def uuid(self):
             return None  # no caching: the plan depends on the budget and the graph
 
+    def inner(gm, example_inputs, **kwargs):
+        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        if on_code is not None:
+            on_code(bool(kwargs.get("is_backward")), getattr(out, "source_code", None))
+        return out
+
     def backend(gm, example_inputs):
-        return compile_fx(gm, example_inputs,
-                          config_patches={"custom_partitioner_fn": _Partitioner()})
+        # the FX graph cache would pickle the partitioner (it cannot) and reuse a graph
+        # partitioned for another budget
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fx(gm, example_inputs, inner_compile=inner,
+                              config_patches={"custom_partitioner_fn": _Partitioner(),
+                                              "fx_graph_cache": False})
     return backend
 
 

@@ -15,7 +15,9 @@ def backend(budget, *, compiler: str = "aot_eager", width: int = 8,
     `torch.compile(model, backend=monetlike.backend(budget="40MiB"))`.
 
     budget: bytes, or a string such as '40MiB': the step's whole peak (parameters, inputs,
-        activations, gradients; no optimizer state). compiler: 'aot_eager' (the graphs' aten ops
+        activations, gradients; no optimizer state); or 'min' (the least peak the plan's search
+        reaches) or a share such as '60%' of torch's default partition's peak, both resolved on
+        the joint graph at the first step ('auto' is read by monetlike.optimize(compile=True)). compiler: 'aot_eager' (the graphs' aten ops
         run as they are; gradients bitwise equal to eager; the budget is verified by the model)
         or 'inductor' (the same saved set; fused kernels, whose peak the model does not verify).
     width: how many candidate moves the search simulates per step. planner: instead of the search,

@@ -178,8 +178,10 @@ def _key(n: fx.Node) -> str:
 
 
 def describe(joint: fx.GraphModule, num_fwd_outputs: int,
-             measures: OpMeasures | None = None) -> JointGraph:
-    """The joint graph as solver.compiled sees it, with `measures` from measure_ops."""
+             measures: OpMeasures | None = None, *, pin_rng: bool = False) -> JointGraph:
+    """The joint graph as solver.compiled sees it, with `measures` from measure_ops. pin_rng:
+    random ops are saved, never recomputed (Inductor: its backward's replay of the RNG state
+    drew other seeds than its forward, measured on a dropout; a saved seed redraws the same)."""
     measures = measures or OpMeasures({}, {}, ())
     nodes = list(joint.graph.nodes)
     last_forward = max((i for i, n in enumerate(nodes) if torch_private.joint_forward_tagged(n)
@@ -221,6 +223,7 @@ def describe(joint: fx.GraphModule, num_fwd_outputs: int,
             scratch=measures.scratch.get(n.name, 0),
             seconds=measures.seconds.get(n.name, 0.0 if alias else None),
             candidate=phase == "forward" and isinstance(val, torch.Tensor), rng=rng,
+            pinned=rng and pin_rng and phase == "forward" and isinstance(val, torch.Tensor),
             multi=len(val) if multi else 0))
     results = list(nodes[-1].args[0])
     fwd = tuple(r.name for r in results[:num_fwd_outputs] if isinstance(r, fx.Node))

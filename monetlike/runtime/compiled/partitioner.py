@@ -5,27 +5,40 @@ which describes it (joint.py), searches the saved set that fits the budget at th
 recomputation (solver/compiled.py), tags the joint graph so that torch's default partition saves
 exactly that set, and checks that the forward it got saves what the plan says.
 
+Under Inductor the plan is searched on the eager-op model at a target, Inductor compiles it, and
+the step's peak is read off the code it generated (inductor_code.py); the target moves by the
+difference between that peak and the budget (to the search's least after two compiles over the
+budget), up to MAX_COMPILES compiles, and the cheapest plan whose code fits the budget runs.
+
 One plan per step: the budget is the whole step's, so a second graph (a graph break, or a
 recompilation for other shapes) is refused, naming where it starts.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch.fx as fx
 
-from solver.compiled import CompiledPlan, JointGraph, plan_saved
-from solver.errors import MonetlikeError
-from solver.units import format_bytes, parse_bytes
+from solver.compiled import (AUTO_REFUSED, CompiledPlan, JointGraph, least_peak, plan_saved,
+                             resolve_budget)
+from solver.errors import BudgetParseError, InfeasibleBudgetError, MonetlikeError
+from solver.units import format_bytes, parse_budget
 
 from ...core import torch_private
-from .joint import describe, measure_ops, saved_names, tag_saved
+from .inductor_code import CodePeak, read_call, replay_step
+from .joint import OpMeasures, describe, measure_ops, saved_names, tag_saved
 
 __all__ = ["CompiledBackend", "GraphBreakError", "PartitionRecord", "COMPILERS"]
 
 COMPILERS = ("aot_eager", "inductor")
+MAX_COMPILES = 3
+"""Inductor: compiles tried per graph while moving the eager-op model's target."""
+SETTLE = 0.02
+"""Inductor: a compiled peak this close under the budget (a share of it) ends the search."""
 
 
 class GraphBreakError(MonetlikeError, RuntimeError):
@@ -44,6 +57,22 @@ class PartitionRecord:
     backward: fx.GraphModule
     unmeasured: tuple[str, ...] = ()
     """Ops whose scratch and time could not be measured (they would not run on zeros)."""
+    target: int = 0
+    """The peak the plan was searched under, by the eager-op model (the budget, but under
+    Inductor, where it moves with what the compiled code allocates)."""
+    code: CodePeak | None = None
+    """Inductor: the step's memory as the code it generated allocates it."""
+
+    @property
+    def predicted_transient(self) -> int:
+        """The step's predicted peak above the primals: Inductor's code replayed, or (aot_eager)
+        the eager-op model's."""
+        return (self.code.transient_peak_bytes if self.code is not None
+                else self.plan.prediction.transient_peak_bytes)
+
+    @property
+    def predicted_peak(self) -> int:
+        return self.graph.fixed_bytes + self.predicted_transient
 
 
 def _where(gm: fx.GraphModule | None) -> str:
@@ -67,19 +96,108 @@ class CompiledBackend:
             raise ValueError(f"compiler {compiler!r} is not one of {', '.join(COMPILERS)}; "
                              f"'aot_eager' runs the graphs' aten ops (gradients bitwise equal "
                              f"to eager), 'inductor' compiles them")
-        self.budget = parse_bytes(budget)
+        self.spec = parse_budget(budget)
+        if self.spec.kind == "auto":
+            raise BudgetParseError(AUTO_REFUSED)
+        self.budget: int | None = int(self.spec.value) if self.spec.kind == "bytes" else None
+        """The budget in bytes; a relative form ('min', '90%') is resolved on the joint graph."""
         self.compiler = compiler
         self.width = width
         # the search by default; a seam for a caller (or a test) that picks the saved set itself
         self.planner = planner or (lambda graph, budget: plan_saved(graph, budget, width=width))
         self.records: list[PartitionRecord] = []
+        self.compiles = 0
+        """Graphs compiled (Inductor may compile one graph under several targets)."""
         self._graphs: list[fx.GraphModule] = []
+        self._target: int | None = None  # None: the budget
+        self._made: PartitionRecord | None = None  # the last partition, not yet chosen
+        self._measures: OpMeasures | None = None
+        self._code: dict[bool, str] = {}
         self._compile = (torch_private.aot_backend(self.partition) if compiler == "aot_eager"
-                         else torch_private.inductor_backend(self.partition))
+                         else torch_private.inductor_backend(self.partition, self._keep_code))
+
+    def _keep_code(self, is_backward: bool, source: str | None) -> None:
+        self._code[is_backward] = source
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         self._graphs.append(gm)
-        return self._compile(gm, example_inputs)
+        self._measures, self._made = None, None
+        if self.compiler == "aot_eager":
+            out = self._compile(gm, example_inputs)
+            self.compiles += 1
+            if self._made is not None:
+                self.records.append(self._made)
+            return out
+        return self._compile_inductor(gm, example_inputs)
+
+    def _inductor_once(self, gm, example_inputs, target: int | None):
+        """Compile `gm` with Inductor at `target`; (the compiled step, its record with the code's
+        peak, or None for a graph without a backward)."""
+        self._target, self._made, self._code = target, None, {}
+        out = self._compile(copy.deepcopy(gm), example_inputs)
+        self.compiles += 1
+        made = self._made
+        if made is None:
+            return out, None
+        if None in (self._code.get(False), self._code.get(True)):
+            raise MonetlikeError("Inductor compiled the step without the Python wrapper code "
+                                 "the plan's memory is read from (a C++ wrapper?): not supported")
+        tangents = [n.out_bytes[0] if n.out_bytes else 0 for n in made.graph.nodes
+                    if n.phase == "tangent"]
+        code = replay_step(read_call(self._code[False]), read_call(self._code[True]),
+                           num_fwd_outputs=len(made.graph.forward_outputs),
+                           tangent_bytes=tangents, fixed_bytes=made.graph.fixed_bytes)
+        return out, dataclasses.replace(made, code=code)
+
+    def _compile_inductor(self, gm, example_inputs):
+        """Move the eager-op target by what the compiled code allocates more or less than the
+        budget; run the cheapest plan whose code fits (compiled last, as Dynamo keeps it)."""
+        tried: dict[int, tuple] = {}  # target -> (compiled, record)
+        target = last = None
+        for _ in range(MAX_COMPILES):
+            try:
+                out, rec = self._inductor_once(gm, example_inputs, target)
+            except InfeasibleBudgetError as e:
+                # under the eager-op model's least: Inductor's code may still fit at that least
+                if e.min_budget is None or e.min_budget in tried:
+                    break
+                target = e.min_budget
+                continue
+            if rec is None:
+                return out
+            tried[rec.target], last = (out, rec), rec.target
+            if self.spec.kind == "min":  # the least: what the code allocates at the plan's least
+                self.budget = rec.code.peak_bytes
+                break
+            over = rec.code.peak_bytes - self.budget
+            # within the budget, and close to it or at a target where the search saves all
+            settled = over <= 0 and (over >= -SETTLE * self.budget
+                                     or rec.target >= rec.plan.default.peak_bytes)
+            nxt = rec.target - over
+            if over > 0 and len(tried) >= 2 and all(
+                    r.code.peak_bytes > self.budget for _, r in tried.values()):
+                # over twice: the search's least, the plan most likely to fit, if anything does
+                nxt = least_peak(rec.graph, self.width).peak_bytes
+            if settled or nxt in tried:
+                break
+            target = nxt
+        fits = {t: v for t, v in tried.items() if v[1].code.peak_bytes <= self.budget}
+        if not fits:
+            least = min((v[1] for v in tried.values()), key=lambda r: r.code.peak_bytes,
+                        default=None)
+            got = (f"the least of the {len(tried)} tried peaks at "
+                   f"{format_bytes(least.code.peak_bytes)} by the code Inductor generated"
+                   if least is not None else "no plan compiled")
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(self.budget)}: Inductor's compiled step does not fit it "
+                f"({got}); raise the budget to at least that, or lower the batch",
+                budget=self.budget, min_budget=least.code.peak_bytes if least else None)
+        best = min(fits, key=lambda t: (fits[t][1].plan.prediction.recompute_cost, -t))
+        out, rec = fits[best]
+        if best != last:  # compiled again: the last compile is the one Dynamo's context holds
+            out, rec = self._inductor_once(gm, example_inputs, best)
+        self.records.append(rec)
+        return out
 
     @property
     def record(self) -> PartitionRecord:
@@ -97,13 +215,22 @@ class CompiledBackend:
                 f"A graph break (or a recompilation for other input shapes or dtypes) splits the "
                 f"step, and one plan per graph under one budget is not implemented yet: remove "
                 f"the break (torch._dynamo.explain lists them) or use one backend per shape")
-        measures = measure_ops(joint)
-        graph = describe(joint, num_fwd_outputs, measures)
-        plan = self.planner(graph, self.budget)
-        if plan.prediction.peak_bytes > self.budget:
+        if self._measures is None:  # the same joint graph under each of Inductor's targets
+            self._measures = measure_ops(joint)
+        graph = describe(joint, num_fwd_outputs, self._measures,
+                         pin_rng=self.compiler == "inductor")
+        if self.budget is None:
+            self.budget = resolve_budget(graph, self.spec, self.width)
+        target = self.budget if self._target is None else self._target
+        plan = self.planner(graph, target)
+        if plan.prediction.peak_bytes > target:
             raise MonetlikeError(f"the planner's saved set peaks at "
-                                 f"{format_bytes(plan.prediction.peak_bytes)}, over the budget "
-                                 f"{format_bytes(self.budget)}; expected a plan within it")
+                                 f"{format_bytes(plan.prediction.peak_bytes)}, over the target "
+                                 f"{format_bytes(target)}; expected a plan within it")
+        redrawn = [n for n in plan.prediction.recomputed if graph.by_name[n].pinned]
+        if redrawn:
+            raise MonetlikeError(f"the plan recomputes the random op(s) {redrawn[:3]}, whose "
+                                 f"numbers {self.compiler} does not replay; expected them saved")
         tag_saved(joint, graph, plan.saved)
         kwargs.pop("compiler", None)  # Inductor names itself for its min-cut's op lists
         forward, backward = torch_private.default_partition(
@@ -115,9 +242,11 @@ class CompiledBackend:
                 f"torch's partition saved other values than the plan (a monetlike bug, please "
                 f"report it): saved but not planned {sorted(got - plan.saved)[:5]}, planned but "
                 f"not saved {sorted(plan.saved - got)[:5]}")
-        self.records.append(PartitionRecord(graph=graph, plan=plan, saved=got, forward=forward,
-                                            backward=backward, unmeasured=measures.failed))
+        self._made = PartitionRecord(graph=graph, plan=plan, saved=got, forward=forward,
+                                     backward=backward, unmeasured=self._measures.failed,
+                                     target=target)
         return forward, backward
 
     def __repr__(self) -> str:
-        return f"monetlike.backend(budget={format_bytes(self.budget)!r}, compiler={self.compiler!r})"
+        budget = str(self.spec) if self.budget is None else format_bytes(self.budget)
+        return f"monetlike.backend(budget={budget!r}, compiler={self.compiler!r})"
