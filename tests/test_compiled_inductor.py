@@ -173,3 +173,44 @@ def test_no_target_fits_raises_with_the_least_the_code_reached(monkeypatch):
         be._compile_inductor(None, None)
     assert e.value.min_budget == 1020
     assert "the least of the 3 tried peaks at" in str(e.value)
+
+
+SCRATCH = '''
+import torch
+aten = torch.ops.aten
+def call(self, args):
+    x, w = args
+    args.clear()
+    assert_size_stride(x, (4, 960, 2, 2), (3840, 1, 1920, 960), 'input')
+    buf0 = empty_strided_cpu((4, 960, 2, 2), (3840, 1, 1920, 960), torch.float32)
+    buf1 = torch.ops.aten.convolution_backward.default(buf0, x, w, [0], (1, 1), (1, 1), (1, 1), False, (0, 0), 960, [True, True, False])
+    buf2 = buf1[0]
+    assert_tensor_metadata(buf2, (4, 960, 2, 2), (3840, 1, 1920, 960), torch.float32, 'cb')
+    buf3 = buf1[1]
+    assert_tensor_metadata(buf3, (960, 1, 3, 3), (9, 9, 3, 1), torch.float32, 'cb')
+    del buf1
+    buf4 = empty_strided_cpu((4, 3), (3, 1), torch.float32)
+    buf5 = torch.ops.aten.multinomial.default(buf4, 1)
+    return (buf2, buf3, buf5)
+'''
+
+
+def test_a_kernel_calls_scratch_is_what_it_allocates_beyond_its_outputs():
+    from monetlike.core.allocator import AllocatorLog
+    from monetlike.runtime.compiled.inductor_code import measure_scratch
+    plan = read_call(SCRATCH)
+    # x arrives channels-last as the code asserts (the graph's placeholder says contiguous): a
+    # depthwise convolution's backward allocates 8.4 MiB of workspace on that layout here
+    layouts = {"x": ((4, 960, 2, 2), (3840, 4, 2, 1), "float32"),
+               "w": ((960, 1, 3, 3), (9, 9, 3, 1), "float32")}
+    scratch, failed = measure_scratch(plan, SCRATCH, layouts)
+    assert failed == (1,)  # multinomial of zeros: not a distribution
+    g = torch.zeros(4, 960, 2, 2).to(memory_format=torch.channels_last)
+    x, w = g.clone(), torch.zeros(960, 1, 3, 3)
+    with AllocatorLog() as log:
+        log.mark("a")
+        out = torch.ops.aten.convolution_backward.default(
+            g, x, w, [0], (1, 1), (1, 1), (1, 1), False, (0, 0), 960, [True, True, False])
+        log.mark("b")
+    del out
+    assert scratch[0] == log.peak_between("a", "b") - log.level("b")

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
 from solver.compiled import (AUTO_REFUSED, CompiledPlan, JointGraph, least_peak, plan_saved,
@@ -29,7 +30,7 @@ from solver.errors import BudgetParseError, InfeasibleBudgetError, MonetlikeErro
 from solver.units import format_bytes, parse_budget
 
 from ...core import torch_private
-from .inductor_code import CodePeak, read_call, replay_step
+from .inductor_code import CodePeak, measure_scratch, read_call, replay_step
 from .joint import OpMeasures, describe, measure_ops, saved_names, tag_saved
 
 __all__ = ["CompiledBackend", "GraphBreakError", "PartitionRecord", "COMPILERS"]
@@ -73,6 +74,18 @@ class PartitionRecord:
     @property
     def predicted_peak(self) -> int:
         return self.graph.fixed_bytes + self.predicted_transient
+
+
+def _input_layouts(gm: fx.GraphModule) -> dict[str, tuple]:
+    """(size, stride, dtype name) of each tensor placeholder of a partitioned graph (the names
+    Inductor's wrapper unpacks its `args` into)."""
+    out = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out[node.name] = (tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
+                              str(val.dtype).removeprefix("torch."))
+    return out
 
 
 def _where(gm: fx.GraphModule | None) -> str:
@@ -144,9 +157,17 @@ class CompiledBackend:
                                  "the plan's memory is read from (a C++ wrapper?): not supported")
         tangents = [n.out_bytes[0] if n.out_bytes else 0 for n in made.graph.nodes
                     if n.phase == "tangent"]
-        code = replay_step(read_call(self._code[False]), read_call(self._code[True]),
-                           num_fwd_outputs=len(made.graph.forward_outputs),
-                           tangent_bytes=tangents, fixed_bytes=made.graph.fixed_bytes)
+        plans, scratch, unmeasured = [], [], []
+        for graph, source in ((made.forward, self._code[False]),
+                              (made.backward, self._code[True])):
+            plan = read_call(source)
+            got, failed = measure_scratch(plan, source, _input_layouts(graph))
+            plans.append(plan)
+            scratch.append(got)
+            unmeasured += [plan.calls[i][:120] for i in failed]
+        code = replay_step(plans[0], plans[1], num_fwd_outputs=len(made.graph.forward_outputs),
+                           tangent_bytes=tangents, fixed_bytes=made.graph.fixed_bytes,
+                           scratch=(scratch[0], scratch[1]), unmeasured=tuple(unmeasured))
         return out, dataclasses.replace(made, code=code)
 
     def _compile_inductor(self, gm, example_inputs):
