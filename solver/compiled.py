@@ -370,9 +370,10 @@ def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
     return [first] + [rest[i:i + 4 * width] for i in range(0, len(rest), 4 * width)]
 
 
-def _descend(g: JointGraph, budget: int, start: Prediction, width: int):
+def _descend(g: JointGraph, budget: int, start: Prediction, width: int, by_cost: bool = True):
     """Greedy: recompute the saved value whose removal lowers the peak most per unit of added
-    cost, until the peak fits `budget` or no removal lowers it. Returns (prediction, trail)."""
+    cost (by_cost=False: most, whatever it costs), until the peak fits `budget` or no removal
+    lowers it. Returns (prediction, trail)."""
     cur, trail = start, [start.peak_bytes]
     while cur.peak_bytes > budget:
         best, best_key = None, None
@@ -382,7 +383,8 @@ def _descend(g: JointGraph, budget: int, start: Prediction, width: int):
                 gain = cur.peak_bytes - p.peak_bytes
                 if gain <= 0:
                     continue
-                key = gain / max(MIN_SECONDS, p.recompute_cost - cur.recompute_cost)
+                added = max(MIN_SECONDS, p.recompute_cost - cur.recompute_cost)
+                key = gain / added if by_cost else (gain, -added)
                 if best_key is None or key > best_key:
                     best, best_key = p, key
             if best is not None:
@@ -406,9 +408,22 @@ def _polish(g: JointGraph, budget: int, cur: Prediction) -> Prediction:
     return cur
 
 
+def _descents(g: JointGraph, budget: int, width: int):
+    """The greedy by gain per cost; where it stops above `budget`, the greedy by gain alone
+    (a path that does not depend on the measured times, which ranked some moves that led
+    nowhere first), if it goes lower. Returns (prediction, trail)."""
+    start = _start(g)
+    cur, trail = _descend(g, budget, start, width)
+    if cur.peak_bytes > budget:
+        alt, alt_trail = _descend(g, budget, start, width, by_cost=False)
+        if alt.peak_bytes < cur.peak_bytes:
+            return alt, alt_trail
+    return cur, trail
+
+
 def least_peak(g: JointGraph, width: int = 8) -> Prediction:
     """The least peak the search reaches (the search run with no budget to stop it)."""
-    low, trail = _descend(g, -1, _start(g), width)
+    low, trail = _descents(g, -1, width)
     return low
 
 
@@ -416,7 +431,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
     torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
-    cur, trail = _descend(g, budget, _start(g), width)
+    cur, trail = _descents(g, budget, width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(
             f"budget {format_bytes(budget)} is below the least peak the compiled plan's search "

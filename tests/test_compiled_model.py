@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, least_peak, plan_saved, predict, \
-    torch_default_saved
+from solver.compiled import JointGraph, JointNode, _descend, _start, least_peak, plan_saved, \
+    predict, torch_default_saved
 from solver.errors import InfeasibleBudgetError
 
 K = 1000
@@ -101,3 +101,12 @@ def test_a_budget_below_the_least_raises_with_the_least():
 def test_a_saved_set_must_name_forward_values():
     with pytest.raises(ValueError, match="not savable forward values"):
         predict(chain(), {"g3"})
+
+
+def test_the_least_is_the_lower_of_the_two_greedy_paths_and_a_plan_fits_it():
+    g = chain()
+    by_cost, _ = _descend(g, -1, _start(g), 8)
+    by_gain, _ = _descend(g, -1, _start(g), 8, by_cost=False)
+    least = least_peak(g).peak_bytes
+    assert least == min(by_cost.peak_bytes, by_gain.peak_bytes)
+    assert plan_saved(g, least).prediction.peak_bytes <= least
