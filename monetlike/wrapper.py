@@ -50,6 +50,7 @@ import dataclasses
 import inspect
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -427,12 +428,13 @@ class ScheduleWrapper(torch.nn.Module):
         _module_flags(self._model, training, grads)
         structure = tuple(grads)
         if structure != self.__dict__.get("_structure"):
-            # NOTE [The model checked every step]: a module or parameter replaced since the
-            # last step: trace the model as it is now and list its attributes again.
-            object.__setattr__(self, "_gm", None)
-            self._watched = self._placeholders = None
             described = _described(self._model)
             if self.__dict__.get("_structure") is not None:
+                # NOTE [The model checked every step]: a module or parameter replaced since
+                # the last step: trace the model as it is now and list its attributes again.
+                # (On the first step, the trace this call's binding made is of the model now.)
+                object.__setattr__(self, "_gm", None)
+                self._watched = self._placeholders = None
                 self._changed = _first_change(self.__dict__.get("_described", []), described)
             self._structure, self._described = structure, described
         return (tuple(parts), tuple(autocast), structure, tuple(training),
@@ -553,16 +555,22 @@ class ScheduleWrapper(torch.nn.Module):
         return self._capture == "export"
 
     def _traced(self, inputs: tuple | None = None):
+        model = self._model
         if isinstance(inputs, FlatInputs):
             # Specialised to these shapes and constants: captured per input signature (the
             # plan built on it is cached with the signature).
-            return export_graph(self._model, inputs)
+            return _shared_capture(model, ("export", self._signature(inputs)),
+                                   lambda: export_graph(model, inputs))
         state = self._python_state()
         if self._gm is None or state != self._gm_state:
-
+            training: list = []
+            structure: list = []
+            _module_flags(model, training, structure)
+            key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure), state)
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
-            object.__setattr__(self, "_gm", trace(self._model, self._leaf_modules))
+            object.__setattr__(self, "_gm", _shared_capture(
+                model, key, lambda: trace(model, self._leaf_modules)))
             self._gm_state = state
         return self._gm
 
@@ -595,6 +603,24 @@ class ScheduleWrapper(torch.nn.Module):
 # plan: over budget, or wrong gradients. So each module's identity and type and each parameter's
 # identity, shape, dtype and requires_grad are in the call's signature (a few attribute reads):
 # a change is profiled again and runs or is refused naming what differs, as a new wrapper would.
+
+
+# Captures of a model as a wrapper keys them (the structure, the Python attributes read, and for
+# export the call's signature), shared by every wrapper of that model: a loop or a test that
+# wraps one model in several schedules traced it again for each (a sixth of the fuzzer's time).
+# Nothing mutates a captured module: plans read it.
+_CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CAPTURES_PER_MODEL = 8
+
+
+def _shared_capture(model: torch.nn.Module, key: tuple, capture):
+    held = _CAPTURES.setdefault(model, {})
+    gm = held.get(key)
+    if gm is None:
+        if len(held) >= _CAPTURES_PER_MODEL:
+            held.pop(next(iter(held)))
+        gm = held[key] = capture()
+    return gm
 
 
 # NOTE [Python attributes read in forward]

@@ -32,6 +32,10 @@ cheap there (UNet at batch 11: about 20 s) and minutes on the large models, wher
 finding better schedules late. Probes on lazy rows proved no more than branch and bound's own
 bound while LNS lost their time (docs/BENCHMARKS.md, Solver: GoogLeNet at 5 GiB)."""
 FIRST_INCUMBENT_POLL_S = 0.2
+HEAD_START_S = 0.5
+"""Seconds (at most a tenth of the time left) branch and bound runs alone before LNS starts.
+On a small graph it ends within them, and LNS, whose first window then spans the whole graph,
+would only have solved the same MILP again beside it (a quarter of the fuzzer's solver time)."""
 
 
 def race_starts(form: Formulation, x0: np.ndarray, race) -> list[tuple[str, np.ndarray]]:
@@ -60,6 +64,8 @@ class LargeNeighbourhood:
     def run(self, ctx: SearchContext) -> None:
         form, pool = ctx.form, ctx.pool
         assert pool.forms[0] is form, "LNS works on the first formulation of the pool"
+        if ctx.finished.wait(min(HEAD_START_S, 0.1 * max(0.0, ctx.left()))):
+            return
         # Wait for a first incumbent (from the heuristics or branch and bound).
         while not pool.has and not ctx.finished.wait(FIRST_INCUMBENT_POLL_S):
             if ctx.left() < 0:
