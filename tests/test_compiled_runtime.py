@@ -142,3 +142,48 @@ def test_a_graph_break_is_refused_naming_it():
 def test_an_unknown_compiler_is_refused():
     with pytest.raises(ValueError, match="compiler 'tvm' is not one of aot_eager, inductor"):
         monetlike.backend(budget="1GiB", compiler="tvm")
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank in this process (DistributedDataParallel needs one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _bucketed():
+    """An MLP whose gradients fill several 1 MB DistributedDataParallel buckets."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1024), nn.ReLU(),
+                         nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 4))
+
+
+def test_ddp_bucket_graphs_are_refused_naming_ddp_and_one_graph_trains_exactly(one_rank):
+    """Under DistributedDataParallel, Dynamo compiles one graph per gradient bucket: refused,
+    naming DDP and the switch; with the switch, one graph, gradients bitwise DDP's own."""
+    import torch._dynamo
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(8, 64)
+    split = DDP(torch.compile(_bucketed(), backend=monetlike.backend(budget="1GiB")),
+                bucket_cap_mb=1)
+    with pytest.raises(Exception) as e:
+        split(x).sum().backward()
+    err = next(c for c in causes(e.value) if isinstance(c, GraphBreakError))
+    assert "DistributedDataParallel split the step" in str(err)
+    assert "torch._dynamo.config.optimize_ddp = False" in str(err)
+
+    torch._dynamo.reset()
+    reference = DDP(_bucketed(), bucket_cap_mb=1)
+    be = monetlike.backend(budget="min")
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        ours = DDP(torch.compile(_bucketed(), backend=be), bucket_cap_mb=1)
+        ours(x).sum().backward()
+    reference(x).sum().backward()
+    assert len(be.records) == 1 and be.record.plan.prediction.peak_bytes <= be.budget
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -311,3 +311,13 @@ def fsdp_unit_settings(module: torch.nn.Module) -> "tuple[bool, torch.dtype | No
     if group is None:  # a unit without parameters
         return True, None
     return group.post_forward_mesh_info is not None, group.mp_policy.param_dtype
+
+
+def ddp_splits_graphs() -> bool:
+    """Whether Dynamo is compiling inside a DistributedDataParallel forward with its
+    DDPOptimizer on, which splits the graph at each gradient bucket (one graph per bucket, so
+    that each bucket's all-reduce can start while the backward goes on)."""
+    import torch._dynamo.config as dynamo_config  # torch.compile's, loaded once it runs
+
+    active = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    return active is not None and bool(dynamo_config.optimize_ddp)

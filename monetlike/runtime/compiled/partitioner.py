@@ -122,6 +122,7 @@ class CompiledBackend:
         self.compiles = 0
         """Graphs compiled (Inductor may compile one graph under several targets)."""
         self._graphs: list[fx.GraphModule] = []
+        self._ddp_split = False  # a graph came from DistributedDataParallel's bucket split
         self._target: int | None = None  # None: the budget
         self._made: PartitionRecord | None = None  # the last partition, not yet chosen
         self._measures: OpMeasures | None = None
@@ -134,6 +135,7 @@ class CompiledBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         self._graphs.append(gm)
+        self._ddp_split = self._ddp_split or torch_private.ddp_splits_graphs()
         self._measures, self._made = None, None
         if self.compiler == "aot_eager":
             out = self._compile(gm, example_inputs)
@@ -228,14 +230,25 @@ class CompiledBackend:
                                  "backward step of the compiled model first")
         return self.records[0]
 
+    def _second_graph_refusal(self) -> str:
+        head = (f"torch.compile handed monetlike.backend a second training graph, starting at "
+                f"{_where(self._graphs[-1])}; the first started at {_where(self._graphs[0])}. ")
+        tail = ("One plan per graph under one budget is not implemented yet (each graph's "
+                "saved values stay alive through the later graphs' steps, so their budgets add "
+                "up)")
+        if self._ddp_split:
+            return (head + "DistributedDataParallel split the step: Dynamo's DDPOptimizer "
+                    "compiles one graph per gradient bucket so that each bucket's all-reduce "
+                    "overlaps the backward. " + tail + ": set torch._dynamo.config.optimize_ddp "
+                    "= False for one graph (the all-reduces then run after the backward)")
+        return (head + "A graph break, a recompilation for other input shapes or dtypes, or "
+                "blocks compiled one by one (as FSDP2 per-block compile does) split the step. "
+                + tail + ": remove the break (torch._dynamo.explain lists them), use one "
+                "backend per shape, or compile the whole model once")
+
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         if self.records:
-            raise GraphBreakError(
-                f"torch.compile handed monetlike.backend a second training graph, starting at "
-                f"{_where(self._graphs[-1])}; the first started at {_where(self._graphs[0])}. "
-                f"A graph break (or a recompilation for other input shapes or dtypes) splits the "
-                f"step, and one plan per graph under one budget is not implemented yet: remove "
-                f"the break (torch._dynamo.explain lists them) or use one backend per shape")
+            raise GraphBreakError(self._second_graph_refusal())
         if self._measures is None:  # the same joint graph under each of Inductor's targets
             self._measures = measure_ops(joint)
         graph = describe(joint, num_fwd_outputs, self._measures,
