@@ -7,9 +7,6 @@ gradients, not only parameters, make up the peak (see the activation share in CA
 """
 
 import gc
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import monetlike
 import solver
 from monetlike import models
 from monetlike.capture.trace import trace
+from fresh import run_fresh
 
 tv = torchvision.models
 
@@ -74,16 +72,10 @@ def plain_step(model, xs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_store_all_peak_matches_pytorch(name):
-    """Run in a fresh interpreter: tensors that earlier tests of the suite left alive, and that
-    die during the measured step, made its peak read lower than the prediction plus them (UNet
-    in a full run: +24%, its activation share 0.14 where 0.15 is required)."""
-    code = (f"import sys, torch; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"torch.set_num_threads(1); import test_profile_models as t; "
-            f"t.check_store_all(sys.argv[1])")
-    r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
-                       timeout=900)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    """Run in a fresh interpreter (tests/fresh.py): tensors that earlier tests of the suite left
+    alive, and that die during the measured step, made its peak read lower than the prediction
+    plus them (UNet in a full run: +24%, its activation share 0.14 where 0.15 is required)."""
+    run_fresh(check_store_all, name)
 
 
 def check_store_all(name):

@@ -1,0 +1,30 @@
+"""Run a function in a fresh interpreter without paying for torch's import each time: a
+forkserver that has imported torch, torchvision, monetlike and solver (nothing else run) forks
+one child per call, so tensors and state that the suite's process holds never reach it. A
+subprocess per call imported them again: 5 s of CPU each here."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+
+PRELOAD = ["torch", "torchvision", "monetlike", "solver"]
+_context = None
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_fresh(fn, *args, timeout: float = 900):
+    """fn(*args) in a child forked from the preloaded server (one intra-op thread); its result,
+    or its exception raised here. `fn` must be importable by name (a module-level function)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=_context,
+                                                initializer=_one_thread) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout)
