@@ -4,7 +4,7 @@ Workers rendezvous through a file store under the test's tmp_path (no TCP store-
 free-port race) and, once every check has passed, leave by `leave_without_finalization`: CI once
 saw rank 0 die of SIGABRT in gloo's teardown during interpreter finalization ("terminate called
 without an active exception", no Python traceback; pytorch/pytorch#179291). A failing check
-still fails the test: the worker raises before it gets there, and the spawn context reports it.
+still fails the test: the worker raises before it gets there, and the process context reports it.
 And a worker that exits without running its checks fails it too: each rank leaves a file saying
 its `process_group` body ran to its end, and `run_workers` asserts that every rank's is there.
 """
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fresh import forkserver
+
 WORLD = 2
 TIMEOUT_S = 240
 
@@ -35,7 +37,9 @@ def run_workers(worker, args: tuple, what: str) -> list[int]:
     that ran their checks to the end (the test asserts it is every rank)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.start_processes(worker, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    forkserver()  # workers fork from a server that has imported torch (tests/fresh.py)
+    ctx = mp.start_processes(worker, args=args, nprocs=WORLD, join=False,
+                             start_method="forkserver")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:

@@ -18,13 +18,19 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def run_fresh(fn, *args, timeout: float = 900):
-    """fn(*args) in a child forked from the preloaded server (one intra-op thread); its result,
-    or its exception raised here. `fn` must be importable by name (a module-level function)."""
+def forkserver():
+    """The multiprocessing context whose server has the imports preloaded (one server per
+    process: the distributed tests' workers start from it too, start_method="forkserver")."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=_context,
+    return _context
+
+
+def run_fresh(fn, *args, timeout: float = 900):
+    """fn(*args) in a child forked from the preloaded server (one intra-op thread); its result,
+    or its exception raised here. `fn` must be importable by name (a module-level function)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=forkserver(),
                                                 initializer=_one_thread) as pool:
         return pool.submit(fn, *args).result(timeout=timeout)
