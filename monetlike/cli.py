@@ -104,8 +104,10 @@ def _fsdp_config(args, model) -> "FSDPConfig | None":
     """--fsdp RANKS: FSDP2 as torchtitan shards a transformer (FSDPConfig.per_block)."""
     if getattr(args, "fsdp", None) is None:
         return None
-    dtype = None if args.fsdp_param_dtype == "none" else getattr(torch, args.fsdp_param_dtype)
-    fsdp = FSDPConfig.per_block(model, args.fsdp, param_dtype=dtype)
+    dtypes = {name: None if value == "none" else getattr(torch, value)
+              for name, value in (("param_dtype", args.fsdp_param_dtype),
+                                  ("reduce_dtype", args.fsdp_reduce_dtype))}
+    fsdp = FSDPConfig.per_block(model, args.fsdp, **dtypes)
     if not fsdp.units:
         print(f"--fsdp: {type(model).__name__} has no block list (nn.ModuleList): the root is "
               f"its only fully_shard unit", file=sys.stderr)
@@ -122,7 +124,8 @@ def fsdp_summary(graph) -> str:
     units = fsdp["units"]
     return "\n".join([
         f"FSDP2 per rank ({n} ranks; {len(units)} block units and the root; param_dtype "
-        f"{fsdp['param_dtype']}; reshard_after_forward {fsdp['reshard_after_forward']}):",
+        f"{fsdp['param_dtype']}; reduce_dtype {fsdp.get('reduce_dtype') or 'as param_dtype'}; "
+        f"reshard_after_forward {fsdp['reshard_after_forward']}):",
         f"  parameters {format_bytes(f['unsharded_params'])} unsharded in param_dtype, "
         f"{format_bytes(f['sharded_params'])} sharded (1/{n}); sharded gradients "
         f"{format_bytes(f['sharded_grads'])}; optimizer state {format_bytes(f['optimizer'])}",

@@ -228,6 +228,11 @@ def add_fsdp_args(p) -> None:
                    default="bfloat16",
                    help="with --fsdp: the MixedPrecisionPolicy's param_dtype (default bfloat16, "
                         "torchtitan's; none: no mixed precision)")
+    p.add_argument("--fsdp-reduce-dtype", choices=("float32", "bfloat16", "float16", "none"),
+                   default="none",
+                   help="with --fsdp: the MixedPrecisionPolicy's reduce_dtype, the dtype "
+                        "gradients are reduce-scattered in (torchtitan: float32; default none: "
+                        "in param_dtype)")
 
 
 def add_host_bandwidth(p) -> None:

@@ -8,7 +8,8 @@ CPU allocator's own events on 2 gloo ranks (monetlike.measure_step), on a small 
 - The root unit under bfloat16 mixed precision (`MixedPrecisionPolicy(param_dtype=bfloat16)`):
   store-all, and the gradients bitwise equal to FSDP2's with the same policy.
 - Each block its own unit (`fully_shard(layers[i])`, then the root), plain FSDP2, float32 and
-  bfloat16: the store-all prediction against the measured step (the wrapper does not run
+  bfloat16, and bfloat16 reduce-scattered in float32 (`reduce_dtype`, torchtitan's): the
+  store-all prediction against the measured step (the wrapper does not run
   inside per-block units yet, and refuses them: it runs as the root unit, as in test_fsdp.py).
 
 The step holds the model's output until its backward is done, as the profile assumes; the
@@ -133,6 +134,31 @@ def _worker(rank: int, store_path: str) -> None:
                 f"rank {rank} per-block units {kw}: measured {measured}, predicted {predicted}"
             if policy is None:
                 assert predicted < peak  # resharding each block after its forward pays here
+
+        # -- reduce-scatter in float32 under bfloat16 parameters (torchtitan's policy), on a
+        # model whose gradients, not its activations, make the backward's peak ----------------
+        torch.manual_seed(0)
+        wide = llama_tiny(layers=LAYERS, dim=128, hidden=352)
+        tokens = torch.randint(0, 256, (1, 16))
+        wide_mp = monetlike.profile(cast_for_mixed_precision(wide, torch.bfloat16), tokens,
+                                    repeat=1, impls=False)
+        predicted = {}
+        for reduce_dtype in (None, torch.float32):
+            config = monetlike.FSDPConfig(world_size=WORLD, backend="gloo", units=units,
+                                          param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            g = per_rank_graph(wide_mp, wide, config, optimizer_multiplier=0)
+            predicted[reduce_dtype] = simulate(g, store_all_schedule(g)).peak_bytes
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            model = copy.deepcopy(wide)
+            for layer in model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            assert monetlike.FSDPConfig.of(model) == config
+            measured = _measured(model, tokens) + g.fixed_bytes
+            assert abs(measured - predicted[reduce_dtype]) <= 0.02 * predicted[reduce_dtype], \
+                (f"rank {rank} reduce_dtype {reduce_dtype}: measured {measured}, predicted "
+                 f"{predicted[reduce_dtype]}")
+        assert predicted[torch.float32] > 1.1 * predicted[None]  # its float32 buffers
 
         # -- the wrapper inside per-block units is refused, saying why --------------------------
         inner = copy.deepcopy(base)

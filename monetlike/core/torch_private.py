@@ -300,17 +300,18 @@ def inductor_backend(partition_fn: Callable,
     return backend
 
 
-def fsdp_unit_settings(module: torch.nn.Module) -> "tuple[bool, torch.dtype | None]":
-    """(reshard_after_forward, the mixed-precision param_dtype) of a module FSDP2's fully_shard
-    made a unit of. FSDP2 has setters for these (FSDPModule.set_reshard_after_forward) but no
+def fsdp_unit_settings(module: torch.nn.Module) -> tuple:
+    """(reshard_after_forward, the mixed-precision param_dtype, its reduce_dtype) of a module
+    FSDP2's fully_shard made a unit of. FSDP2 has setters for these (FSDPModule.set_reshard_after_forward) but no
     getters: they are read from the unit's parameter group. A root unit that has run a forward
     reads False (FSDP2 clears its post-forward mesh then)."""
     from torch.distributed.fsdp import fully_shard  # imported where a sharded model exists
 
     group = fully_shard.state(module)._fsdp_param_group
     if group is None:  # a unit without parameters
-        return True, None
-    return group.post_forward_mesh_info is not None, group.mp_policy.param_dtype
+        return True, None, None
+    policy = group.mp_policy
+    return group.post_forward_mesh_info is not None, policy.param_dtype, policy.reduce_dtype
 
 
 def ddp_splits_graphs() -> bool:

@@ -20,8 +20,8 @@ bytes the IR already counts change, so the simulator and the MILP count them wit
 
 Mixed precision (`param_dtype`): the model is profiled in param_dtype (FSDP2 computes in it),
 the shards and the optimizer state stay in the parameters' dtype, and the unsharded parameters,
-their gradients and the reduce-scatter buffers are in param_dtype; an all-gather also holds its
-local shards cast to param_dtype while it runs.
+their gradients are in param_dtype, the reduce-scatter's buffers in reduce_dtype (param_dtype
+where it is None); an all-gather also holds its local shards cast to param_dtype while it runs.
 
 What FSDP2 allocates and when was read from torch/distributed/fsdp/_fully_shard (torch 2.14)
 and checked against the CPU allocator's events on 2 gloo ranks (tests/test_fsdp_memory.py).
@@ -64,9 +64,12 @@ class FSDPConfig:
     backward_prefetch: bool = True
     """FSDP2's default: at a unit's backward, the unit before it in the forward is all-gathered."""
     param_dtype: torch.dtype | None = None
-    """The MixedPrecisionPolicy's param_dtype (its reduce_dtype left None: gradients reduced in
-    param_dtype, then cast to the sharded parameters' dtype); None: no mixed precision. The
-    model is profiled in param_dtype (its floating parameters cast, as FSDP2 computes)."""
+    """The MixedPrecisionPolicy's param_dtype; None: no mixed precision. The model is profiled
+    in param_dtype (its floating parameters cast, as FSDP2 computes)."""
+    reduce_dtype: torch.dtype | None = None
+    """The MixedPrecisionPolicy's reduce_dtype (torchtitan: float32 under bfloat16 parameters):
+    the reduce-scatter's buffers are in it; None: in the gradients' dtype (param_dtype), then
+    cast to the sharded parameters' dtype."""
     backend: str = "nccl"
     """The process group's backend: 'gloo' copies each collective's buffer once more."""
 
@@ -81,6 +84,12 @@ class FSDPConfig:
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"FSDPConfig.backend: expected 'nccl' or 'gloo', got "
                              f"{self.backend!r}")
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                          and dtype.is_floating_point):
+                raise ValueError(f"FSDPConfig.{field}: expected a floating torch.dtype such as "
+                                 f"torch.bfloat16 or None, got {dtype!r}")
         if self.forward_prefetch or not self.backward_prefetch:
             raise NotImplementedError(
                 "FSDPConfig: only FSDP2's default prefetching is modelled (forward_prefetch=False, "
@@ -105,18 +114,19 @@ class FSDPConfig:
                              f"got {sorted(meshes)}")
         units = tuple(n for n, m in model.named_modules() if n and isinstance(m, FSDPModule))
         reshard = {torch_private.fsdp_unit_settings(model.get_submodule(u))[0] for u in units}
-        dtypes = {torch_private.fsdp_unit_settings(m)[1]
+        dtypes = {torch_private.fsdp_unit_settings(m)[1:]
                   for m in (model, *(model.get_submodule(u) for u in units))}
         if len(reshard) > 1 or len(dtypes) > 1:
             raise NotImplementedError(
                 f"FSDPConfig.of: units with different reshard_after_forward ({sorted(reshard)}) "
-                f"or param_dtype ({sorted(map(str, dtypes))}) are not modelled; give them one "
-                f"setting")
+                f"or mixed precision (param_dtype, reduce_dtype: {sorted(map(str, dtypes))}) "
+                f"are not modelled; give them one setting")
+        param_dtype, reduce_dtype = dtypes.pop()
         if backend is None:
             backend = torch.distributed.get_backend()
         return cls(world_size=meshes.pop(), units=units, backend=backend,
                    reshard_after_forward=reshard.pop() if reshard else True,
-                   param_dtype=dtypes.pop())
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     @classmethod
     def per_block(cls, model: torch.nn.Module, world_size: int, **settings) -> "FSDPConfig":
@@ -129,6 +139,7 @@ class FSDPConfig:
         d = dataclasses.asdict(self)
         d["units"] = list(self.units)
         d["param_dtype"] = None if self.param_dtype is None else str(self.param_dtype)
+        d["reduce_dtype"] = None if self.reduce_dtype is None else str(self.reduce_dtype)
         return d
 
 
@@ -151,9 +162,11 @@ class _Unit:
     grads: int        # unsharded gradient bytes (in param_dtype, as the profile counts them)
     full: int         # the parameters' bytes as the profile counts them (in param_dtype)
     state: int        # optimizer state per rank (rank 0's local shard, the largest)
-    reduce_out: int   # the reduce-scatter's output, in param_dtype (cast to the sharded dtype)
+    reduce_out: int   # the reduce-scatter's output, in reduce_dtype (cast to the sharded dtype)
     gather_in: int    # the all-gather's inputs cast to param_dtype (mixed precision only)
     sharded_grads: int  # the sharded gradients after the step (the trainable parameters' shards)
+    reduce_in: int    # the reduce-scatter's padded input, in reduce_dtype
+    copy_scratch: int  # the copy into a reduce_dtype input: the largest gradient, converted alone
 
     def running(self, gloo: bool) -> int:
         """Bytes an all-gather holds while it runs: its flat buffer, gloo's copy of it, and the
@@ -182,10 +195,12 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
                          f"{type(model).__name__}; expected paths such as "
                          f"{[p for p in paths if p][:4]}")
     n = config.world_size
-    sums: dict[str, list[int]] = {u: [0] * 8 for u in ("", *config.units)}
+    sums: dict[str, list[int]] = {u: [0] * 10 for u in ("", *config.units)}
     for name, p in model.named_parameters():
         cast = config.param_dtype if config.param_dtype and p.is_floating_point() else p.dtype
         low = torch.empty((), dtype=cast).element_size()
+        reduce = config.reduce_dtype if config.reduce_dtype and p.is_floating_point() else cast
+        red = torch.empty((), dtype=reduce).element_size()
         rows = p.shape[0] if p.dim() else 1
         per_row = p.numel() // max(rows, 1)
         chunk = math.ceil(rows / n)
@@ -195,9 +210,12 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
         s[2] += p.numel() * low if p.requires_grad else 0
         s[3] += p.numel() * low
         s[4] += mult * min(chunk, rows) * per_row * p.element_size() if p.requires_grad else 0
-        s[5] += chunk * per_row * low if p.requires_grad else 0
+        s[5] += chunk * per_row * red if p.requires_grad else 0
         s[6] += chunk * per_row * low if cast != p.dtype else 0
         s[7] += chunk * per_row * p.element_size() if p.requires_grad else 0
+        s[8] += chunk * n * per_row * red if p.requires_grad else 0
+        if p.requires_grad and red != low:  # a max, not a sum: one gradient at a time
+            s[9] = max(s[9], chunk * n * per_row * low)
     return {u: _Unit(*s) for u, s in sums.items()}
 
 
@@ -305,12 +323,22 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
     reduced = [0]       # sharded minus unsharded gradient bytes of the reduced blocks
     rs_input = [0]      # the last reduce-scatter's input, kept until the next one
 
-    def post_backward(t: int) -> None:
+    def post_backward(t: int) -> int:
+        """Reshard and reduce-scatter the blocks whose backward ended at stage t; returns how
+        far above the level after it the reduce rises: the unsharded gradients copied into the
+        input (the output not yet made), gloo's copy of the input beside the output, the
+        output cast to the shards' dtype."""
+        rise = 0
         for b in blocks:
             if last_stage.get(b) == t:
+                u = units[b]
                 unsharded.pop(b, None)
-                reduced[0] += units[b].sharded - units[b].grads
-                rs_input[0] = units[b].unsharded
+                reduced[0] += u.sharded - u.grads
+                rs_input[0] = u.reduce_in
+                rise = max(rise, u.grads - u.sharded + u.copy_scratch,
+                           (u.reduce_in if gloo else 0) + u.reduce_out - u.sharded,
+                           u.reduce_out if u.reduce_out != u.sharded else 0)
+        return rise
 
     def level() -> int:
         return (root.unsharded + sum(unsharded.values()) + sum(prefetched.values())
@@ -318,7 +346,7 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
 
     stage_grad, extra = [], []
     for t, k in enumerate(order):
-        post_backward(t - 1)
+        reduce_rise = post_backward(t - 1)
         # Levels are relative to the profile's unsharded gradients, so they go negative once
         # enough blocks are reduced: no all-gather here is no extra, not a rise to 0.
         peak = level()
@@ -341,9 +369,9 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
                 prefetched[target] = units[target].unsharded
         steady = level()
         stage_grad.append(graph.stage_grad_bytes[t] + steady)
-        extra.append(max(0, peak - steady))
-    post_backward(len(order) - 1)
-    return stage_grad, extra, (level() - root.unsharded, rs_input[0])
+        extra.append(max(0, peak - steady, reduce_rise))
+    reduce_rise = post_backward(len(order) - 1)
+    return stage_grad, extra, (level() - root.unsharded, rs_input[0], reduce_rise)
 
 
 def _end(final: int, after: tuple[int, int], root: _Unit, gloo: bool) -> int:
@@ -351,9 +379,10 @@ def _end(final: int, after: tuple[int, int], root: _Unit, gloo: bool) -> int:
     runs from its final callback after the last stage (the root's inputs need no grad): reshard,
     release the last block's reduce-scatter input, copy the root's gradients into its own, free
     them, reduce-scatter (gloo copying its input meanwhile), cast to the sharded dtype."""
-    fsdp, rs_input = after
-    last = final + fsdp + root.unsharded
-    copy_in = final + fsdp - rs_input + root.unsharded
-    scattered = final + fsdp - rs_input + root.unsharded - root.grads + root.reduce_out
+    fsdp, rs_input, reduce_rise = after
+    last = final + fsdp + root.unsharded + reduce_rise
+    copy_in = final + fsdp - rs_input + root.reduce_in
+    scattered = copy_in - root.grads + root.reduce_out
     cast = scattered + (root.sharded if root.sharded != root.reduce_out else 0)
-    return max(last, copy_in, scattered + (root.unsharded if gloo else 0), cast)
+    return max(last, copy_in + root.copy_scratch, scattered + (root.reduce_in if gloo else 0),
+               cast)
