@@ -154,7 +154,8 @@ def _worker(rank: int, store_path: str) -> None:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             assert monetlike.FSDPConfig.of(model) == config
-            measured = _measured(model, tokens) + g.fixed_bytes
+            # gloo's thread holds a float32 reduce-scatter buffer past FSDP2 more often here
+            measured = _measured(model, tokens, tries=10) + g.fixed_bytes
             assert abs(measured - predicted[reduce_dtype]) <= 0.02 * predicted[reduce_dtype], \
                 (f"rank {rank} reduce_dtype {reduce_dtype}: measured {measured}, predicted "
                  f"{predicted[reduce_dtype]}")

@@ -167,6 +167,8 @@ class _Unit:
     sharded_grads: int  # the sharded gradients after the step (the trainable parameters' shards)
     reduce_in: int    # the reduce-scatter's padded input, in reduce_dtype
     copy_scratch: int  # the copy into a reduce_dtype input: the largest gradient, converted alone
+    last_grad: int    # the unit's last unsharded gradient, which foreach_reduce's loop variable
+    #                   keeps alive through the reduce-scatter and the cast
 
     def running(self, gloo: bool) -> int:
         """Bytes an all-gather holds while it runs: its flat buffer, gloo's copy of it, and the
@@ -195,7 +197,7 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
                          f"{type(model).__name__}; expected paths such as "
                          f"{[p for p in paths if p][:4]}")
     n = config.world_size
-    sums: dict[str, list[int]] = {u: [0] * 10 for u in ("", *config.units)}
+    sums: dict[str, list[int]] = {u: [0] * 11 for u in ("", *config.units)}
     for name, p in model.named_parameters():
         cast = config.param_dtype if config.param_dtype and p.is_floating_point() else p.dtype
         low = torch.empty((), dtype=cast).element_size()
@@ -216,6 +218,8 @@ def _units(model: torch.nn.Module, config: FSDPConfig, mult: int) -> dict[str, _
         s[8] += chunk * n * per_row * red if p.requires_grad else 0
         if p.requires_grad and red != low:  # a max, not a sum: one gradient at a time
             s[9] = max(s[9], chunk * n * per_row * low)
+        if p.requires_grad:  # the last one in the unit's parameter order
+            s[10] = p.numel() * low
     return {u: _Unit(*s) for u, s in sums.items()}
 
 
@@ -327,7 +331,7 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
         """Reshard and reduce-scatter the blocks whose backward ended at stage t; returns how
         far above the level after it the reduce rises: the unsharded gradients copied into the
         input (the output not yet made), gloo's copy of the input beside the output, the
-        output cast to the shards' dtype."""
+        output cast to the shards' dtype (the last gradient still held by both)."""
         rise = 0
         for b in blocks:
             if last_stage.get(b) == t:
@@ -336,8 +340,8 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
                 reduced[0] += u.sharded - u.grads
                 rs_input[0] = u.reduce_in
                 rise = max(rise, u.grads - u.sharded + u.copy_scratch,
-                           (u.reduce_in if gloo else 0) + u.reduce_out - u.sharded,
-                           u.reduce_out if u.reduce_out != u.sharded else 0)
+                           (u.reduce_in if gloo else 0) + u.reduce_out - u.sharded + u.last_grad,
+                           (u.reduce_out if u.reduce_out != u.sharded else 0) + u.last_grad)
         return rise
 
     def level() -> int:
@@ -349,7 +353,7 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
         reduce_rise = post_backward(t - 1)
         # Levels are relative to the profile's unsharded gradients, so they go negative once
         # enough blocks are reduced: no all-gather here is no extra, not a rise to 0.
-        peak = level()
+        peak = level() + reduce_rise  # before the next unit's pre-backward
         starting = [b for b in blocks if first_stage.get(b) == t]
         if t == 0 or starting:  # a pre-backward: the unit's own copy-out, then a prefetch
             target = rev[0] if rev else None
@@ -369,7 +373,7 @@ def _backward(graph, units, unit_of, blocks, root, config, gloo):
                 prefetched[target] = units[target].unsharded
         steady = level()
         stage_grad.append(graph.stage_grad_bytes[t] + steady)
-        extra.append(max(0, peak - steady, reduce_rise))
+        extra.append(max(0, peak - steady))
     reduce_rise = post_backward(len(order) - 1)
     return stage_grad, extra, (level() - root.unsharded, rs_input[0], reduce_rise)
 
@@ -384,5 +388,6 @@ def _end(final: int, after: tuple[int, int], root: _Unit, gloo: bool) -> int:
     copy_in = final + fsdp - rs_input + root.reduce_in
     scattered = copy_in - root.grads + root.reduce_out
     cast = scattered + (root.sharded if root.sharded != root.reduce_out else 0)
-    return max(last, copy_in + root.copy_scratch, scattered + (root.reduce_in if gloo else 0),
-               cast)
+    return max(last, copy_in + root.copy_scratch,
+               scattered + (root.reduce_in if gloo else 0) + root.last_grad,
+               cast + root.last_grad)
