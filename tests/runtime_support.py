@@ -182,6 +182,12 @@ def compare_step(model, wrapped_factory, inputs, seed: int = 0, steps: int = 1, 
     return wrapped
 
 
+def compare_schedule(model, schedule: Schedule, inputs, graph: OpGraph | None = None, **kw):
+    """compare_step with the copy wrapped by ScheduleWrapper at `schedule`."""
+    return compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
+                        inputs, **kw)
+
+
 def _same(a, b, what, check):
     assert len(a) == len(b), what
     for x, y in zip(a, b):
