@@ -59,6 +59,17 @@ def header_with_commit(script: str, argv) -> str:
     return header(command) + f"Commit: {commit}."
 
 
+def impl_counts(graph, schedule, none: str = "-") -> str:
+    """A table cell: how many Ops `schedule` runs with each Impl other than the default
+    ('conv_split 3, relu_mask 5'), or `none`."""
+    counts: dict[str, int] = {}
+    for j, k in enumerate(schedule.impl):
+        if k:
+            name = graph.ops[j].impls[k].name
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or none
+
+
 def read_section(name: str, path: str = DEFAULT_PATH) -> str | None:
     """The body of section `name` as last written, or None when it is not there."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

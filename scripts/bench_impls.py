@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import solver  # noqa: E402
-from bench_doc import header, read_section, replace_section  # noqa: E402
+from bench_doc import header, impl_counts, read_section, replace_section  # noqa: E402
 from monetlike.profile import profile  # noqa: E402
 
 GIB = 2 ** 30
@@ -87,15 +87,6 @@ def _pct(x):
     return "-" if x is None else f"{x:+.2f}%"
 
 
-def _impl_counts(g, s) -> str:
-    counts: dict[str, int] = {}
-    for j, k in enumerate(s.impl):
-        if k:
-            n = g.ops[j].impls[k].name
-            counts[n] = counts.get(n, 0) + 1
-    return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
-
-
 def predicted(names, budgets, time_limit, min_time_limit, log):
     rows, mins = [], []
     for name in names:
@@ -131,7 +122,7 @@ def predicted(names, budgets, time_limit, min_time_limit, log):
                 res[mode] = (tl.total_time / base.total_time - 1, s, r.status, r.mip_gap)
                 log(f"{name} {gib} GiB {mode}: {r.status} overhead "
                     f"{100 * res[mode][0]:.2f}% gap {r.mip_gap} "
-                    f"({time.perf_counter() - t1:.0f} s) impls: {_impl_counts(g, s)}")
+                    f"({time.perf_counter() - t1:.0f} s) impls: {impl_counts(g, s, 'none')}")
             fallback = False
             if res["checkpoint"] is not None and (res["full"] is None
                                                   or res["full"][0] > res["checkpoint"][0]):
@@ -158,7 +149,7 @@ def predicted_tables(rows, mins) -> str:
     for name, gib, frac, res, fallback, monet, g in rows:
         ck = None if res["checkpoint"] is None else 100 * res["checkpoint"][0]
         fu = None if res["full"] is None else 100 * res["full"][0]
-        impls = "-" if res["full"] is None else _impl_counts(g, res["full"][1])
+        impls = "-" if res["full"] is None else impl_counts(g, res["full"][1], "none")
         out.append(f"| {name} | {gib} GiB | {frac:.3f} | "
                    f"{'infeasible' if ck is None else _pct(ck)} | "
                    f"{'infeasible' if fu is None else _pct(fu)}{' *' if fallback else ''} | "
@@ -232,7 +223,7 @@ def measured(time_limit, log) -> str:
             tl = solver.simulate(g, s)
             peak, sec = run(s)
             log(f"cpu {b} {mode}: pred {tl.peak_bytes} meas {peak} {sec * 1000:.1f} ms")
-            out.append(f"| {b / 2**20:.2f} MiB | {mode} | {_impl_counts(g, s)} | "
+            out.append(f"| {b / 2**20:.2f} MiB | {mode} | {impl_counts(g, s, 'none')} | "
                        f"{tl.peak_bytes / 2**20:.2f} MiB | {peak / 2**20:.2f} MiB | "
                        f"{100 * (tl.total_time / base.total_time - 1):+.1f}% | "
                        f"{100 * (sec / plain_s - 1):+.1f}% |")

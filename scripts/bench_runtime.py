@@ -40,6 +40,7 @@ from monetlike.models import transformer_block, unet  # noqa: E402
 from solver import min_budget as solver_min_budget  # noqa: E402
 from solver.simulate import simulate, store_all_schedule, with_predictions  # noqa: E402
 from solver.units import format_bytes  # noqa: E402
+from bench_doc import impl_counts  # noqa: E402
 
 MODELS = {
     # name: (factory, input shape)
@@ -91,15 +92,6 @@ def schedules_for(graph, fractions):
                     out.append((f"{format_bytes(budget)} (solve, below checkpoint-only)",
                                 result.schedule))
     return out
-
-
-def impl_counts(graph, schedule) -> str:
-    counts: dict[str, int] = {}
-    for j, k in enumerate(schedule.impl):
-        if k:
-            name = graph.ops[j].impls[k].name
-            counts[name] = counts.get(name, 0) + 1
-    return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "-"
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

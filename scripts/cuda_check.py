@@ -65,6 +65,24 @@ def grads_of(model) -> list[torch.Tensor]:
     return out
 
 
+def seeded_step_peak(run, x, model) -> int:
+    """cuda_peak of one step through `run` (seed 1, the loss the outputs' sum); `model`'s
+    gradients are dropped after it."""
+    def step():
+        torch.manual_seed(1)
+        out = run(x)
+        out.sum().backward()
+        del out
+    measured = cuda_peak(step)
+    grads_of(model)
+    return measured
+
+
+def report_same(name: str, got, want, reference: str) -> None:
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    report(name, same, f"bitwise equal to {reference}" if same else f"differ from {reference}")
+
+
 def check_eager(x) -> None:
     import monetlike
     import solver
@@ -83,17 +101,8 @@ def check_eager(x) -> None:
     torch.manual_seed(1)
     wrapped(x).sum().backward()  # warm-up: builds the runtime's plan
     got = grads_of(tst)
-
-    def step():
-        torch.manual_seed(1)
-        out = wrapped(x)
-        out.sum().backward()
-        del out
-    measured = cuda_peak(step)
-    grads_of(tst)
-    same = all(torch.equal(a, b) for a, b in zip(got, want))
-    report("eager runtime gradients", same, "bitwise equal to plain PyTorch" if same else
-           "differ from plain PyTorch")
+    measured = seeded_step_peak(wrapped, x, tst)
+    report_same("eager runtime gradients", got, want, "plain PyTorch")
     gap = (measured - predicted) / predicted
     report("eager runtime peak", abs(gap) <= 0.05,
            f"budget {budget}, simulated {predicted}, measured {measured} ({gap:+.2%})")
@@ -118,17 +127,8 @@ def check_compiled(x) -> None:
     torch.manual_seed(1)
     compiled(x).sum().backward()
     got = grads_of(model)
-    same = all(torch.equal(a, b) for a, b in zip(got, want))
-    report("compiled gradients (aot_eager)", same, "bitwise equal to eager" if same else
-           "differ from eager")
-
-    def step():
-        torch.manual_seed(1)
-        out = compiled(x)
-        out.sum().backward()
-        del out
-    measured = cuda_peak(step)
-    grads_of(model)
+    report_same("compiled gradients (aot_eager)", got, want, "eager")
+    measured = seeded_step_peak(compiled, x, model)
     predicted = be.record.plan.prediction.transient_peak_bytes  # above parameters and input
     gap = (measured - predicted) / predicted
     report("compiled peak", abs(gap) <= 0.10,

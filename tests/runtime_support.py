@@ -182,6 +182,21 @@ def compare_step(model, wrapped_factory, inputs, seed: int = 0, steps: int = 1, 
     return wrapped
 
 
+def profiled_case(factory, shape, cost: str, **kw):
+    """`factory()` in training mode (seed 0), an input of `shape` that asks for its gradient (so
+    that it is compared too), and their profile (`monetlike.profile`'s keywords in `kw`)."""
+    torch.manual_seed(0)
+    model = factory().train()
+    x = torch.randn(*shape).requires_grad_()
+    return model, x, monetlike.profile(model, x, cost=cost, **kw)
+
+
+def compare_schedule(model, schedule: Schedule, inputs, graph: OpGraph | None = None, **kw):
+    """compare_step with the copy wrapped by ScheduleWrapper at `schedule`."""
+    return compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),
+                        inputs, **kw)
+
+
 def _same(a, b, what, check):
     assert len(a) == len(b), what
     for x, y in zip(a, b):

@@ -3,25 +3,13 @@ renders from result rows (how runs made by separate processes are joined)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_monet_under_test",
-                                                  ROOT / "scripts" / "bench_monet.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_support import load_script
 
 
 def test_monet_table_has_six_points_per_model_from_large_to_small():
-    bench = _load()
+    bench = load_script("bench_monet")
     assert sorted(bench.MONET) == ["googlenet", "mobilenet_v2", "resnet50", "unet", "vgg16"]
     for points in bench.MONET.values():
         budgets = [gb for gb, _ in points]
@@ -43,7 +31,7 @@ def _row(model, gb, monet, ours, **kw):
 
 
 def test_render_only_reports_met_points_and_least_budgets(tmp_path, capsys):
-    bench = _load()
+    bench = load_script("bench_monet")
     results = tmp_path / "rows.jsonl"
     rows = [_row("vgg16", 9.71, -5.3, 0.0), _row("vgg16", 5.51, 9.11, 9.2),
             _row("vgg16", 5.0, 9.5, None, status="infeasible", gap_pct=None)]

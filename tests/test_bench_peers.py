@@ -4,25 +4,12 @@ report instead of producing a row."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_support import load_script
+
 PEER_ROWS = ["ckpt-block", "ckpt-seq", "sac", "compile@0.25", "compile@0.5", "compile@0.75"]
-
-
-def _load():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_peers_under_test",
-                                                  ROOT / "scripts" / "bench_peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _rows(md: str, model: str) -> dict[str, dict[str, str]]:
@@ -42,7 +29,7 @@ def _number(s: str) -> float:
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load()
+    return load_script("bench_peers")
 
 
 def test_quick_run_has_every_peer_row_and_checked_gradients(bench, tmp_path, monkeypatch):

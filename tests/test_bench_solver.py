@@ -5,27 +5,15 @@ second run with --resume renders the same rows from the results file without pro
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_solver_under_test",
-                                                  ROOT / "scripts" / "bench_solver.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_support import load_script
 
 
 def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
-    bench = _load()
+    bench = load_script("bench_solver")
     results = tmp_path / "rows.jsonl"
     argv = ["--models", "vgg16", "--budgets", "5,9", "--time-limit", "20",
             "--results", str(results), "--no-write"]
@@ -61,13 +49,13 @@ def test_bench_solver_rows_and_resume(tmp_path, monkeypatch, capsys):
 
 def test_bench_solver_rejects_unknown_model():
     with pytest.raises(SystemExit):
-        _load().main(["--models", "alexnet", "--no-write"])
+        load_script("bench_solver").main(["--models", "alexnet", "--no-write"])
 
 
 def test_code_version_marks_uncommitted_solver_changes(tmp_path):
     import subprocess
 
-    bench = _load()
+    bench = load_script("bench_solver")
     assert bench.code_version(str(tmp_path)) == "unknown"  # not a checkout
 
     def git(*a):

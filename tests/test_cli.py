@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cli_support import run_cli
 from monetlike.cli import build_parser, main
 
 # The whole surface: subcommand -> its options. Change this only on purpose.
@@ -57,15 +58,10 @@ def test_surface_is_fixed_and_every_flag_has_help():
     assert {k: _options(v) for k, v in zoo.items()} == {k: sorted(v) for k, v in ZOO_SURFACE.items()}
 
 
-def _run(argv, capsys):
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_unknown_model_is_a_usage_error(capsys, tmp_path):
     out = tmp_path / "g.json"
-    code, _, err = _run(["profile", "nosuch.models:build", "--batch", "2", "-o", str(out)], capsys)
+    code, _, err = run_cli(["profile", "nosuch.models:build", "--batch", "2", "-o", str(out)],
+                           capsys)
     assert code == 2
     assert err.count("\n") == 1 and "cannot import 'nosuch.models'" in err
     assert "expected an importable factory" in err
@@ -73,7 +69,7 @@ def test_unknown_model_is_a_usage_error(capsys, tmp_path):
 
 
 def test_missing_model_file_is_a_usage_error(capsys, tmp_path):
-    code, _, err = _run(["profile", str(tmp_path / "m.py") + ":build", "--batch", "2"], capsys)
+    code, _, err = run_cli(["profile", str(tmp_path / "m.py") + ":build", "--batch", "2"], capsys)
     assert code == 2 and "does not exist" in err
 
 
@@ -85,14 +81,14 @@ def test_malformed_budget_is_a_usage_error(capsys):
 
 
 def test_unwritable_output_fails_before_any_work(capsys, tmp_path):
-    code, _, err = _run(["profile", "resnet18", "--batch", "2", "-o",
-                         str(tmp_path / "missing" / "g.json")], capsys)
+    code, _, err = run_cli(["profile", "resnet18", "--batch", "2", "-o",
+                            str(tmp_path / "missing" / "g.json")], capsys)
     assert code == 2 and "does not exist; create it or choose another -o" in err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_unknown_zoo_name(capsys):
-    code, _, err = _run(["zoo", "show", "nosuch_1_1GiB"], capsys)
+    code, _, err = run_cli(["zoo", "show", "nosuch_1_1GiB"], capsys)
     assert code == 2 and "no zoo schedule named 'nosuch_1_1GiB'" in err
 
 
@@ -146,11 +142,11 @@ def test_profile_records_the_host_link(tmp_path, capsys):
     import json
 
     g = tmp_path / "g.json"
-    code, out, _ = _run(["profile", *_tiny(tmp_path), "--host-bandwidth", "16GiB/s", "-o",
-                         str(g)], capsys)
+    code, out, _ = run_cli(["profile", *_tiny(tmp_path), "--host-bandwidth", "16GiB/s", "-o",
+                            str(g)], capsys)
     assert code == 0 and "host link 17.2 GB/s" in out
     assert json.loads(g.read_text())["host_bandwidth"] == 16 * 2**30
-    code, out, _ = _run(["profile", *_tiny(tmp_path), "-o", str(g)], capsys)  # measured, CPU
+    code, out, _ = run_cli(["profile", *_tiny(tmp_path), "-o", str(g)], capsys)  # measured, CPU
     assert code == 0 and "host link none (offload unavailable)" in out
     assert json.loads(g.read_text())["host_bandwidth"] is None
 
@@ -180,7 +176,7 @@ def test_profile_with_a_loss(tmp_path, capsys, cost):
     peaks = {}
     for loss in ("sum", "cross_entropy", "mean_square", f"{f}:pow_mean"):
         g = tmp_path / "g.json"
-        code, out, err = _run(["profile", *model, "--loss", loss, "-o", str(g)], capsys)
+        code, out, err = run_cli(["profile", *model, "--loss", loss, "-o", str(g)], capsys)
         assert code == 0, err
         graph = OpGraph.from_dict(json.loads(g.read_text()))
         peaks[loss] = simulate(graph, store_all_schedule(graph)).peak_bytes
@@ -204,11 +200,11 @@ def test_a_schedule_solved_with_a_loss_is_checked_with_it(tmp_path, capsys):
     model = [f"{f}:build", "--batch", "64", "--input-shape", "8"]
     for loss, recorded in (("cross_entropy", True), (f"{f}:pow_mean", False)):
         s = tmp_path / "s.json"
-        code, out, err = _run(["solve", *model, "--loss", loss, "--budget", "64MiB",
-                               "--time-limit", "5", "-o", str(s)], capsys)
+        code, out, err = run_cli(["solve", *model, "--loss", loss, "--budget", "64MiB",
+                                  "--time-limit", "5", "-o", str(s)], capsys)
         assert code == 0, err
         assert json.loads(s.read_text())["meta"]["loss"] == loss
-        code, out, err = _run(["check", str(s), "--model", f"{f}:build"], capsys)
+        code, out, err = run_cli(["check", str(s), "--model", f"{f}:build"], capsys)
         if recorded:
             assert code == 0, (out, err)
             # the loss's output-sized tensors are in the measured step: measured as predicted
@@ -220,27 +216,27 @@ def test_a_schedule_solved_with_a_loss_is_checked_with_it(tmp_path, capsys):
             assert predicted * 0.99 <= measured <= predicted, out
         else:
             assert code == 2 and f"--loss {loss}" in err, err
-            code, out, err = _run(["check", str(s), "--model", f"{f}:build", "--loss", loss],
-                                  capsys)
+            code, out, err = run_cli(["check", str(s), "--model", f"{f}:build", "--loss", loss],
+                                     capsys)
             assert code == 0, (out, err)
 
 
 def test_a_bad_loss_is_a_usage_error(tmp_path, capsys):
-    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", "huber"], capsys)
+    code, _, err = run_cli(["profile", *_tiny(tmp_path), "--loss", "huber"], capsys)
     assert code == 2 and "unknown loss 'huber'" in err and "cross_entropy" in err
-    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", f"{tmp_path}/nowhere.py:loss"],
-                        capsys)
+    code, _, err = run_cli(["profile", *_tiny(tmp_path), "--loss", f"{tmp_path}/nowhere.py:loss"],
+                           capsys)
     assert code == 2 and "does not exist" in err
     # a loss that does not give a scalar says what it got
     f = tmp_path / "loss.py"
     f.write_text("def per_row(out):\n    return out.sum(-1)\n")
-    code, _, err = _run(["profile", *_tiny(tmp_path), "--loss", f"{f}:per_row"], capsys)
+    code, _, err = run_cli(["profile", *_tiny(tmp_path), "--loss", f"{f}:per_row"], capsys)
     assert code != 0 and "scalar tensor" in err and "shape (4,)" in err, err
 
 
 def test_offload_without_a_host_link_is_a_usage_error(tmp_path, capsys):
     # A measured profile here has no link: refused before profiling.
-    code, _, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload"], capsys)
+    code, _, err = run_cli(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload"], capsys)
     assert code == 2 and err.count("\n") == 1
     assert "--offload needs the bandwidth of the device<->host link" in err
     assert "--host-bandwidth" in err
@@ -248,10 +244,10 @@ def test_offload_without_a_host_link_is_a_usage_error(tmp_path, capsys):
     g = tmp_path / "g.json"
     assert main(["profile", *_tiny(tmp_path), "-o", str(g)]) == 0
     capsys.readouterr()
-    code, _, err = _run(["solve", "--graph", str(g), "--budget", "1GiB", "--offload"], capsys)
+    code, _, err = run_cli(["solve", "--graph", str(g), "--budget", "1GiB", "--offload"], capsys)
     assert code == 2 and err.count("\n") == 1 and "--host-bandwidth" in err
-    code, _, err = _run(["solve", "--graph", str(g), "--budget", "1GiB", "--offload",
-                         "--host-bandwidth", "25GB/s", "--mode", "checkpoint"], capsys)
+    code, _, err = run_cli(["solve", "--graph", str(g), "--budget", "1GiB", "--offload",
+                            "--host-bandwidth", "25GB/s", "--mode", "checkpoint"], capsys)
     assert code == 2 and "--offload is a choice of --mode full" in err
 
 
@@ -263,8 +259,8 @@ def test_solver_argument_errors_are_usage_errors(tmp_path, capsys, monkeypatch):
         raise ValueError("offload=True needs the graph's host_bandwidth")
 
     monkeypatch.setattr(solver, "solve", refuse)
-    code, _, err = _run(["solve", *_tiny(tmp_path), "--cost", "analytical:A100-40GB",
-                         "--budget", "1GiB", "--offload"], capsys)
+    code, _, err = run_cli(["solve", *_tiny(tmp_path), "--cost", "analytical:A100-40GB",
+                            "--budget", "1GiB", "--offload"], capsys)
     assert code == 2 and err == ("monetlike solve: error: offload=True needs the graph's "
                                  "host_bandwidth\n")
 
@@ -281,14 +277,14 @@ def test_offload_and_host_bandwidth_reach_the_solver(tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(solver, "solve", spy)
     s = tmp_path / "s.json"
-    code, out, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload",
-                           "--host-bandwidth", "25e9", "--time-limit", "20", "-o", str(s)],
-                          capsys)
+    code, out, err = run_cli(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--offload",
+                              "--host-bandwidth", "25e9", "--time-limit", "20", "-o", str(s)],
+                             capsys)
     assert code == 0, err
     assert seen["offload"] is True and seen["host_bandwidth"] == 25e9 and s.exists()
     # Without --offload the solver is asked for none (the default).
-    code, _, err = _run(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--time-limit", "20"],
-                        capsys)
+    code, _, err = run_cli(["solve", *_tiny(tmp_path), "--budget", "1GiB", "--time-limit", "20"],
+                           capsys)
     assert code == 0, err
     assert seen["offload"] is False and seen["host_bandwidth"] is None
 
@@ -297,9 +293,9 @@ def test_profile_calibrate_writes_costs_in_context(capsys, tmp_path):
     import solver
 
     out = tmp_path / "g.json"
-    code, printed, err = _run(["profile", "transformer_block", "--batch", "2",
-                               "--input-shape", "8,256", "--cost", "measured", "--calibrate",
-                               "-o", str(out)], capsys)
+    code, printed, err = run_cli(["profile", "transformer_block", "--batch", "2",
+                                  "--input-shape", "8,256", "--cost", "measured", "--calibrate",
+                                  "-o", str(out)], capsys)
     assert code == 0, err
     assert "calibrated: forward x" in printed
     g = solver.OpGraph.load(out)
@@ -308,8 +304,8 @@ def test_profile_calibrate_writes_costs_in_context(capsys, tmp_path):
 
 
 def test_profile_calibrate_refuses_analytical_costs(capsys, tmp_path):
-    code, _, err = _run(["profile", "resnet18", "--batch", "2", "--cost", "analytical:A100-40GB",
-                         "--calibrate"], capsys)
+    code, _, err = run_cli(["profile", "resnet18", "--batch", "2", "--cost", "analytical:A100-40GB",
+                            "--calibrate"], capsys)
     assert code == 2 and "--calibrate fits measured costs" in err
 
 

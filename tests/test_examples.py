@@ -1,8 +1,6 @@
 """Every example runs, at small sizes on the CPU."""
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -10,27 +8,18 @@ import torchvision
 
 import solver
 from monetlike.profile import profile
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}",
-                                                  os.path.join(ROOT, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_support import load_example
 
 
 def test_training_example_trains_within_budget(capsys):
-    out = _example("training").main(["--model", "resnet18", "--batch", "16", "--image-size", "32",
-                                     "--budget", "200MiB", "--steps", "2"])
+    out = load_example("training").main(["--model", "resnet18", "--batch", "16", "--image-size",
+                                         "32", "--budget", "200MiB", "--steps", "2"])
     assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
     assert "step 1: batch  16" in capsys.readouterr().out  # one line per step, with its peak
 
 
 def test_imagenet_example_runs_plain_and_with_a_schedule(tmp_path):
-    mod = _example("imagenet")
+    mod = load_example("imagenet")
     plain = mod.main(["-a", "resnet18", "--batch-size", "4", "--image-size", "32", "--steps", "1"])
     g = profile(torchvision.models.resnet18(), torch.randn(4, 3, 32, 32),
                 cost="analytical:A100-40GB")
@@ -45,15 +34,15 @@ def test_imagenet_example_runs_plain_and_with_a_schedule(tmp_path):
 
 
 def test_densenet_efficient_example_table():
-    table = _example("densenet_efficient").main(["--batch", "2", "--image-size", "32",
-                                                 "--repeat", "1", "--time-limit", "10"])
+    table = load_example("densenet_efficient").main(["--batch", "2", "--image-size", "32",
+                                                     "--repeat", "1", "--time-limit", "10"])
     assert list(table["variant"]) == ["plain PyTorch",
                                       "torch.utils.checkpoint (memory_efficient=True)",
                                       "ours at the checkpoint peak (gradients checked)"]
 
 
 def test_why_no_savings_example_gives_the_verdict(tmp_path):
-    ex = _example("why_no_savings").main(["--batch", "8", "--hidden", "1024",
-                                          "--plot", str(tmp_path / "w.png")])
+    ex = load_example("why_no_savings").main(["--batch", "8", "--hidden", "1024",
+                                              "--plot", str(tmp_path / "w.png")])
     assert ex.verdict.startswith("checkpointing cannot help much here")
     assert (tmp_path / "w.png").stat().st_size > 10_000

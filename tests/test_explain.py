@@ -1,25 +1,14 @@
 """explain: the breakdown adds up, and the verdicts are right for the forum CNN and for a ResNet."""
 
-import importlib.util
-import os
-
 import torch
 import torchvision
 
 from monetlike.explain import explain
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_support import load_example
 
 
 def test_forum_cnn_gets_the_verdict_that_checkpointing_cannot_help(tmp_path):
-    forum = _example("why_no_savings")
+    forum = load_example("why_no_savings")
     with torch.device("meta"):
         model = forum.ForumCNN()
         x = torch.randn(32, 1, 19, 22)

@@ -65,6 +65,14 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _profiled(program: tuple[Step, ...], n_outputs: int, seed: int, capture: str = "auto"):
+    """The fuzzed model and its tokens, built on a frozen heap, and their profile (measured, one
+    repeat)."""
+    _freeze_heap()
+    model, tokens = build(program, n_outputs, seed)
+    return model, tokens, monetlike.profile(model, tokens, repeat=1, capture=capture)
+
+
 def _assert_measured_as_predicted(graph, model, tokens, schedule) -> None:
     measured = measured_peak(graph, model, monetlike.ScheduleWrapper(model, schedule, graph=graph),
                              (tokens,))
@@ -77,9 +85,7 @@ def _close(measured: int, predicted: int) -> bool:
 
 def check_model(program: tuple[Step, ...], n_outputs: int, seed: int,
                 capture: str = "auto") -> None:
-    _freeze_heap()
-    model, tokens = build(program, n_outputs, seed)
-    graph = monetlike.profile(model, tokens, repeat=1, capture=capture)
+    model, tokens, graph = _profiled(program, n_outputs, seed, capture)
     assert capture == "auto" or graph.meta["capture"] == capture
     store_all = store_all_schedule(graph)
     predicted = peak_of(graph, store_all)
@@ -321,9 +327,7 @@ BATCHNORM_RECOMPUTED = ((Step("batch_norm", (32, 6, 54), 0.1), Step("batch_norm"
 def test_batchnorm_recomputed_at_the_peak():
     """Allocator-measured 31,224 B against 31,096 predicted before the fix; 5 of 1,200 random
     schedules of this model were under-predicted so (128 B), within the random check's 1%."""
-    _freeze_heap()
-    model, tokens = build(*BATCHNORM_RECOMPUTED)
-    graph = monetlike.profile(model, tokens, repeat=1)
+    model, tokens, graph = _profiled(*BATCHNORM_RECOMPUTED)
     names = [op.name for op in graph.ops]
     assert names[2:4] == ["layers_0", "layers_1"], names  # the two BatchNorms
     keep = {v.id for v in graph.values if v.producer in (4, 5)}  # dropout's and tanh's outputs
@@ -346,9 +350,7 @@ WRAPPED_NUMBER_HELD = ((*(Step("linear", (0, 0, 0), 0.1),) * 6,
 
 
 def test_wrapped_number_held_by_a_backward():
-    _freeze_heap()
-    model, tokens = build(*WRAPPED_NUMBER_HELD)
-    graph = monetlike.profile(model, tokens, repeat=1)
+    model, tokens, graph = _profiled(*WRAPPED_NUMBER_HELD)
     assert graph.ops[next(o.id for o in graph.ops if o.name == "mul")].impls[0].internal_bytes == 8
     add = next(v.id for v in graph.values if v.name == "add")
     schedule = schedule_from_keep(graph, {v.id for v in graph.values} - {add}, retain="saved")
@@ -370,9 +372,7 @@ UNREACHED_WRAPPED_NUMBER = ((Step("masked_fill", (0, 0, 0), 0.1),
 
 
 def test_wrapped_number_held_by_an_op_no_gradient_reaches():
-    _freeze_heap()
-    model, tokens = build(*UNREACHED_WRAPPED_NUMBER)
-    graph = monetlike.profile(model, tokens, repeat=1)
+    model, tokens, graph = _profiled(*UNREACHED_WRAPPED_NUMBER)
     schedule = store_all_schedule(graph)
     _assert_measured_as_predicted(graph, model, tokens, schedule)
     check_model(*UNREACHED_WRAPPED_NUMBER)

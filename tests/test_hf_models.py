@@ -24,6 +24,7 @@ import monetlike.models  # noqa: E402,F401
 import monetlike.capture.trace  # noqa: E402,F401
 import solver  # noqa: E402
 from solver.baselines import chen_sqrt_n, store_all  # noqa: E402
+from script_support import load_example  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 T = transformers
@@ -207,16 +208,10 @@ def test_named_shape_with_overrides_profiles_through_export():
 
 
 def test_causal_lm_example_runs_three_ways_with_the_same_losses(capsys):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_causal_lm.py"
-    spec = importlib.util.spec_from_file_location("hf_causal_lm_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    rows = example.main(["--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "100",
-                         "--batch", "2", "--seq", "16", "--steps", "1", "--time-limit", "5",
-                         "--budget", "1MiB"])
+    rows = load_example("hf_causal_lm").main(["--layers", "2", "--hidden", "32", "--heads", "2",
+                                              "--vocab", "100", "--batch", "2", "--seq", "16",
+                                              "--steps", "1", "--time-limit", "5",
+                                              "--budget", "1MiB"])
     assert [r["run"] for r in rows] == ["plain PyTorch", "HF gradient checkpointing",
                                         "monetlike at 1.00 MiB"]
     # Same initial weights, batch and seeds, exact gradients: the same loss after the same steps.

@@ -25,7 +25,8 @@ from monetlike.impls import names
 from solver.backends import available as available_backends
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
+from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_case,
+                             weighted_step)
 
 A100 = "analytical:A100-40GB"
 
@@ -239,10 +240,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("case", list(CASES))
 def test_impl_exact_through_runtime(case):
     factory, shape, name = CASES[case]
-    torch.manual_seed(0)
-    model = factory().train()
-    x = torch.randn(*shape).requires_grad_()  # the input gradient is compared too
-    graph = monetlike.profile(model, x, cost=A100)
+    model, x, graph = profiled_case(factory, shape, A100)
     schedule, picked = _with_impl(graph, name)
     assert picked, f"{name} did not apply to {case}"
     ref_model = copy.deepcopy(model)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import monetlike
 import solver
 from solver.simulate import simulate, store_all_schedule
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
+from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_case,
+                             weighted_step)
 from test_impls import assert_same, bytes_held, held_by_op
 
 A100 = "analytical:A100-40GB"
@@ -105,10 +106,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_inplace_exact_through_runtime(case):
     factory, name = CASES[case]
-    torch.manual_seed(0)
-    model = factory().train()
-    x = torch.randn(*X).requires_grad_()
-    graph = monetlike.profile(model, x, cost=A100)
+    model, x, graph = profiled_case(factory, X, A100)
     picked, schedules = impl_schedules(graph, name)
     assert len(picked) == 1, f"{name} was not offered on {case}"
     j = picked[0]

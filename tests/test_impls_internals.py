@@ -24,7 +24,7 @@ from solver import InfeasibleBudgetError, simulate, store_all_schedule
 from solver.backends import available
 from solver_cases import GraphBuilder
 from solver_reference import exact_min_peak, exact_optimum
-from runtime_support import weighted_step
+from runtime_support import profiled_case, weighted_step
 from test_impls import assert_same, bytes_held
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,11 +140,8 @@ RUNS = [(c, cost) for c in CASES for cost in ("measured", A100)]
 @pytest.mark.parametrize("case,cost", RUNS)
 def test_exact_through_runtime(case, cost):
     factory, shape = CASES[case]
-    torch.manual_seed(0)
-    model = factory().train()
-    x = torch.randn(*shape).requires_grad_()  # the input gradient is compared too
-    graph = monetlike.profile(model, x, cost=cost, repeat=1) if cost == "measured" else \
-        monetlike.profile(model, x, cost=cost)
+    model, x, graph = profiled_case(factory, shape, cost,
+                                    **({"repeat": 1} if cost == "measured" else {}))
     schedule, picked = with_impl(graph, NAME)
     assert picked, f"{NAME} did not apply to {case}"
     ref_model = copy.deepcopy(model)

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import monetlike
 from monetlike.impls import bitmask
 from monetlike.core.torch_private import sole_owner
-from runtime_support import PEAK_TOLERANCE, impl_schedules, measured_peak, weighted_step
+from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_case,
+                             weighted_step)
 from solver.simulate import simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,10 +114,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_split_exact_through_runtime(case):
     factory, shape, name = CASES[case]
-    torch.manual_seed(0)
-    model = factory().train()
-    x = torch.randn(*shape).requires_grad_()  # the input gradient is compared too
-    graph = monetlike.profile(model, x, cost=A100)
+    model, x, graph = profiled_case(factory, shape, A100)
     picked, schedules = impl_schedules(graph, name)
     assert picked, f"{name} did not apply to {case}"
     for schedule in schedules:  # store-all, and recompute everything

@@ -13,14 +13,7 @@ from monetlike.capture.trace import TraceError
 N, C, H, W = 2, 3, 8, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a shared 2-core box can slow small convolutions down 100x (spinning
-    # threads fighting other processes); these tests measure memory, not speed.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def x_img(c=C):

@@ -45,14 +45,7 @@ CASES = {
 WITHOUT_IMPLS = {"vgg11", "googlenet", "densenet121"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Two OpenMP threads on a shared 2-core box can slow small convolutions down 100x (spinning
-    # threads fighting other processes); these tests measure memory, not speed.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def plain_step(model, xs):

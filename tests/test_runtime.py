@@ -16,8 +16,8 @@ import torchvision
 import monetlike
 from monetlike.models import transformer_block, two_in_out, unet
 from monetlike import ScheduleWrapper
-from runtime_support import (PEAK_TOLERANCE, compare_step, measured_peak, recomputed_op_count,
-                             three_schedules)
+from runtime_support import (PEAK_TOLERANCE, compare_schedule, measured_peak,
+                             recomputed_op_count, three_schedules)
 from solver.simulate import simulate
 
 tv = torchvision.models
@@ -69,13 +69,12 @@ def test_exact_gradients(name, kind):
     schedule = schedules[kind]
     if kind != "store_all":
         assert recomputed_op_count(schedule) > 0, "the schedule must recompute something"
-    compare_step(model, lambda m: ScheduleWrapper(m, schedule, graph=graph), inputs, steps=1)
+    compare_schedule(model, schedule, inputs, graph, steps=1)
 
 
 def test_store_all_is_bitwise_exact_with_batchnorm_two_steps():
     model, inputs, graph, schedules = family("resnet18")
-    compare_step(model, lambda m: ScheduleWrapper(m, schedules["tight"], graph=graph), inputs,
-                 steps=2, exact=True)
+    compare_schedule(model, schedules["tight"], inputs, graph, steps=2, exact=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,8 +117,7 @@ def test_exact_gradients_solver_baselines(name, baseline):
         result = baselines.greedy(graph, (store + low) // 2)
     if not result.ok:
         pytest.skip(f"{baseline} found no schedule: {result.message}")
-    compare_step(model, lambda m: ScheduleWrapper(m, result.schedule, graph=graph), inputs,
-                 steps=1)
+    compare_schedule(model, result.schedule, inputs, graph, steps=1)
 
 
 def test_three_decreasing_budgets_solved_measured_peaks_never_increase():
@@ -141,6 +139,6 @@ def test_three_decreasing_budgets_solved_measured_peaks_never_increase():
         measured = measured_peak(graph, model, ScheduleWrapper(model, s, graph=graph), inputs)
         assert abs(measured - predicted) <= PEAK_TOLERANCE * predicted, (budget, measured,
                                                                           predicted)
-        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), inputs, steps=1)
+        compare_schedule(model, s, inputs, graph, steps=1)
         peaks.append(measured)
     assert peaks[0] >= peaks[1] >= peaks[2], peaks

@@ -17,8 +17,8 @@ import monetlike
 from monetlike.models import transformer_block
 from monetlike.profile.memory import StorageTracker
 from monetlike import ScheduleWrapper
-from runtime_support import (compare_step, every, keep_schedule, recomputed_op_count, step,
-                             three_schedules)
+from runtime_support import (compare_schedule, compare_step, every, keep_schedule,
+                             recomputed_op_count, step, three_schedules)
 from solver.errors import ScheduleError, ScheduleMismatchError
 from solver.schedule import StageSchedule
 from solver.simulate import store_all_schedule
@@ -71,7 +71,7 @@ def test_frozen_embedding_trainable_layers_inside_recomputed_region():
     s = tight(graph)
     recomputed = {graph.ops[j].name for st in s.stages for j in st.recompute}
     assert {"emb", "l1", "act"} <= recomputed
-    wrapped = compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (ids,), steps=2)
+    wrapped = compare_schedule(model, s, (ids,), graph, steps=2)
     assert wrapped.model.l1.weight.grad is not None and wrapped.model.l1.weight.grad.abs().sum() > 0
 
 
@@ -85,8 +85,7 @@ def test_batchnorm_five_steps_tight_buffers_bitwise_equal():
     s = tight(graph)
     bn_ops = [op.id for op in graph.ops if op.kind == "BatchNorm2d"]
     assert all(any(j in st.recompute for st in s.stages) for j in bn_ops)
-    wrapped = compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=5,
-                           exact=True)
+    wrapped = compare_schedule(model, s, (x,), graph, steps=5, exact=True)
     assert int(wrapped.model[1].num_batches_tracked) == 5
 
 
@@ -96,28 +95,30 @@ def test_eval_mode_batchnorm_inside_training_model():
     x = torch.randn(4, 3, 8, 8)
     graph = profiled(model, (x,))
     s = tight(graph)
-    compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+    compare_schedule(model, s, (x,), graph, steps=2)
 
 
 # ----------------------------------------------------------------------------------------------
 # Dropout draws the same mask when recomputed (RNG state replayed).
 # ----------------------------------------------------------------------------------------------
-def test_dropout_transformer_tight_same_loss_and_grads():
+def dropout_block():
+    """A transformer block with dropout 0.5, its input and its profile."""
     torch.manual_seed(0)
     model = transformer_block(dim=32, heads=2, dropout=0.5)
     x = torch.randn(2, 8, 32)
-    graph = profiled(model, (x,))
+    return model, x, profiled(model, (x,))
+
+
+def test_dropout_transformer_tight_same_loss_and_grads():
+    model, x, graph = dropout_block()
     s = tight(graph)
     dropouts = [op.id for op in graph.ops if op.kind == "Dropout"]
     assert any(j in st.recompute for st in s.stages for j in dropouts)  # the attention mask
-    compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=3)
+    compare_schedule(model, s, (x,), graph, steps=3)
 
 
 def test_recomputation_does_not_shift_the_next_steps_random_numbers():
-    torch.manual_seed(0)
-    model = transformer_block(dim=32, heads=2, dropout=0.5)
-    x = torch.randn(2, 8, 32)
-    graph = profiled(model, (x,))
+    model, x, graph = dropout_block()
     wrapped = ScheduleWrapper(copy.deepcopy(model), tight(graph), graph=graph)
     torch.manual_seed(1)
     model(x).sum().backward()
@@ -141,7 +142,7 @@ def test_recomputed_attention_dropout_draws_the_same_mask(recorded):
     s = tight(graph)
     sdpa = next(op.id for op in graph.ops if op.kind == "scaled_dot_product_attention")
     assert any(sdpa in st.recompute for st in s.stages)
-    compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+    compare_schedule(model, s, (x,), graph, steps=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_topk_nonzero_randperm_are_unsafe_and_never_recomputed():
     s = tight(graph)
     assert recomputed_op_count(s) > 0
     assert not any(graph.ops[j].recompute_unsafe for st in s.stages for j in st.recompute)
-    compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+    compare_schedule(model, s, (x,), graph, steps=2)
     # A hand-edited schedule that recomputes topk is refused before anything runs.
     t = 0
     topk = kinds["topk"].id
@@ -272,7 +273,7 @@ def test_inplace_on_a_view():
     x = torch.randn(4, 16, requires_grad=True)
     graph = profiled(model, (x,))
     for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
-        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+        compare_schedule(model, s, (x,), graph, steps=2)
 
 
 def test_instancenorm_then_inplace_relu_at_region_boundaries():
@@ -283,7 +284,7 @@ def test_instancenorm_then_inplace_relu_at_region_boundaries():
         wrapped = ScheduleWrapper(copy.deepcopy(model), s, graph=graph)
         _, (gx,) = step(wrapped, (x,), 0)
         assert gx is not None and gx.abs().sum() > 0
-        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=1)
+        compare_schedule(model, s, (x,), graph, steps=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,7 +523,7 @@ def test_copy_into_a_narrow_view_read_through_the_base():
     x = torch.randn(4, 16, requires_grad=True)
     graph = profiled(model, (x,))
     for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
-        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+        compare_schedule(model, s, (x,), graph, steps=2)
 
 
 def test_keyword_inputs_copy_and_pickle(tmp_path):
@@ -580,7 +581,7 @@ def test_inplace_residual_split_stage():
     group = next(op for op in graph.ops if op.name == "bn2")
     assert len(group.nodes) == 3, group.nodes  # bn2, add_, relu_
     for s in three_schedules(graph).values():
-        compare_step(model, lambda m: ScheduleWrapper(m, s, graph=graph), (x,), steps=2)
+        compare_schedule(model, s, (x,), graph, steps=2)
 
 
 def test_parameters_replaced_after_the_first_call_are_used():

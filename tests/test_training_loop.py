@@ -15,6 +15,7 @@ import monetlike
 import solver
 from monetlike.models import transformer_block
 from monetlike.profile import profile
+from script_support import load_example
 from solver.errors import ScheduleMismatchError
 
 
@@ -127,16 +128,8 @@ def test_shorter_sequences_run_with_exact_gradients(tmp_path):
 
 
 def test_training_example_runs_an_epoch_with_a_partial_last_batch(capsys):
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "training.py")
-    spec = importlib.util.spec_from_file_location("example_training", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = mod.main(["--model", "resnet18", "--batch", "8", "--samples", "20", "--image-size",
-                    "32", "--budget", "200MiB"])
+    out = load_example("training").main(["--model", "resnet18", "--batch", "8", "--samples", "20",
+                                         "--image-size", "32", "--budget", "200MiB"])
     assert out["batches"] == [8, 8, 4]
     assert all(p <= 200 * 2**20 for p in out["predicted"])
     assert out["predicted"][2] < out["predicted"][1]

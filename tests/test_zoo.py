@@ -14,6 +14,7 @@ import solver
 from monetlike import zoo
 from monetlike.modelspec import build_model
 from monetlike.profile import profile
+from script_support import load_script
 
 ENTRIES = zoo.entries()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,15 +137,9 @@ def test_every_package_with_code_is_listed_in_pyproject():
 
 
 def test_a_rebuild_keeps_a_faster_entry_of_the_same_graph_and_costs():
-    import importlib.util
     from types import SimpleNamespace
 
-    # loaded from its file, as the bench_* script tests do (scripts/ is not a package)
-    spec = importlib.util.spec_from_file_location("build_zoo_under_test",
-                                                  os.path.join(ROOT, "scripts", "build_zoo.py"))
-    build_zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build_zoo)
-    keeps = build_zoo.keeps
+    keeps = load_script("build_zoo").keeps
     e = ENTRIES[0].to_dict()
     same = SimpleNamespace(fingerprint=e["fingerprint"], cost_provenance=e["cost_provenance"])
     t = e["predicted_time"]
@@ -159,12 +154,7 @@ def test_a_rebuild_keeps_a_faster_entry_of_the_same_graph_and_costs():
 
 
 def test_restamp_drops_only_new_impls_appended_after_the_old_ones():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("restamp_zoo_under_test",
-                                                  os.path.join(ROOT, "scripts", "restamp_zoo.py"))
-    restamp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(restamp)
+    restamp = load_script("restamp_zoo")
     new = restamp.NEW_IMPLS[0]
     op = ["conv", "Conv2d", ["conv"], [0], [1], True, None]
     appended = {"ops": [op + [[["default", [0]], ["relu_mask", [0]], [new, [0]]]]]}
