@@ -50,7 +50,6 @@ import dataclasses
 import inspect
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -64,6 +63,7 @@ from solver.verify import budget_limit, verified, with_recorded_optimizer_state
 from .capture.api import (FlatInputs, bind_inputs, call_spec, check_capture, example_of,
                           export_graph, placeholder_names, resolve)
 from .core import recompute as rc
+from .capture.identity import module_flags, python_attributes, shared_capture
 from .capture.trace import is_plain_value
 from .runtime.executor import ScheduledForward, StepState
 from .runtime.offload import check_cuda_available, check_offload_devices
@@ -425,7 +425,7 @@ class ScheduleWrapper(torch.nn.Module):
             autocast += [torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")]
         training: list = []
         grads: list = []
-        _module_flags(self._model, training, grads)
+        module_flags(self._model, training, grads)
         structure = tuple(grads)
         if structure != self.__dict__.get("_structure"):
             described = _described(self._model)
@@ -450,7 +450,7 @@ class ScheduleWrapper(torch.nn.Module):
 
                 run_whole = MonetTracer(self._leaf_modules).is_leaf_module
             watched = self._watched = (self._capture,
-                                       _python_attributes(self._model, run_whole))
+                                       python_attributes(self._model, run_whole))
         return tuple(getattr(m, name, None) for m, name in watched[1])
 
     def _entry_for(self, inputs: tuple) -> _Entry:
@@ -559,17 +559,17 @@ class ScheduleWrapper(torch.nn.Module):
         if isinstance(inputs, FlatInputs):
             # Specialised to these shapes and constants: captured per input signature (the
             # plan built on it is cached with the signature).
-            return _shared_capture(model, ("export", self._signature(inputs)),
+            return shared_capture(model, ("export", self._signature(inputs)),
                                    lambda: export_graph(model, inputs))
         state = self._python_state()
         if self._gm is None or state != self._gm_state:
             training: list = []
             structure: list = []
-            _module_flags(model, training, structure)
+            module_flags(model, training, structure)
             key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure), state)
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
-            object.__setattr__(self, "_gm", _shared_capture(
+            object.__setattr__(self, "_gm", shared_capture(
                 model, key, lambda: trace(model, self._leaf_modules)))
             self._gm_state = state
         return self._gm
@@ -605,65 +605,11 @@ class ScheduleWrapper(torch.nn.Module):
 # a change is profiled again and runs or is refused naming what differs, as a new wrapper would.
 
 
-# Captures of a model as a wrapper keys them (the structure, the Python attributes read, and for
-# export the call's signature), shared by every wrapper of that model: a loop or a test that
-# wraps one model in several schedules traced it again for each (a sixth of the fuzzer's time).
-# Nothing mutates a captured module: plans read it.
-_CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_CAPTURES_PER_MODEL = 8
-
-
-def _shared_capture(model: torch.nn.Module, key: tuple, capture):
-    held = _CAPTURES.setdefault(model, {})
-    gm = held.get(key)
-    if gm is None:
-        if len(held) >= _CAPTURES_PER_MODEL:
-            held.pop(next(iter(held)))
-        gm = held[key] = capture()
-    return gm
-
-
 # NOTE [Python attributes read in forward]
 # A capture bakes a plain attribute the forward reads (`h * self.scale`, `if self.use_extra:`)
 # into the graph. A loop that changes one between steps would run the old value, silently, so
 # the modules' plain immutable attributes are in the call's signature: a change is captured and
 # matched again (another branch is another structure: a clear ScheduleMismatchError).
-
-
-def _python_attributes(model: torch.nn.Module, run_whole=None) -> list:
-    """(module, name) of every plain attribute (bool, int, float, str, None, or a tuple of
-    them) of the model's modules, `training` and private names left out; not those of the
-    modules `run_whole(module, qualified name)` says run as a whole (fx leaves), nor inside
-    them."""
-    out = []
-    stack = [("", model)]
-    while stack:
-        path, mod = stack.pop()
-        if run_whole is not None and path and run_whole(mod, path):
-            continue
-        stack.extend((f"{path}.{n}" if path else n, child)
-                     for n, child in mod._modules.items() if child is not None)
-        for name, value in vars(mod).items():
-            if name.startswith("_") or name == "training":
-                continue
-            if is_plain_value(value):
-                out.append((mod, name))
-    return out
-
-
-def _module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
-    """train/eval flags of every module, and of every parameter its identity, shape, dtype and
-    requires_grad, with each module's identity, in module order: NOTE [The model checked every
-    step]. A plain walk over the module dictionaries (named_modules() costs a millisecond per
-    step on a MobileNet, a tenth of the scheduled forward's whole overhead)."""
-    training.append(mod.training)
-    grads.append((id(mod), type(mod)))
-    for p in mod._parameters.values():
-        if p is not None:
-            grads.append((id(p), p.shape, p.dtype, p.requires_grad))
-    for child in mod._modules.values():
-        if child is not None:
-            _module_flags(child, training, grads)
 
 
 def _resolve_leaf_modules(leaf_modules, model: torch.nn.Module) -> list:
@@ -791,7 +737,7 @@ def _first_change(old: list, new: list) -> str:
 
 def _training_flags(model: torch.nn.Module) -> list:
     training: list = []
-    _module_flags(model, training, [])
+    module_flags(model, training, [])
     return training
 
 

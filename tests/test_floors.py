@@ -247,3 +247,39 @@ def test_a_cycle_is_found():
     edges = [Edge("solver.a", "solver.b", 1, False), Edge("solver.b", "solver.c", 1, False),
              Edge("solver.c", "solver.a", 1, False), Edge("solver.c", "solver.d", 1, False)]
     assert cycles(edges) == [["solver.a", "solver.b", "solver.c"]]
+
+
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 150
+
+
+def _long_parts(path: pathlib.Path) -> list[str]:
+    """The file itself if over MAX_FILE_LINES, and each function or method over
+    MAX_FUNCTION_LINES (docstring included), as 'path:line name (n lines)'."""
+    text = path.read_text()
+    rel = path.relative_to(ROOT)
+    out = []
+    n = len(text.splitlines())
+    if n > MAX_FILE_LINES:
+        out.append(f"{rel} ({n} lines)")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                out.append(f"{rel}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+@pytest.mark.parametrize("package", ["monetlike", "solver"])
+def test_no_file_over_800_lines_and_no_function_over_150(package):
+    too_long = [part for path in sorted((ROOT / package).rglob("*.py"))
+                for part in _long_parts(path)]
+    assert not too_long, f"split these: {too_long}"
+
+
+def test_a_long_function_is_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "m.py"
+    path.write_text(f"def f():\n{body}\n")
+    assert _long_parts(path) == [f"m.py:1 f ({MAX_FUNCTION_LINES + 1} lines)"]
