@@ -69,6 +69,10 @@ def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved"
     for t in range(T - 1, -1, -1):
         later_need[t] = later_need[t + 1] | needs[t]
 
+    ending: list[set[int]] = [set() for _ in range(T)]
+    for v, h in enumerate(facts.horizon):
+        if 0 <= h < T:
+            ending[h].add(v)
     resident = set(keep)
     stages = []
     for t, k in enumerate(graph.backward_order):
@@ -80,10 +84,13 @@ def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved"
         if retain == "all":
             carry = set(present)
         elif retain == "saved":
-            carry = {v for v in present if v in keep or v in later_need[t + 1]}
+            carry = (present & keep) | (present & later_need[t + 1])
         else:
-            carry = {v for v in present if v in keep}
-        carry = {v for v in carry if facts.horizon[v] > t}
+            carry = present & keep
+        # Drop what no stage from t + 1 on reads: of the Values carried into t (each read at t
+        # or later), those last read at t; of the rest, any read no later than t.
+        carry -= {v for v in (carry if t == 0 else carry - resident | ending[t])
+                  if facts.horizon[v] <= t}
         stages.append(StageSchedule(op=k, recompute=tuple(sorted(todo)),
                                     drop=tuple(sorted(present - carry))))
         resident = carry
