@@ -80,6 +80,11 @@ MAX_MILP_CELLS = 4_000_000
 both): the best rule is the answer, with the bound the rules' phase proved. A 48-layer GPT
 (817 ops x 817 stages) builds in 18 s at 2 GiB resident; Llama-70B's per-rank graph (3,236 x
 3,212) was still building after 5 minutes at 17 GiB and growing, on a 24 GiB machine."""
+BUILD_S_PER_CELL = 18.0 / (817 * 817)
+"""Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
+on this machine): where the time left cannot pay for it, the best rule
+is the answer, so that a large graph's solve ends near its limit (Llama-3-8B's per-rank
+graph, 1,316 ops, took 198 s of a 60 s limit)."""
 CLOSURE_SHARE = 0.2
 """Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
 small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
@@ -341,6 +346,13 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                               f"{len(graph.backward_order)} stages is too large to build "
                               f"(MAX_MILP_CELLS); the best rule with the bound proven")
 
+    left = deadline - time.perf_counter()
+    if starts and BUILD_S_PER_CELL * cells > left:
+        return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
+                              f"skipped: building the MILP of {len(graph.ops)} ops x "
+                              f"{len(graph.backward_order)} stages would take about "
+                              f"{BUILD_S_PER_CELL * cells:.0f} s of the {max(0.0, left):.0f} s "
+                              f"left (BUILD_S_PER_CELL); the best rule with the bound proven")
     form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
     stats = run.stats
     stats.update({**form.stats(), "build_s": round(time.perf_counter() - started, 3),
@@ -452,7 +464,8 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         starts = family_starts(graph, budget, baselines + heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
             before_costly=closure_bound,
-            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
+            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap),
+            have_start=lambda: reported[0] < math.inf), timelines)
     closure_bound()
     return starts, timelines, reported, lower["stage"], lower["known"]
 
