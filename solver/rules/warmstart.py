@@ -70,8 +70,9 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
     """Named candidate schedules, on Impl 0 and (full mode) on the memory-lean Impls; some may
     not fit the budget. With `deadline` (a time.perf_counter() value) the rules run cheapest
     first and the costly ones not started by then are left out (greedy's clean-up pass is cut
-    short); the cheap ones (store-all, Chen's, the cuts, the per-block and chain rules) always run:
-    on an 817-op transformer store-all, Chen's and the cut segments take under a second, the
+    short); the cheap ones (store-all, Chen's, the cuts, the per-block and chain rules) run
+    until a schedule fits (`have_start`), then only where they would end by then: on an 817-op
+    transformer store-all, Chen's and the cut segments take under a second, the
     ranked and greedy rules seconds each, keep-nothing about 5 s. `on_schedule(name, schedule)`
     is called as each one is made (so that a caller can report the first that fits at once).
     `before_costly()` is called once before the first of the rules that take seconds on large

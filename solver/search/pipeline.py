@@ -80,6 +80,9 @@ MAX_MILP_CELLS = 4_000_000
 both): the best rule is the answer, with the bound the rules' phase proved. A 48-layer GPT
 (817 ops x 817 stages) builds in 18 s at 2 GiB resident; Llama-70B's per-rank graph (3,236 x
 3,212) was still building after 5 minutes at 17 GiB and growing, on a 24 GiB machine."""
+QUICK_CLOSURE_STAGES = 4
+"""Stages the closure LP strengthens the stage bound at before the rules (the dearest by the
+greedy bound)."""
 BUILD_S_PER_CELL = 18.0 / (817 * 817)
 """Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
 on this machine): where the time left cannot pay for it, the best rule
@@ -97,6 +100,11 @@ def _rules_time(time_limit_s: float) -> float:
     """Seconds the simple rules may take: RULES_SHARE of the limit, at least RULES_MIN_S, never
     more than the limit itself (with the floor alone, a 2 s solve of ResNet-18 took 8-10 s)."""
     return min(time_limit_s, max(RULES_SHARE * time_limit_s, RULES_MIN_S))
+
+
+def _too_large(graph: OpGraph) -> bool:
+    """The MILP of `graph` is not built (MAX_MILP_CELLS)."""
+    return len(graph.ops) * len(graph.backward_order) > MAX_MILP_CELLS
 
 
 def _sharing(be) -> bool:
@@ -340,7 +348,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             return proven
 
     cells = len(graph.ops) * len(graph.backward_order)
-    if starts and cells > MAX_MILP_CELLS:
+    if starts and _too_large(graph):
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
                               f"skipped: the MILP of {len(graph.ops)} ops x "
                               f"{len(graph.backward_order)} stages is too large to build "
@@ -420,8 +428,10 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     started, deadline, time_limit_s, mip_gap = (run.started, run.deadline, run.time_limit_s,
                                                 run.mip_gap)
     # Bounds known before anything is solved: the floor, and the greedy stage bound
-    # (milliseconds); the closure LP strengthens the latter during the rules.
-    stage_lower = stage_bound(facts, budget, offload, closure=False)
+    # (milliseconds) with the closure LP on its dearest stages (QUICK_CLOSURE_STAGES: a tenth
+    # of a second each on Llama-70B, where the dearest proves the chain's plan, so that the
+    # rules after it are left out); the closure LP on the rest comes before the costly rules.
+    stage_lower = stage_bound(facts, budget, offload, most=QUICK_CLOSURE_STAGES)
     known_lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
 
     # The closure LP strengthens the stage bound before the rules that take seconds (or after
@@ -433,9 +443,11 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         if lower["closure"]:
             return
         lower["closure"] = True
+        # enough: a bound that proves the best schedule so far within the target gap
         lower["stage"] = max(lower["stage"], stage_bound(
             facts, budget, offload,
-            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s)))
+            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s),
+            enough=(1 - mip_gap) * reported[0] if SHORTCUTS else math.inf))
         lower["known"] = max(lower["known"], lower["stage"])
 
     starts: list = []
@@ -443,7 +455,9 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the best time reported so far; when the first and the best fitting one came
     reported = [math.inf, None, None]
     if warm_start:
-        rules_deadline = started + _rules_time(time_limit_s)
+        # Where the MILP will not be built, the rules (and the closure LP) have the whole limit.
+        rules_deadline = (deadline if _too_large(graph) else
+                          started + _rules_time(time_limit_s))
 
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
