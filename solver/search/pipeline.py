@@ -455,9 +455,13 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the best time reported so far; when the first and the best fitting one came
     reported = [math.inf, None, None]
     if warm_start:
-        # Where the MILP will not be built, the rules (and the closure LP) have the whole limit.
-        rules_deadline = (deadline if _too_large(graph) else
-                          started + _rules_time(time_limit_s))
+        # Where the MILP will not be built, or its build would not fit in the time the rules
+        # leave, the rules (and the closure LP) have the whole limit.
+        rules_time = _rules_time(time_limit_s)
+        cells = len(graph.ops) * len(graph.backward_order)
+        rules_deadline = (deadline if _too_large(graph)
+                          or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
+                          else started + rules_time)
 
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
