@@ -83,7 +83,8 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
     `have_start()`: whether a schedule that fits has been made (by the caller's reckoning);
     once it has, a rule with no deadline of its own is left out where it would end past
     `deadline` (`_would_overrun`), the cheap ones too: on Llama-70B's per-rank graph (3,236
-    ops) each takes seconds. `clock`: what `deadline` is read against (tests count steps)."""
+    ops) each takes seconds. `clock`: what `deadline` is read against here (tests count steps
+    with it); the rules with deadlines of their own read them on time.perf_counter()."""
     variants: list[tuple[str, tuple[int, ...] | None]] = [("", None)]
     if impls is not None:
         variants = list(impls)

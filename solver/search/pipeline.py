@@ -74,7 +74,9 @@ rules/simple.py's keep_more, stop there). Without a limit they took 686 s of a 1
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
 seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
 Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
-rule's schedule reaches on_incumbent as soon as it is made."""
+rule's schedule reaches on_incumbent as soon as it is made. Where the MILP will not be built
+(MAX_MILP_CELLS, or BUILD_S_PER_CELL beyond what the rules leave) they have the whole limit:
+on Llama-70B's per-rank graph the chain combination alone takes 100-150 s."""
 MAX_MILP_CELLS = 4_000_000
 """Ops times backward stages above which the MILP is not built (its residency columns grow with
 both): the best rule is the answer, with the bound the rules' phase proved. A 48-layer GPT
