@@ -203,12 +203,16 @@ def greedy_baseline_schedule(graph: OpGraph, budget: int) -> Schedule:
     return greedy_schedule(graph, budget, GraphFacts(graph, "checkpoint"))
 
 
-def baseline_schedules(graph: OpGraph, budget: int) -> list[tuple[str, Schedule]]:
+def baseline_schedules(graph: OpGraph, budget: int, *, greedy: bool = True
+                       ) -> list[tuple[str, Schedule]]:
     """The simple baselines' schedules (solver/baselines.py): store-all, Chen's sqrt(n), the
-    greedy. A solve runs them to the end whatever its time limit and the machine's load, so its
-    answer is never worse than any of them that fits."""
-    return [("store_all", store_all_schedule(graph)), ("chen_sqrt_n", chen_sqrt_n_schedule(graph)),
-            ("greedy", greedy_baseline_schedule(graph, budget))]
+    greedy (unless not `greedy`: the caller makes it later). A solve runs them to the end
+    whatever its time limit and the machine's load, so its answer is never worse than any of
+    them that fits."""
+    out = [("store_all", store_all_schedule(graph)), ("chen_sqrt_n", chen_sqrt_n_schedule(graph))]
+    if greedy:
+        out.append(("greedy", greedy_baseline_schedule(graph, budget)))
+    return out
 
 
 def ranked_values(graph: OpGraph, facts: GraphFacts, values, impl, exclude=frozenset()
