@@ -65,20 +65,24 @@ def canonicalize(graph: OpGraph, schedule: Schedule, facts: GraphFacts) -> Sched
             k = graph.backward_order[t]
             needed = {v for v in ops[k].impls[r.impl[k]].saved if sched[v]}
             after = r.resident[t + 1]
-            # Recomputations, latest first, so that dropping one can make an earlier one useless.
+            # Recomputations, latest first, so that dropping one can make an earlier one useless;
+            # `read_later`: the inputs of the later ones still kept (grown as they are, not
+            # rebuilt per op: quadratic in a stage's recomputations, seconds at 3,000 ops).
+            read_later: set[int] = set()
             for j in sorted(r.recompute[t], reverse=True):
                 outs = [w for w in ops[j].outputs if sched[w]]
-                read_later = {v for i in r.recompute[t] if i > j for v in ops[i].inputs}
                 useful = any(w in after or w in needed or w in read_later for w in outs)
                 duplicate = len(ops[j].outputs) == 1 and outs and outs[0] in r.resident[t]
                 if not useful or duplicate:
                     r.recompute[t].discard(j)
                     changed = True
-            read = needed | {v for i in r.recompute[t] for v in ops[i].inputs}
-            for v in list(r.resident[t]):
-                if v not in after and v not in read:
-                    r.resident[t].discard(v)
-                    changed = True
+                else:
+                    read_later.update(ops[j].inputs)
+            read = needed | read_later
+            idle = r.resident[t] - after - read
+            if idle:
+                r.resident[t] -= idle
+                changed = True
             # A fetch nothing reads or carries, or of a Value already there, only costs.
             made = {w for j in r.recompute[t] for w in ops[j].outputs}
             for v in list(r.fetch[t]):

@@ -119,11 +119,17 @@ def test_on_incumbent_bounds_are_in_seconds():
     assert simulate(g, s).total_time == pytest.approx(base.total_time, rel=1e-12)
 
 
-def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(full_search):
+@pytest.mark.parametrize("estimated", [False, True])
+def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
+        full_search, monkeypatch, estimated):
     """The rules run before the MILP is built (on an 817-op transformer the build takes 18 s):
     their best schedule is reported at once, and with less than MIN_SEARCH_S left after the
-    build it is the answer, unproven, with the reason in the statistics."""
+    build it is the answer, unproven, with the reason in the statistics. With the build's
+    estimate (BUILD_S_PER_CELL, here set so that it cannot fit whatever the clock) the MILP is
+    not built at all (issue 53: Llama-3-8B's per-rank graph took 198 s of a 60 s limit)."""
     pipeline = importlib.import_module("solver.search.pipeline")
+    # the estimate off (-inf: the build always "fits"), or set so that it never fits
+    monkeypatch.setattr(pipeline, "BUILD_S_PER_CELL", 1e3 if estimated else float("-inf"))
     g = resnet_like()
     peak = simulate(g, store_all_schedule(g)).peak_bytes
     budget = int(peak * 0.6)
@@ -131,7 +137,11 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     limit = 0.05  # far less than the MILP's build (0.3 s here)
     r = solver.solve(g, budget, time_limit_s=limit,
                      on_incumbent=lambda s, bound: seen.append((s, bound)))
-    assert r.stats["search"].startswith("skipped") and r.stats["build_s"] > limit
+    assert r.stats["search"].startswith("skipped")
+    if estimated:
+        assert "BUILD_S_PER_CELL" in r.stats["search"] and "build_s" not in r.stats
+    else:
+        assert r.stats["build_s"] > limit
     # the only bounds are those known before any search: the floor (every op once on its
     # fastest Impl, nothing recomputed) and the stage bound
     lower = max(r.stats["floor_bound_s"], r.stats["stage_bound_s"])
@@ -140,7 +150,7 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     assert r.mip_gap == pytest.approx(1 - lower / r.predicted_time)
     assert r.status == ("optimal" if r.mip_gap <= 0.01 else "feasible-at-time-limit")
     assert r.stats["incumbent_source"].startswith("heuristic:")
-    assert r.stats["first_incumbent_s"] <= r.stats["build_s"]
+    assert r.stats["first_incumbent_s"] <= r.stats.get("build_s", r.solve_time_s)
     # reported as the rules go, before the build, each better than the last, with the bounds
     # known before any search; the last is the answer
     times = [simulate(g, s).total_time for s, _ in seen]
@@ -288,3 +298,37 @@ def test_the_least_memory_impls_rule_is_the_start_where_it_is_best():
     assert r.stats["heuristic"] == "heuristic:least/store_all"
     assert r.stats["heuristic_objective_s"] == pytest.approx(best)
     assert r.predicted_time <= best
+
+
+def test_the_rules_run_cheapest_first_and_stop_where_one_would_overrun():
+    """Issue 53: once a schedule fits, a rule that would end past the deadline is left out,
+    the cheap ones too (on Llama-70B's 3,236 ops each takes seconds); until one fits they all
+    run. The clock counts its own readings (one step each), so nothing depends on wall time."""
+    import itertools
+
+    from solver.analysis import GraphFacts
+    from solver.rules.warmstart import heuristic_schedules
+    from solver_cases import random_repeated
+
+    g = random_repeated(random.Random(3), 6, 5)
+    facts = GraphFacts(g, "full")
+    budget = simulate(g, store_all_schedule(g)).peak_bytes
+    every = [n for n, _ in heuristic_schedules(g, budget, facts)]
+
+    def made(deadline, have_start):
+        ticks = itertools.count()
+        return [n for n, _ in heuristic_schedules(g, budget, facts, deadline=deadline,
+                                                  have_start=have_start,
+                                                  clock=lambda: next(ticks))]
+
+    # Nothing fits yet: the cheap rules run past the deadline, in order (the costly ones do
+    # not start past it).
+    cheap = made(5, lambda: False)
+    assert 2 < len(cheap) < len(every) and cheap == every[:len(cheap)]
+    assert all("ranked" not in n and "greedy" not in n for n in cheap)
+    # One fits: a rule reads the clock as it starts and ends (one step), and once to check
+    # it has time; the cheap ones stop where the next would overrun.
+    first = made(5, lambda: True)
+    assert 1 <= len(first) < len(cheap) and first == cheap[:len(first)]
+    more = made(50, lambda: True)  # more time, more rules, the costly ones too
+    assert more[:len(cheap)] == cheap and len(more) > len(cheap)

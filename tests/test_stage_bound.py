@@ -162,6 +162,10 @@ def test_a_rerun_pays_for_the_inputs_no_stage_keeps():
     ref = exact_optimum(g, budget, mode="full")
     assert ref is not None and ref[0] == pytest.approx(facts.time_floor + 11)
     assert stage_bound(facts, budget) <= ref[0]
+    # The closure LP is left out where the greedy bound already reaches what the caller needs.
+    floor = facts.time_floor
+    assert stage_bound(facts, budget, enough=floor + 0.5) == pytest.approx(floor + 0.5)
+    assert stage_bound(facts, budget, enough=floor + 0.6) == pytest.approx(floor + 5.5, rel=1e-5)
 
 
 def test_min_budget_proven_by_the_stage_bound_alone(monkeypatch):

@@ -69,6 +69,10 @@ def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved"
     for t in range(T - 1, -1, -1):
         later_need[t] = later_need[t + 1] | needs[t]
 
+    ending: list[set[int]] = [set() for _ in range(T)]
+    for v, h in enumerate(facts.horizon):
+        if 0 <= h < T:
+            ending[h].add(v)
     resident = set(keep)
     stages = []
     for t, k in enumerate(graph.backward_order):
@@ -80,10 +84,13 @@ def schedule_from_keep(graph: OpGraph, keep, *, impl=None, retain: str = "saved"
         if retain == "all":
             carry = set(present)
         elif retain == "saved":
-            carry = {v for v in present if v in keep or v in later_need[t + 1]}
+            carry = (present & keep) | (present & later_need[t + 1])
         else:
-            carry = {v for v in present if v in keep}
-        carry = {v for v in carry if facts.horizon[v] > t}
+            carry = present & keep
+        # Drop what no stage from t + 1 on reads: of the Values carried into t (each read at t
+        # or later), those last read at t; of the rest, any read no later than t.
+        carry -= {v for v in (carry if t == 0 else carry - resident | ending[t])
+                  if facts.horizon[v] <= t}
         stages.append(StageSchedule(op=k, recompute=tuple(sorted(todo)),
                                     drop=tuple(sorted(present - carry))))
         resident = carry
@@ -196,12 +203,16 @@ def greedy_baseline_schedule(graph: OpGraph, budget: int) -> Schedule:
     return greedy_schedule(graph, budget, GraphFacts(graph, "checkpoint"))
 
 
-def baseline_schedules(graph: OpGraph, budget: int) -> list[tuple[str, Schedule]]:
+def baseline_schedules(graph: OpGraph, budget: int, *, greedy: bool = True
+                       ) -> list[tuple[str, Schedule]]:
     """The simple baselines' schedules (solver/baselines.py): store-all, Chen's sqrt(n), the
-    greedy. A solve runs them to the end whatever its time limit and the machine's load, so its
-    answer is never worse than any of them that fits."""
-    return [("store_all", store_all_schedule(graph)), ("chen_sqrt_n", chen_sqrt_n_schedule(graph)),
-            ("greedy", greedy_baseline_schedule(graph, budget))]
+    greedy (unless not `greedy`: the caller makes it later). A solve runs them to the end
+    whatever its time limit and the machine's load, so its answer is never worse than any of
+    them that fits."""
+    out = [("store_all", store_all_schedule(graph)), ("chen_sqrt_n", chen_sqrt_n_schedule(graph))]
+    if greedy:
+        out.append(("greedy", greedy_baseline_schedule(graph, budget)))
+    return out
 
 
 def ranked_values(graph: OpGraph, facts: GraphFacts, values, impl, exclude=frozenset()

@@ -34,7 +34,7 @@ from ..formulation import Formulation
 from ..graph import OpGraph
 from ..least_budget import infeasible_message
 from ..rules.blocks import find_blocks
-from ..rules.simple import baseline_schedules
+from ..rules.simple import baseline_schedules, greedy_baseline_schedule
 from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
                                least_memory, low_memory_schedules)
 from ..schedule import ERROR, FEASIBLE_AT_TIME_LIMIT, OPTIMAL, Schedule, SolveResult
@@ -74,12 +74,19 @@ rules/simple.py's keep_more, stop there). Without a limit they took 686 s of a 1
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
 seconds. On the largest graphs the rules are where the time pays (docs/BENCHMARKS.md,
 Solver-scale): the MILP there is millions of nonzeros and rarely improves on them, and each
-rule's schedule reaches on_incumbent as soon as it is made."""
+rule's schedule reaches on_incumbent as soon as it is made. Where the MILP will not be built
+(MAX_MILP_CELLS, or BUILD_S_PER_CELL beyond what the rules leave) they have the whole limit:
+on Llama-70B's per-rank graph the chain combination alone takes 100-150 s."""
 MAX_MILP_CELLS = 4_000_000
 """Ops times backward stages above which the MILP is not built (its residency columns grow with
 both): the best rule is the answer, with the bound the rules' phase proved. A 48-layer GPT
 (817 ops x 817 stages) builds in 18 s at 2 GiB resident; Llama-70B's per-rank graph (3,236 x
 3,212) was still building after 5 minutes at 17 GiB and growing, on a 24 GiB machine."""
+BUILD_S_PER_CELL = 18.0 / (817 * 817)
+"""Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
+on this machine): where the time left cannot pay for it, the best rule
+is the answer, so that a large graph's solve ends near its limit (Llama-3-8B's per-rank
+graph, 1,316 ops, took 198 s of a 60 s limit)."""
 CLOSURE_SHARE = 0.2
 """Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
 small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
@@ -92,6 +99,11 @@ def _rules_time(time_limit_s: float) -> float:
     """Seconds the simple rules may take: RULES_SHARE of the limit, at least RULES_MIN_S, never
     more than the limit itself (with the floor alone, a 2 s solve of ResNet-18 took 8-10 s)."""
     return min(time_limit_s, max(RULES_SHARE * time_limit_s, RULES_MIN_S))
+
+
+def _too_large(graph: OpGraph) -> bool:
+    """The MILP of `graph` is not built (MAX_MILP_CELLS)."""
+    return len(graph.ops) * len(graph.backward_order) > MAX_MILP_CELLS
 
 
 def _sharing(be) -> bool:
@@ -335,12 +347,19 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
             return proven
 
     cells = len(graph.ops) * len(graph.backward_order)
-    if starts and cells > MAX_MILP_CELLS:
+    if starts and _too_large(graph):
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
                               f"skipped: the MILP of {len(graph.ops)} ops x "
                               f"{len(graph.backward_order)} stages is too large to build "
                               f"(MAX_MILP_CELLS); the best rule with the bound proven")
 
+    left = deadline - time.perf_counter()
+    if starts and BUILD_S_PER_CELL * cells > left:
+        return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
+                              f"skipped: building the MILP of {len(graph.ops)} ops x "
+                              f"{len(graph.backward_order)} stages would take about "
+                              f"{BUILD_S_PER_CELL * cells:.0f} s of the {max(0.0, left):.0f} s "
+                              f"left (BUILD_S_PER_CELL); the best rule with the bound proven")
     form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
     stats = run.stats
     stats.update({**form.stats(), "build_s": round(time.perf_counter() - started, 3),
@@ -408,7 +427,9 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     started, deadline, time_limit_s, mip_gap = (run.started, run.deadline, run.time_limit_s,
                                                 run.mip_gap)
     # Bounds known before anything is solved: the floor, and the greedy stage bound
-    # (milliseconds); the closure LP strengthens the latter during the rules.
+    # (milliseconds); the closure LP strengthens the latter during the rules. Not before the
+    # chain combination: proven early, per-block checkpointing (26.63%) would be the answer for
+    # Llama-3-8B at its own peak, where the chain finds 25.71%.
     stage_lower = stage_bound(facts, budget, offload, closure=False)
     known_lower = max(facts.time_floor, stage_lower if math.isfinite(stage_lower) else 0.0)
 
@@ -421,9 +442,11 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         if lower["closure"]:
             return
         lower["closure"] = True
+        # enough: a bound that proves the best schedule so far within the target gap
         lower["stage"] = max(lower["stage"], stage_bound(
             facts, budget, offload,
-            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s)))
+            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s),
+            enough=(1 - mip_gap) * reported[0] if SHORTCUTS else math.inf))
         lower["known"] = max(lower["known"], lower["stage"])
 
     starts: list = []
@@ -431,7 +454,13 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the best time reported so far; when the first and the best fitting one came
     reported = [math.inf, None, None]
     if warm_start:
-        rules_deadline = started + _rules_time(time_limit_s)
+        # Where the MILP will not be built, or its build would not fit in the time the rules
+        # leave, the rules (and the closure LP) have the whole limit.
+        rules_time = _rules_time(time_limit_s)
+        cells = len(graph.ops) * len(graph.backward_order)
+        rules_deadline = (deadline if _too_large(graph)
+                          or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
+                          else started + rules_time)
 
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
@@ -445,14 +474,21 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
                 if on_incumbent is not None:
                     on_incumbent(s, lower["known"])
 
-        # The baselines first, run to the end whatever the deadline: the answer is never worse.
-        baselines = [(f"baseline/{name}", s) for name, s in baseline_schedules(graph, budget)]
+        # The baselines run to the end whatever the deadline, so the answer is never worse:
+        # store-all and Chen's first (instant), the greedy after the rules (its clean-up pass
+        # took 88 s of Llama-3-8B per rank at 70 GiB, and the rules were left out behind it).
+        baselines = [(f"baseline/{name}", s) for name, s in baseline_schedules(graph, budget,
+                                                                               greedy=False)]
         for name, s in baselines:
             replay(name, s)
-        starts = family_starts(graph, budget, baselines + heuristic_schedules(
+        made = heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
             before_costly=closure_bound,
-            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap)), timelines)
+            enough=lambda: _proven_within(lower["known"], reported[0], mip_gap),
+            have_start=lambda: reported[0] < math.inf)
+        baselines.append(("baseline/greedy", greedy_baseline_schedule(graph, budget)))
+        replay(*baselines[-1])
+        starts = family_starts(graph, budget, baselines + made, timelines)
     closure_bound()
     return starts, timelines, reported, lower["stage"], lower["known"]
 
