@@ -434,8 +434,14 @@ def least_peak(g: JointGraph, width: int = 8) -> Prediction:
 
 def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
-    `g.start` or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
+    `g.start` (taken as it is where it fits: Inductor's min-cut, whose fused recomputations the
+    op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
+    if g.start is not None:
+        start = _start(g)
+        if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
+            return CompiledPlan(prediction=start, budget=budget, default=default,
+                                trail=(start.peak_bytes,))
     cur, trail = _descents(g, budget, width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(

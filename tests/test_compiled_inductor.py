@@ -152,13 +152,14 @@ def fake_compiles(monkeypatch, be, code_peak: dict[int, int]):
     code_peak[t]; returns the targets compiled, in order."""
     calls = []
 
-    def once(gm, example_inputs, target):
+    def once(gm, example_inputs, target, force=None):
         t = be.budget if target is None else target
         calls.append(t)
         plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
                                prediction=SimpleNamespace(recompute_cost=1 / t))
         return f"compiled at {t}", SimpleNamespace(
-            target=t, code=SimpleNamespace(peak_bytes=code_peak[t]), plan=plan, graph=None)
+            target=t, code=SimpleNamespace(peak_bytes=code_peak[t]), plan=plan, graph=None,
+            saved=frozenset({f"saved at {t}"})), False
     monkeypatch.setattr(be, "_inductor_once", once)
     monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
         peak_bytes=400))
