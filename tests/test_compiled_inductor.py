@@ -229,3 +229,22 @@ def test_a_kernel_calls_scratch_is_what_it_allocates_beyond_its_outputs():
         log.mark("b")
     del out
     assert scratch[0] == log.peak_between("a", "b") - log.level("b")
+
+
+def test_a_kernel_calls_scratch_in_the_code_is_given_to_its_joint_node():
+    from monetlike.runtime.compiled.inductor_code import call_ops
+    from solver.compiled import JointGraph, JointNode
+
+    plan = read_call(SCRATCH)
+    assert call_ops(plan) == [("aten.convolution_backward.default", ("x", "w")),
+                              ("aten.multinomial.default", ())]
+    g = JointGraph(nodes=(JointNode("x", "primal"), JointNode("w", "primal"),
+                          JointNode("g", "tangent", out_bytes=(4,)),
+                          JointNode("convolution_backward", "backward", ("g", "x", "w"), (8,),
+                                    scratch=100)), forward_outputs=(), backward_outputs=())
+    be = monetlike.backend(budget=1000, compiler="inductor")
+    be._ops = {"convolution_backward": "aten.convolution_backward.default"}
+    # the multinomial call matches no node: nothing learned from it
+    assert be._learn(g, [plan], [{0: 5000, 1: 64}]) and be._learned == {
+        "convolution_backward": 5000}
+    assert not be._learn(g, [plan], [{0: 50}])  # no more than the model already counts
