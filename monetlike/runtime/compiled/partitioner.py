@@ -201,10 +201,10 @@ class CompiledBackend:
         budget; run the cheapest plan whose code fits (compiled last, as Dynamo keeps it). Where
         a compile shows scratch the model missed, the next plan counts it (one compile more)."""
         tried: list[tuple] = []  # (compiled, record), in order
-        target, extra = None, 0
-        for _ in range(MAX_COMPILES + 1):
+        target, extra, force = None, 0, None
+        for _ in range(MAX_COMPILES + 2):
             try:
-                out, rec, learned = self._inductor_once(gm, example_inputs, target)
+                out, rec, learned = self._inductor_once(gm, example_inputs, target, force)
             except InfeasibleBudgetError as e:
                 # under the eager-op model's least: Inductor's code may still fit at that least
                 if e.min_budget is None or e.min_budget in {r.target for _, r in tried}:
@@ -218,6 +218,10 @@ class CompiledBackend:
             if self.spec.kind == "min":  # the least: what the code allocates at the plan's least
                 if learned and len(tried) == 1:  # the least again, with the scratch it missed
                     self.budget = target = None
+                    continue
+                start = rec.graph.start
+                if start is not None and force is None:  # min-cut's own may compile lower
+                    force = start | {n.name for n in rec.graph.nodes if n.pinned}
                     continue
                 self.budget = min(r.code.peak_bytes for _, r in tried)
                 break
