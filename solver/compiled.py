@@ -102,6 +102,10 @@ class JointGraph:
     """Bytes of the primals: parameters, buffers and inputs."""
     rng_state_bytes: int = 0
     """Bytes of one saved RNG state (what a recomputed random op makes the forward save)."""
+    start: frozenset[str] | None = None
+    """The saved set the search starts from: the partition the compiler would make on its own
+    (Inductor's min-cut: fused pointwise recomputations the op-by-op model overprices); None:
+    torch's default partition (save everything the backward reads)."""
 
     @cached_property
     def by_name(self) -> dict[str, JointNode]:
@@ -345,9 +349,10 @@ def torch_default_saved(g: JointGraph) -> frozenset[str]:
 
 
 def _start(g: JointGraph) -> Prediction:
-    """The search's start: torch's default partition, with the pinned values saved too (kept
-    wherever a recomputation reads them)."""
-    return predict(g, torch_default_saved(g) | {n.name for n in g.nodes if n.pinned})
+    """The search's start: `g.start` (the compiler's own partition) or else torch's default
+    partition, with the pinned values saved too (kept wherever a recomputation reads them)."""
+    base = torch_default_saved(g) if g.start is None else g.start
+    return predict(g, base | {n.name for n in g.nodes if n.pinned})
 
 
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
@@ -429,8 +434,14 @@ def least_peak(g: JointGraph, width: int = 8) -> Prediction:
 
 def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
-    torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
+    `g.start` (taken as it is where it fits: Inductor's min-cut, whose fused recomputations the
+    op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
+    if g.start is not None:
+        start = _start(g)
+        if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
+            return CompiledPlan(prediction=start, budget=budget, default=default,
+                                trail=(start.peak_bytes,))
     cur, trail = _descents(g, budget, width)
     if cur.peak_bytes > budget:
         raise InfeasibleBudgetError(

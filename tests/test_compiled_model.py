@@ -6,6 +6,8 @@ execution model"); the measured side is tests/test_compiled_runtime.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from solver.compiled import JointGraph, JointNode, _descend, _start, least_peak, plan_saved, \
@@ -110,3 +112,14 @@ def test_the_least_is_the_lower_of_the_two_greedy_paths_and_a_plan_fits_it():
     least = least_peak(g).peak_bytes
     assert least == min(by_cost.peak_bytes, by_gain.peak_bytes)
     assert plan_saved(g, least).prediction.peak_bytes <= least
+
+
+def test_the_search_starts_from_the_compilers_own_partition_where_given():
+    g = chain()
+    # from torch's default partition, meeting 3220 takes one move (recompute a1)
+    assert plan_saved(g, 3220).steps == 1
+    # from a start that already recomputes a1 (Inductor's min-cut, say), none
+    started = dataclasses.replace(g, start=frozenset({"a2", "a3"}))
+    assert _start(started).recomputed == ("a1",)
+    plan = plan_saved(started, 3220)
+    assert plan.steps == 0 and plan.prediction.recomputed == ("a1",)

@@ -249,6 +249,16 @@ def default_partition(joint, joint_inputs, **kwargs):
     return partition(joint, joint_inputs, **kwargs)
 
 
+def min_cut_partition(joint, joint_inputs, **kwargs):
+    """torch's min-cut partition (Inductor's own; it reads the activation_memory_budget knob)
+    of a copy of `joint`: the forward saves what it cuts at, the backward recomputes the rest."""
+    import copy
+
+    from torch._functorch.partitioners import min_cut_rematerialization_partition as partition
+
+    return partition(copy.deepcopy(joint), joint_inputs, **kwargs)
+
+
 def joint_placeholder_kind(node: torch.fx.Node) -> str:
     """'primal', 'tangent' or 'other' for a placeholder of AOTAutograd's joint graph."""
     from torch._functorch import partitioners as p

@@ -21,6 +21,7 @@ unsized and counted as 0 bytes.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ...core import torch_private
 from ...core.allocator import AllocatorLog
 
-__all__ = ["CodePeak", "GraphPlan", "read_call", "replay_step", "measure_scratch"]
+__all__ = ["CodePeak", "GraphPlan", "read_call", "replay_step", "measure_scratch", "call_ops"]
 
 Layout = tuple  # (size, stride, dtype name or None)
 
@@ -74,6 +75,30 @@ def _call_name(node: ast.AST) -> str:
     if isinstance(node, ast.Attribute):
         return f"{_call_name(node.value)}.{node.attr}"
     return ""
+
+
+# Inductor's extern kernels, by the ATen op of the graph node they run
+_EXTERN_OPS = {"extern_kernels.convolution": "aten.convolution.default",
+               "extern_kernels.mm": "aten.mm.default", "extern_kernels.bmm": "aten.bmm.default",
+               "extern_kernels.addmm": "aten.addmm.default"}
+
+
+def call_ops(plan: GraphPlan) -> list[tuple[str, tuple[str, ...]]]:
+    """For each kernel call of `plan`: (the ATen op it runs, as str(node.target) names it, or
+    '' where unknown; the names it reads that are not the code's own buffers, which are the
+    partitioned graph's node names: primals, saved values)."""
+    out = []
+    for text in plan.calls:
+        st = ast.parse(text).body[0]
+        call = st.value
+        fn = _call_name(call.func)
+        op = _EXTERN_OPS.get(fn, fn.removeprefix("torch.ops.") if fn.startswith("torch.ops.")
+                             else "")
+        names = tuple(dict.fromkeys(
+            n.id for a in [*call.args, *(k.value for k in call.keywords)] for n in ast.walk(a)
+            if isinstance(n, ast.Name) and not re.fullmatch(r"buf\d+", n.id)))
+        out.append((op, names))
+    return out
 
 
 def _nbytes(size, stride, dtype: str) -> int:
