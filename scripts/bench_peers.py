@@ -336,7 +336,7 @@ class Ours:
 # Mirrors: a peer's checkpoints written as a schedule of ours
 # ----------------------------------------------------------------------------------------------
 # Op kinds whose outputs the SAC policy saves (convolutions and matmuls): the solver's rule.
-from solver.rules.simple import SAC_SAVE_KINDS as SAC_KINDS  # noqa: E402
+from solver.rules.simple import SAC_SAVE_KINDS as SAC_KINDS, kind_in  # noqa: E402
 
 
 def _fx_name(qualname: str) -> str:
@@ -386,7 +386,7 @@ def mirror_schedule(graph, blocks: list[list[str]], *, save_kinds=frozenset()):
         b = owner.get(op.id)
         for v in op.outputs:
             readers = graph.users[v]
-            if b is None or op.kind in save_kinds or any(owner.get(u) != b for u in readers):
+            if b is None or kind_in(op.kind, save_kinds) or any(owner.get(u) != b for u in readers):
                 keep.add(v)
     lean = tuple(min(range(len(op.impls)), key=lambda k: (op.impls[k].internal_bytes, k))
                  if op.id in owner else 0 for op in graph.ops)

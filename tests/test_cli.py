@@ -14,9 +14,9 @@ from monetlike.cli import build_parser, main
 # The whole surface: subcommand -> its options. Change this only on purpose.
 SURFACE = {
     "profile": ["--batch", "--calibrate", "--cost", "--fsdp", "--fsdp-param-dtype",
-                "--host-bandwidth", "--input-shape", "--loss", "--optimizer", "-o/--output"],
+                "--fsdp-reduce-dtype", "--host-bandwidth", "--input-shape", "--loss", "--optimizer", "-o/--output"],
     "solve": ["--backend", "--batch", "--budget", "--cost", "--fsdp", "--fsdp-param-dtype",
-              "--graph", "--host-bandwidth", "--input-shape", "--loss", "--mode", "--offload",
+              "--fsdp-reduce-dtype", "--graph", "--host-bandwidth", "--input-shape", "--loss", "--mode", "--offload",
               "--optimizer", "--time-limit", "--verbose", "-o/--output"],
     "backends": [],
     "check": ["--batch", "--input-shape", "--loss", "--model"],

@@ -74,7 +74,7 @@ import numpy as np
 from ..analysis import GraphFacts
 from ..graph import OpGraph
 from ..schedule import Schedule
-from .simple import schedule_from_keep
+from .simple import kind_in, schedule_from_keep
 
 DIGITS = 9
 """Significant digits kept of every cost (seconds) before comparison."""
@@ -511,7 +511,7 @@ def repeated_block_checkpoint_schedule(graph: OpGraph, facts: GraphFacts, impl=N
                 keep |= chain.cuts[i - 1]
             if i < len(chain.cuts):
                 keep |= chain.cuts[i]
-            keep.update(w for j in seg.ops if graph.ops[j].kind in save_kinds
+            keep.update(w for j in seg.ops if kind_in(graph.ops[j].kind, save_kinds)
                         for w in graph.ops[j].outputs)
     return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,
                               mode="checkpoint", created_by="baseline:repeated_blocks"

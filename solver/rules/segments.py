@@ -28,7 +28,7 @@ import re
 from ..analysis import GraphFacts
 from ..graph import OpGraph
 from ..schedule import Schedule
-from .simple import schedule_from_keep
+from .simple import kind_in, schedule_from_keep
 
 
 def cut_widths(graph: OpGraph) -> list[tuple[int, frozenset[int]]]:
@@ -106,7 +106,7 @@ def block_schedule(graph: OpGraph, facts: GraphFacts, *, impl=None,
         if v.producer is None:
             continue
         b = blocks[v.producer]
-        if (b is None or graph.ops[v.producer].kind in save_kinds
+        if (b is None or kind_in(graph.ops[v.producer].kind, save_kinds)
                 or any(blocks[o.id] != b for o in graph.ops if v.id in o.inputs)):
             keep.add(v.id)
     return schedule_from_keep(graph, keep, impl=impl, retain="all", facts=facts,

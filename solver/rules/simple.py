@@ -25,6 +25,12 @@ SAC_SAVE_KINDS = frozenset({"Conv2d", "Linear", "matmul", "bmm", "mm", "addmm", 
 recompute norms, activations and adds, cheap per byte)."""
 
 
+def kind_in(kind: str, kinds) -> bool:
+    """Whether an Op's kind is one of `kinds`, an ATen overload named by its op
+    ('linear.default' is 'linear'), as torch.export's graphs name them."""
+    return kind in kinds or kind.partition(".")[0] in kinds
+
+
 def recompute_closure(graph: OpGraph, scheduled, present, targets) -> set[int]:
     """The ops to recompute so that every scheduled Value of `targets` exists: the producer of
     each one missing from `present`, and back through its inputs until Values that are present
