@@ -32,6 +32,7 @@ def bench():
     return load_script("bench_peers")
 
 
+@pytest.mark.slow
 def test_quick_run_has_every_peer_row_and_checked_gradients(bench, tmp_path, monkeypatch):
     calls = []
     real = torch.testing.assert_close

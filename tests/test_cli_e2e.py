@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from cli_support import run_cli
 
 # 32x32 images: the same commands and code paths as at 64x64 at a quarter of the work (two
@@ -10,6 +12,7 @@ from cli_support import run_cli
 MODEL = ["resnet18", "--batch", "16", "--input-shape", "3,32,32"]
 
 
+@pytest.mark.slow
 def test_profile_solve_check(tmp_path, capsys):
     g = tmp_path / "g.json"
     code, out, _ = run_cli(["profile", *MODEL, "-o", str(g)], capsys)

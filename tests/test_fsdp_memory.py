@@ -170,6 +170,7 @@ def _worker(rank: int, store_path: str) -> None:
         dist.barrier()
 
 
+@pytest.mark.slow
 def test_fsdp2_per_rank_peak_matches_the_allocator_on_two_gloo_ranks(tmp_path):
     passed = run_workers(_worker, (str(tmp_path / "store"),), "FSDP2 memory")
     assert passed == list(range(WORLD))

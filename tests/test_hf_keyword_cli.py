@@ -106,6 +106,7 @@ def test_scale_batch_scales_every_batched_tensor_and_keeps_the_rest():
 
 
 # -- maxbatch ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_max_batch_of_a_keyword_gpt2_fits_and_one_more_does_not():
     model = _tiny_gpt2()
     budget = 500 * 2**10

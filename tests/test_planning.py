@@ -1,5 +1,6 @@
 """pareto and maxbatch: planned with the solver, never by trial runs."""
 
+import pytest
 import torch
 import torchvision
 
@@ -9,6 +10,7 @@ from monetlike.pareto import pareto, plot_pareto
 from monetlike.profile import profile
 
 
+@pytest.mark.slow
 def test_pareto_rows_are_consistent_and_the_plot_is_written(tmp_path):
     g = profile(torchvision.models.resnet18(), torch.randn(64, 3, 128, 128, device="meta"),
                 cost="analytical:A100-40GB")

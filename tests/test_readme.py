@@ -16,6 +16,7 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@pytest.mark.slow
 def test_the_optimize_examples_run(tmp_path, monkeypatch):
     """The blocks that call monetlike.optimize, in order, in one namespace (the second reuses
     the first's model and input), with the schedule cache in a temporary directory."""

@@ -50,6 +50,7 @@ def graphs():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
 def test_entry_matches_todays_profiler_and_simulator(entry, graphs):
     g = graphs[_key(entry)]
