@@ -566,7 +566,9 @@ class ScheduleWrapper(torch.nn.Module):
             training: list = []
             structure: list = []
             module_flags(model, training, structure)
-            key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure), state)
+            # train/eval flags too: fx bakes `self.training` (dropout's, batch norm's) in
+            key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure),
+                   tuple(training), state)
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
             object.__setattr__(self, "_gm", shared_capture(

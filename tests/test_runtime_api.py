@@ -148,3 +148,35 @@ def test_optimize_with_the_real_solver(tmp_path):
                                  cache_dir=tmp_path, time_limit_s=30)
     assert wrapped.schedule.predicted_peak_bytes <= budget
     compare_step(model, lambda m: monetlike.ScheduleWrapper(m, wrapped.schedule), (x,), steps=2)
+
+
+class _FunctionalDropout(nn.Module):
+    """Reads `self.training` in its own forward, which fx bakes into the traced graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.b(nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training))
+
+
+def test_wrappers_of_one_model_in_train_and_eval_mode_each_run_their_own_trace():
+    """Wrappers of one model share its captures (monetlike/capture/identity.py); one solved in
+    eval mode must not run the trace a train-mode wrapper made (dropout on: other outputs)."""
+    torch.manual_seed(0)
+    model, x = _FunctionalDropout(), torch.randn(4, 8)
+    trained = monetlike.profile(model, x, cost="analytical:A100-40GB")
+    monetlike.ScheduleWrapper(model, store_all_schedule(trained), graph=trained)(x).sum().backward()
+    model.eval()
+    evaluated = monetlike.profile(model, x, cost="analytical:A100-40GB")
+    wrapped = monetlike.ScheduleWrapper(model, store_all_schedule(evaluated), graph=evaluated)
+    model.zero_grad(set_to_none=True)
+    out = wrapped(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    plain = model(x)
+    plain.sum().backward()
+    assert torch.equal(out, plain)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
