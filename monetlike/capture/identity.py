@@ -52,8 +52,9 @@ def python_attributes(model: torch.nn.Module, run_whole=None) -> list:
 def module_flags(mod: torch.nn.Module, training: list, grads: list) -> None:
     """train/eval flags of every module, and of every parameter its identity, shape, dtype and
     requires_grad, with each module's identity, in module order: NOTE [The model checked every
-    step] in monetlike/wrapper.py. A plain walk over the module dictionaries (named_modules() costs a millisecond per
-    step on a MobileNet, a tenth of the scheduled forward's whole overhead)."""
+    step] in monetlike/wrapper.py. A plain walk over the module dictionaries (named_modules()
+    costs a millisecond per step on a MobileNet, a tenth of the scheduled forward's whole
+    overhead)."""
     training.append(mod.training)
     grads.append((id(mod), type(mod)))
     for p in mod._parameters.values():
