@@ -200,7 +200,7 @@ class ScheduleWrapper(torch.nn.Module):
         self._structure_impls = graph is None or any(len(op.impls) > 1 for op in graph.ops)
         self._entries: dict[Any, "_Entry | Exception"] = {}
         self._gm = None
-        self._gm_state = None  # the Python attributes `_gm` was traced with
+        self._gm_key = None  # what `_gm` was traced with (identity.shared_capture's key)
         self._watched = None  # NOTE [Python attributes read in forward]
         self._placeholders = None
         self._plain = 0
@@ -561,19 +561,18 @@ class ScheduleWrapper(torch.nn.Module):
             # plan built on it is cached with the signature).
             return shared_capture(model, ("export", self._signature(inputs)),
                                    lambda: export_graph(model, inputs))
-        state = self._python_state()
-        if self._gm is None or state != self._gm_state:
-            training: list = []
-            structure: list = []
-            module_flags(model, training, structure)
-            # train/eval flags too: fx bakes `self.training` (dropout's, batch norm's) in
-            key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure),
-                   tuple(training), state)
+        training: list = []
+        structure: list = []
+        module_flags(model, training, structure)
+        # train/eval flags too: fx bakes a forward's own `self.training` in
+        key = ("fx", tuple(map(repr, self._leaf_modules)), tuple(structure), tuple(training),
+               self._python_state())
+        if self._gm is None or key != self._gm_key:
             # object.__setattr__: a Module attribute would be registered in _modules, which is
             # the model's own dictionary.
             object.__setattr__(self, "_gm", shared_capture(
                 model, key, lambda: trace(model, self._leaf_modules)))
-            self._gm_state = state
+            self._gm_key = key
         return self._gm
 
     def _profile_structure(self, inputs: tuple, *, measured: bool = False) -> OpGraph:

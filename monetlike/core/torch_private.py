@@ -312,9 +312,10 @@ def inductor_backend(partition_fn: Callable,
 
 def fsdp_unit_settings(module: torch.nn.Module) -> tuple:
     """(reshard_after_forward, the mixed-precision param_dtype, its reduce_dtype) of a module
-    FSDP2's fully_shard made a unit of. FSDP2 has setters for these (FSDPModule.set_reshard_after_forward) but no
-    getters: they are read from the unit's parameter group. A root unit that has run a forward
-    reads False (FSDP2 clears its post-forward mesh then)."""
+    FSDP2's fully_shard made a unit of. FSDP2 has setters for these
+    (FSDPModule.set_reshard_after_forward) but no getters: they are read from the unit's
+    parameter group. A root unit that has run a forward reads False (FSDP2 clears its
+    post-forward mesh then)."""
     from torch.distributed.fsdp import fully_shard  # imported where a sharded model exists
 
     group = fully_shard.state(module)._fsdp_param_group
