@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..core import recompute as rc
 from ..core.torch_private import tree_flatten, tree_unflatten
-from .registry import ImplSpec, register
+from .registry import ImplSpec, one_node, register
 from ..core.modules import has_forward_hooks, module_of
 
 # Module types with large internals and no buffers, kept whole by torch.fx (leaves of torch.nn).
@@ -204,11 +204,10 @@ def _draws_random(mod: nn.Module) -> bool:
 
 
 def _match(gm, nodes):
-    if len(nodes) != 1:
+    n, mod = one_node(gm, nodes)
+    if n is None:
         return None
-    n = nodes[0]
-    if n.op == "call_module":
-        mod = gm.get_submodule(n.target)
+    if mod is not None:
         if type(mod) not in MODULES or any(True for _ in mod.buffers()) \
                 or has_forward_hooks(mod, including_global=True):
             return None

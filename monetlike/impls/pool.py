@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import ImplSpec, register
+from .registry import ImplSpec, one_node, register
 
 
 def _pair(v):
@@ -323,11 +323,10 @@ def pool_params(kernel, stride, padding, dilation):
 
 
 def _match(gm, nodes):
-    if len(nodes) != 1:
+    n, mod = one_node(gm, nodes)
+    if n is None:
         return None
-    n = nodes[0]
-    if n.op == "call_module":
-        mod = gm.get_submodule(n.target)
+    if mod is not None:
         if type(mod) is not nn.MaxPool2d or mod.return_indices or n.kwargs or len(n.args) != 1:
             return None
         kernel, stride, padding, dilation = pool_params(mod.kernel_size, mod.stride, mod.padding,

@@ -116,6 +116,15 @@ def names() -> frozenset[str]:
     return frozenset(_REGISTRY)
 
 
+def one_node(gm: fx.GraphModule, nodes: list):
+    """(node, its module or None when it calls no module) of a one-node group; (None, None)
+    for a group of several nodes, which the one-node Impls do not match."""
+    if len(nodes) != 1:
+        return None, None
+    n = nodes[0]
+    return n, (gm.get_submodule(n.target) if n.op == "call_module" else None)
+
+
 def matches(gm: fx.GraphModule, nodes: list) -> list[tuple[ImplSpec, dict]]:
     """The registered Impls that apply to an Op made of `nodes`, with their replacements."""
     out = []

@@ -74,8 +74,7 @@ class PulpCbcBackend(Backend):
     name = "cbc"
     description = "PuLP with its bundled CBC (warm start; bound parsed from CBC's log)"
     requires = ("pulp",)
-    WARM_START = True
-    DUAL_BOUND = True
+    WARM_START = DUAL_BOUND = True
 
     def _solve(self, milp, *, time_limit_s, mip_gap, warm_start, verbose, progress):
         import pulp

@@ -85,12 +85,12 @@ def column_stages(form: Formulation) -> np.ndarray:
 
 @dataclasses.dataclass
 class LnsStats:
-    windows: int = 0
-    improved: int = 0
-    timed_out: int = 0
-    seconds: float = 0.0
-    rins: int = 0
-    rins_improved: int = 0
+    windows: int = 0  # window sub-MILPs solved
+    improved: int = 0  # sub-MILPs (windows and RINS) that beat the incumbent
+    timed_out: int = 0  # windows stopped by their time limit
+    seconds: float = 0.0  # the whole search's wall time
+    rins: int = 0  # RINS sub-MILPs (free where the guide and the incumbent differ)
+    rins_improved: int = 0  # ... of which beat the incumbent
 
 
 class _Neighbourhood:
