@@ -191,6 +191,12 @@ def profiled_case(factory, shape, cost: str, **kw):
     return model, x, monetlike.profile(model, x, cost=cost, **kw)
 
 
+def profiled_impl_case(cases: dict, case: str, cost: str):
+    """`profiled_case` for `cases[case]`, a (factory, shape, Impl name): (model, x, graph, name)."""
+    factory, shape, name = cases[case]
+    return (*profiled_case(factory, shape, cost), name)
+
+
 def compare_schedule(model, schedule: Schedule, inputs, graph: OpGraph | None = None, **kw):
     """compare_step with the copy wrapped by ScheduleWrapper at `schedule`."""
     return compare_step(model, lambda m: monetlike.ScheduleWrapper(m, schedule, graph=graph),

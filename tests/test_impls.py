@@ -25,7 +25,7 @@ from monetlike.impls import names
 from solver.backends import available as available_backends
 from solver.schedule import Schedule
 from solver.simulate import simulate, store_all_schedule, with_predictions
-from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_case,
+from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_impl_case,
                              weighted_step)
 
 A100 = "analytical:A100-40GB"
@@ -239,8 +239,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_impl_exact_through_runtime(case):
-    factory, shape, name = CASES[case]
-    model, x, graph = profiled_case(factory, shape, A100)
+    model, x, graph, name = profiled_impl_case(CASES, case, A100)
     schedule, picked = _with_impl(graph, name)
     assert picked, f"{name} did not apply to {case}"
     ref_model = copy.deepcopy(model)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import monetlike
 from monetlike.impls import bitmask
 from monetlike.core.torch_private import sole_owner
-from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_case,
+from runtime_support import (PEAK_TOLERANCE, impl_schedules, measured_peak, profiled_impl_case,
                              weighted_step)
 from solver.simulate import simulate
 
@@ -113,8 +113,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_split_exact_through_runtime(case):
-    factory, shape, name = CASES[case]
-    model, x, graph = profiled_case(factory, shape, A100)
+    model, x, graph, name = profiled_impl_case(CASES, case, A100)
     picked, schedules = impl_schedules(graph, name)
     assert picked, f"{name} did not apply to {case}"
     for schedule in schedules:  # store-all, and recompute everything

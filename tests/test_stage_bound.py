@@ -25,6 +25,15 @@ from solver_cases import GraphBuilder, random_chain, random_dag, random_inplace_
 from solver_reference import exact_min_peak, exact_optimum
 
 
+def _random_graphs(max_examples: int, sizes: tuple[int, int]):
+    """A derandomized property over a random graph's seed and size (`sizes`, inclusive)."""
+    def wrap(test):
+        return settings(max_examples=max_examples, deadline=None, derandomize=True,
+                        suppress_health_check=[HealthCheck.too_slow])(
+            given(seed=st.integers(0, 10**9), n=st.integers(*sizes))(test))
+    return wrap
+
+
 def _graphs(seed: int, n: int):
     rng = random.Random(seed)
     return (random_chain(rng, n, early=True), random_dag(rng, n, two_impl=True, early=True),
@@ -56,9 +65,7 @@ def _check_random_schedules(seed: int, n: int) -> int:
     return above
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**9), n=st.integers(2, 12))
+@_random_graphs(max_examples=60, sizes=(2, 12))
 def test_no_schedule_beats_the_bound_at_its_own_peak(seed, n):
     _check_random_schedules(seed, n)
 
@@ -85,9 +92,7 @@ def test_the_closure_lp_rises_above_the_greedy_bound():
     assert above >= 16
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**9), n=st.integers(1, 4))
+@_random_graphs(max_examples=40, sizes=(1, 4))
 def test_bound_at_most_the_exact_optimum(seed, n):
     g = random_dag(random.Random(seed), n, two_impl=True)
     top = simulate(g, store_all_schedule(g)).peak_bytes
@@ -101,9 +106,7 @@ def test_bound_at_most_the_exact_optimum(seed, n):
             assert bound <= ref[0] + 1e-9, (mode, budget, bound, ref[0])
 
 
-@settings(max_examples=15, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**9), n=st.integers(1, 4))
+@_random_graphs(max_examples=15, sizes=(1, 4))
 def test_least_peak_bound_at_most_the_exact_least_peak(seed, n):
     g = random_dag(random.Random(seed), n, two_impl=True)
     for mode in ("full", "checkpoint"):
@@ -265,9 +268,7 @@ def _check_rule_answers(seed: int, n: int) -> int:
     return proven
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**9), n=st.integers(2, 4))
+@_random_graphs(max_examples=25, sizes=(2, 4))
 def test_a_rule_the_bounds_prove_is_the_answer_without_a_milp(seed, n):
     _check_rule_answers(seed, n)
 
