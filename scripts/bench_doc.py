@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import os
 import platform
 import sys
@@ -90,3 +91,28 @@ def replace_section(name: str, body: str, path: str = DEFAULT_PATH) -> None:
     else:
         text = text.rstrip() + f"\n\n## {name.capitalize()}\n{block}\n"
     atomic_write_text(path, text)
+
+
+def names_from(ap, text: str, known, what: str) -> list[str]:
+    """The comma-separated names in `text`, each one of `known` (else `ap.error`)."""
+    names = [s for s in text.split(",") if s]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"unknown {what} {unknown}; expected some of {list(known)}")
+    return names
+
+
+def append_row(rows: list, row: dict, results: str, echo: bool = True) -> None:
+    """`row` added to `rows` and to the JSON-lines file `results` (printed too: `echo`)."""
+    rows.append(row)
+    if echo:
+        print(json.dumps(row), flush=True)
+    with open(results, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def publish(name: str, body: str, write: bool = True) -> None:
+    """Print a rendered table; with `write`, also make it section `name` of BENCHMARKS.md."""
+    print(body)
+    if write:
+        replace_section(name, body)

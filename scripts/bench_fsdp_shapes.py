@@ -19,18 +19,16 @@ this (each solve takes minutes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import solver  # noqa: E402
+from bench_doc import append_row, names_from, replace_section  # noqa: E402
+from bench_solver import pct_over, rows_section, timed_solve  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 from solver.analysis import GraphFacts  # noqa: E402
 from solver.rules.segments import block_schedule  # noqa: E402
@@ -59,10 +57,6 @@ def profile(name: str, ranks: int):
     return graph, time.perf_counter() - started
 
 
-def _pct(seconds, base: float):
-    return None if seconds is None else round(100 * (seconds / base - 1), 2)
-
-
 def run_one(name: str, ranks: int, graph, profile_s: float, budget_arg: str, args) -> dict:
     base = simulate(graph, store_all_schedule(graph))
     peer = simulate(graph, block_schedule(graph, GraphFacts(graph, "full")))
@@ -73,49 +67,34 @@ def run_one(name: str, ranks: int, graph, profile_s: float, budget_arg: str, arg
            "sharded_params": format_bytes(per_rank["sharded_params"]),
            "optimizer": format_bytes(per_rank["optimizer"]),
            "peer_peak": format_bytes(peer.peak_bytes),
-           "peer_overhead_pct": _pct(peer.total_time, base.total_time),
+           "peer_overhead_pct": pct_over(peer.total_time, base.total_time),
            "profile_s": round(profile_s, 1), "commit": args.commit}
-    started = time.perf_counter()
-    cpu0 = time.process_time()
-    try:
-        r = solver.solve(graph, budget, time_limit_s=args.time_limit, mip_gap=args.mip_gap)
-    except solver.InfeasibleBudgetError as e:
-        row.update(status="infeasible", solve_s=round(time.perf_counter() - started, 1),
-                   note=str(e)[:200])
-        return row
-    st = r.stats
-    ours = _pct(r.predicted_time, base.total_time)
-    row.update(
-        status=r.status, peak=format_bytes(r.predicted_peak_bytes), overhead_pct=ours,
-        vs_peer=None if not row["peer_overhead_pct"] else
-        round(ours / row["peer_overhead_pct"], 3),
-        gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
-        bound_pct=_pct(st.get("lower_bound_s"), base.total_time),
-        first_s=st.get("first_incumbent_s"), best_s=st.get("best_found_s"),
-        solve_s=round(r.solve_time_s, 1), source=st.get("incumbent_source"),
-        rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        cpu_pct=round(100 * (time.process_time() - cpu0)
-                      / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
-        note=st.get("search", ""))
+
+    def columns(r):
+        st = r.stats
+        ours = pct_over(r.predicted_time, base.total_time)
+        return dict(
+            status=r.status, peak=format_bytes(r.predicted_peak_bytes), overhead_pct=ours,
+            vs_peer=None if not row["peer_overhead_pct"] else
+            round(ours / row["peer_overhead_pct"], 3),
+            gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
+            bound_pct=pct_over(st.get("lower_bound_s"), base.total_time),
+            first_s=st.get("first_incumbent_s"), best_s=st.get("best_found_s"),
+            solve_s=round(r.solve_time_s, 1), source=st.get("incumbent_source"))
+
+    timed_solve(graph, budget, args, row, columns)
     return row
 
 
+# the table's columns, in order (a row may lack some)
+COLUMNS = ("shape", "ranks", "ops", "budget_of", "budget", "store_all_peak",
+           "peer_peak", "peer_overhead_pct", "status", "peak", "overhead_pct",
+           "vs_peer", "gap_pct", "bound_pct", "first_s", "best_s", "solve_s",
+           "source", "profile_s", "rss_gib", "cpu_pct", "commit")
+
+
 def render(rows: list[dict], args) -> str:
-    import pandas as pd
-
-    from bench_doc import header
-    from bench_solver import markdown_table
-
-    df = pd.DataFrame(rows)
-    cols = [c for c in ("shape", "ranks", "ops", "budget_of", "budget", "store_all_peak",
-                        "peer_peak", "peer_overhead_pct", "status", "peak", "overhead_pct",
-                        "vs_peer", "gap_pct", "bound_pct", "first_s", "best_s", "solve_s",
-                        "source", "profile_s", "rss_gib", "cpu_pct", "commit")
-            if c in df.columns]
-    df = df[cols].astype(object).where(df[cols].notna(), "")
-    command = "python scripts/bench_fsdp_shapes.py " + " ".join(sys.argv[1:])
-    return "\n".join([
-        header(command.strip()),
+    notes = (
         f"Batch {BATCH} x {SEQ} tokens, one rank of FSDP2 (every decoder layer a fully_shard "
         f"unit and the root, bf16 parameters, AdamW state, the model's own loss), {COST} "
         f"costs (a plan for a GPU this machine does not have). Time limit {args.time_limit:g} s "
@@ -126,8 +105,9 @@ def render(rows: list[dict], args) -> str:
         f"the proven lower bound, bound_pct: that bound over store-all (no schedule within "
         f"the budget is faster). profile_s: the profile (capture and analytical costs); "
         f"rss_gib: the process's peak resident memory so far (profile included); cpu_pct: CPU "
-        f"time over wall time on all cores.",
-        "", markdown_table(df)]) + "\n"
+        f"time over wall time on all cores."
+    )
+    return rows_section(rows, "bench_fsdp_shapes.py", COLUMNS, notes)
 
 
 def main(argv=None) -> int:
@@ -135,34 +115,21 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budgets", default="peer",
                     help="comma-separated: 'peer' (the per-block checkpointing peak) or bytes")
-    ap.add_argument("--time-limit", type=float, default=300.0)
-    ap.add_argument("--mip-gap", type=float, default=0.02)
-    ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(),
-                                                      "monetlike_bench_fsdp_shapes.jsonl"))
-    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    from bench_solver import add_solve_args, code_version
+    add_solve_args(ap, "monetlike_bench_fsdp_shapes.jsonl")
     args = ap.parse_args(argv)
-    shapes = [s for s in args.shapes.split(",") if s]
-    unknown = sorted(set(shapes) - set(SHAPES))
-    if unknown:
-        ap.error(f"unknown shapes {unknown}; expected some of {list(SHAPES)}")
-    from bench_doc import replace_section
-    from bench_solver import code_version
-
+    shapes = names_from(ap, args.shapes, SHAPES, "shapes")
     args.commit = code_version()
     rows = []
     for name in shapes:
         graph, profile_s = profile(name, SHAPES[name])
         for budget in (b for b in args.budgets.split(",") if b):
-            row = run_one(name, SHAPES[name], graph, profile_s, budget, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            with open(args.results, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_row(rows, run_one(name, SHAPES[name], graph, profile_s, budget, args),
+                       args.results)
             if not args.no_write:  # row by row: a run stopped early still leaves its rows
                 replace_section("fsdp-shapes", render(rows, args))
     print(render(rows, args))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

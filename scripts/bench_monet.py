@@ -154,6 +154,7 @@ def main(argv=None) -> int:
                     help="solve nothing: render the rows already in --results (runs made by "
                          "separate processes, e.g. one per cost preset)")
     args = ap.parse_args(argv)
+    from bench_doc import append_row, publish
     from bench_solver import code_version
 
     commit = code_version()
@@ -169,16 +170,9 @@ def main(argv=None) -> int:
             for row in run_model(name, f"analytical:{cost}", args.time_limit,
                                  args.min_time_limit, args.gap):
                 row["commit"] = commit
-                rows.append(row)
-                with open(args.results, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
-    body = render(rows, "python scripts/bench_monet.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]))
-    print(body)
-    if not args.no_doc:
-        from bench_doc import replace_section
-
-        replace_section("MONeT", body)
+                append_row(rows, row, args.results, echo=False)
+    publish("MONeT", render(rows, "python scripts/bench_monet.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])), not args.no_doc)
     return 0
 
 

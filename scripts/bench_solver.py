@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -123,12 +124,61 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
     return row
 
 
+def add_solve_args(ap, results: str) -> None:
+    """The options of a script that solves at a time limit and gap and appends its rows to a
+    JSON-lines file (`results`, in the temporary folder by default)."""
+    ap.add_argument("--time-limit", type=float, default=300.0)
+    ap.add_argument("--mip-gap", type=float, default=0.02)
+    ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(), results))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+
+
+def pct_over(seconds, base: float):
+    """A step time as a percentage over store-all's (None stays None)."""
+    return None if seconds is None else round(100 * (seconds / base - 1), 2)
+
+
+def timed_solve(graph, budget: int, args, row: dict, columns):
+    """`solver.solve` at --time-limit and --mip-gap. `row` gets `columns(result)` (a dict), then
+    the process's peak resident memory so far, the CPU time over wall time on all cores and the
+    search's note; the result is returned. An infeasible budget's row says so; None then."""
+    started = time.perf_counter()
+    cpu0 = time.process_time()
+    try:
+        r = solver.solve(graph, budget, time_limit_s=args.time_limit, mip_gap=args.mip_gap)
+    except solver.InfeasibleBudgetError as e:
+        row.update(status="infeasible", solve_s=round(time.perf_counter() - started, 1),
+                   note=str(e)[:200])
+        return None
+    row.update(columns(r))
+    row.update(
+        rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        cpu_pct=round(100 * (time.process_time() - cpu0)
+                      / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
+        note=r.stats.get("search", ""))
+    return r
+
+
 def markdown_table(df) -> str:
     """A pandas DataFrame as a GitHub markdown table (no extra dependency)."""
     head = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "---|" * len(df.columns)
     body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body])
+
+
+def rows_section(rows: list[dict], script: str, columns, notes: str) -> str:
+    """A section of BENCHMARKS.md: the header (the command `python scripts/<script>` with this
+    process's arguments), `notes`, then the table of `rows` in those `columns` they have."""
+    import pandas as pd
+
+    from bench_doc import header
+
+    df = pd.DataFrame(rows)
+    cols = [c for c in columns if c in df.columns]
+    df = df[cols].astype(object).where(df[cols].notna(), "")
+    command = f"python scripts/{script} " + " ".join(sys.argv[1:])
+    return "\n".join([header(command.strip()), notes, "", markdown_table(df)]) + "\n"
 
 
 def render(rows: list[dict], args, models_info: dict) -> str:

@@ -18,18 +18,15 @@ section of docs/BENCHMARKS.md. CI does not run this.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
-import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import solver  # noqa: E402
+from bench_doc import append_row, names_from, publish, replace_section  # noqa: E402
+from bench_solver import pct_over, rows_section, timed_solve  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 
 MODELS = ("gpt12", "gpt24", "gpt48", "densenet121", "densenet169")
@@ -56,56 +53,37 @@ def run_one(name: str, graph, fraction: float, args) -> dict:
     budget = int(base.peak_bytes * fraction)
     row = {"model": name, "ops": len(graph.ops), "fraction": fraction,
            "budget": format_bytes(budget), "commit": args.commit}
-    started = time.perf_counter()
-    cpu0 = time.process_time()
-    try:
-        r = solver.solve(graph, budget, time_limit_s=args.time_limit, mip_gap=args.mip_gap)
-    except solver.InfeasibleBudgetError as e:
-        row.update(status="infeasible", solve_s=round(time.perf_counter() - started, 1),
-                   note=str(e)[:200])
-        return row
-    st = r.stats
-    rule = st.get("heuristic_objective_s")
-    row.update(
-        status=r.status, first_s=st.get("first_incumbent_s"), best_s=st.get("best_found_s"),
-        solve_s=round(r.solve_time_s, 1),
-        gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
-        overhead_pct=round(100 * (r.predicted_time / base.total_time - 1), 2),
-        rule_pct=None if rule is None else round(100 * (rule / base.total_time - 1), 2),
-        rule=st.get("heuristic"), source=st.get("incumbent_source"),
-        bound_pct=_pct(st.get("lower_bound_s"), base.total_time),
-        stage_bound_pct=_pct(st.get("stage_bound_s"), base.total_time),
-        nonzeros=st.get("nonzeros"), build_s=st.get("build_s"),
-        rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        cpu_pct=round(100 * (time.process_time() - cpu0)
-                      / (max(1e-9, time.perf_counter() - started) * (os.cpu_count() or 1)), 1),
-        note=st.get("search", ""))
-    if st.get("structured") is not None:  # the block-copy strategy's tally (JSON lines only)
-        row["structured"] = st["structured"]
+
+    def columns(r):
+        st = r.stats
+        rule = st.get("heuristic_objective_s")
+        return dict(
+            status=r.status, first_s=st.get("first_incumbent_s"), best_s=st.get("best_found_s"),
+            solve_s=round(r.solve_time_s, 1),
+            gap_pct=None if r.mip_gap is None else round(100 * r.mip_gap, 2),
+            overhead_pct=round(100 * (r.predicted_time / base.total_time - 1), 2),
+            rule_pct=None if rule is None else round(100 * (rule / base.total_time - 1), 2),
+            rule=st.get("heuristic"), source=st.get("incumbent_source"),
+            bound_pct=pct_over(st.get("lower_bound_s"), base.total_time),
+            stage_bound_pct=pct_over(st.get("stage_bound_s"), base.total_time),
+            nonzeros=st.get("nonzeros"), build_s=st.get("build_s"))
+
+    r = timed_solve(graph, budget, args, row, columns)
+    if r is not None and r.stats.get("structured") is not None:
+        # the block-copy strategy's tally (JSON lines only)
+        row["structured"] = r.stats["structured"]
     return row
 
 
-def _pct(seconds, base: float):
-    """A step time as a percentage over store-all's (None stays None)."""
-    return None if seconds is None else round(100 * (seconds / base - 1), 2)
+# the table's columns, in order (a row may lack some)
+COLUMNS = ("model", "ops", "fraction", "budget", "status", "first_s", "best_s",
+           "solve_s", "gap_pct", "overhead_pct", "bound_pct", "stage_bound_pct",
+           "rule_pct", "rule", "source",
+           "nonzeros", "build_s", "rss_gib", "cpu_pct", "commit", "note")
 
 
 def render(rows: list[dict], args) -> str:
-    import pandas as pd
-
-    from bench_doc import header
-    from bench_solver import markdown_table
-
-    df = pd.DataFrame(rows)
-    cols = [c for c in ("model", "ops", "fraction", "budget", "status", "first_s", "best_s",
-                        "solve_s", "gap_pct", "overhead_pct", "bound_pct", "stage_bound_pct",
-                        "rule_pct", "rule", "source",
-                        "nonzeros", "build_s", "rss_gib", "cpu_pct", "commit", "note")
-            if c in df.columns]
-    df = df[cols].astype(object).where(df[cols].notna(), "")
-    command = "python scripts/bench_solver_scale.py " + " ".join(sys.argv[1:])
-    return "\n".join([
-        header(command.strip()),
+    notes = (
         f"Time limit {args.time_limit:g} s per solve, target gap {100 * args.mip_gap:g}%, "
         f"analytical A100-40GB costs. fraction: budget over the store-all peak. overhead_pct: "
         f"the answer's predicted step time over store-all; rule_pct: the best simple rule's "
@@ -114,45 +92,29 @@ def render(rows: list[dict], args) -> str:
         f"stage_bound.py). "
         f"build_s: seconds before the search could start (the rules and the MILP's build). "
         f"rss_gib: the process's peak resident memory so far (profiles included). cpu_pct: CPU "
-        f"time over wall time on all cores (well under 100: other processes shared them).",
-        "", markdown_table(df)]) + "\n"
+        f"time over wall time on all cores (well under 100: other processes shared them)."
+    )
+    return rows_section(rows, "bench_solver_scale.py", COLUMNS, notes)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--fractions", default="0.5,0.33")
-    ap.add_argument("--time-limit", type=float, default=300.0)
-    ap.add_argument("--mip-gap", type=float, default=0.02)
-    ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(),
-                                                      "monetlike_bench_solver_scale.jsonl"))
-    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    from bench_solver import add_solve_args, code_version
+    add_solve_args(ap, "monetlike_bench_solver_scale.jsonl")
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown:
-        ap.error(f"unknown models {unknown}; expected some of {list(MODELS)}")
-    from bench_solver import code_version
+    models = names_from(ap, args.models, MODELS, "models")
     args.commit = code_version()
     rows = []
     for name in models:
         graph = profile(name)
         for fraction in (float(f) for f in args.fractions.split(",")):
-            row = run_one(name, graph, fraction, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            with open(args.results, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_row(rows, run_one(name, graph, fraction, args), args.results)
             if not args.no_write:  # row by row, so a run stopped early still leaves its rows
-                from bench_doc import replace_section
                 replace_section("solver-scale", render(rows, args))
-    text = render(rows, args)
-    print(text)
-    if not args.no_write:
-        from bench_doc import replace_section
-        replace_section("solver-scale", text)
+    publish("solver-scale", render(rows, args), not args.no_write)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
