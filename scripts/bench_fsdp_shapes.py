@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_doc import append_row, names_from, replace_section  # noqa: E402
-from bench_solver import pct_over, rows_section, timed_solve  # noqa: E402
+from bench_solver import parse_solve_args, pct_over, rows_section, timed_solve  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 from solver.analysis import GraphFacts  # noqa: E402
 from solver.rules.segments import block_schedule  # noqa: E402
@@ -94,19 +94,18 @@ COLUMNS = ("shape", "ranks", "ops", "budget_of", "budget", "store_all_peak",
 
 
 def render(rows: list[dict], args) -> str:
-    notes = (
-        f"Batch {BATCH} x {SEQ} tokens, one rank of FSDP2 (every decoder layer a fully_shard "
-        f"unit and the root, bf16 parameters, AdamW state, the model's own loss), {COST} "
-        f"costs (a plan for a GPU this machine does not have). Time limit {args.time_limit:g} s "
-        f"per solve, target gap {100 * args.mip_gap:g}%. peer: per-block full checkpointing "
-        f"(each decoder layer checkpointed, as torchtitan's activation checkpointing 'full'); "
-        f"budget_of: 'peer' solves at the peer's own predicted peak. Overheads: predicted step "
-        f"time over store-all's (plain PyTorch); vs_peer: ours over the peer's. gap_pct: to "
-        f"the proven lower bound, bound_pct: that bound over store-all (no schedule within "
-        f"the budget is faster). profile_s: the profile (capture and analytical costs); "
-        f"rss_gib: the process's peak resident memory so far (profile included); cpu_pct: CPU "
-        f"time over wall time on all cores."
-    )
+    notes = f"""
+        Batch {BATCH} x {SEQ} tokens, one rank of FSDP2 (every decoder layer a fully_shard
+        unit and the root, bf16 parameters, AdamW state, the model's own loss), {COST} costs
+        (a plan for a GPU this machine does not have). Time limit {args.time_limit:g} s per
+        solve, target gap {100 * args.mip_gap:g}%. peer: per-block full checkpointing (each
+        decoder layer checkpointed, as torchtitan's activation checkpointing 'full');
+        budget_of: 'peer' solves at the peer's own predicted peak. Overheads: predicted step
+        time over store-all's (plain PyTorch); vs_peer: ours over the peer's. gap_pct: to
+        the proven lower bound, bound_pct: that bound over store-all (no schedule within the
+        budget is faster). profile_s: the profile (capture and analytical costs); rss_gib:
+        the process's peak resident memory so far (profile included); cpu_pct: CPU time over
+        wall time on all cores."""
     return rows_section(rows, "bench_fsdp_shapes.py", COLUMNS, notes)
 
 
@@ -115,11 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budgets", default="peer",
                     help="comma-separated: 'peer' (the per-block checkpointing peak) or bytes")
-    from bench_solver import add_solve_args, code_version
-    add_solve_args(ap, "monetlike_bench_fsdp_shapes.jsonl")
-    args = ap.parse_args(argv)
+    args = parse_solve_args(ap, argv, "monetlike_bench_fsdp_shapes.jsonl")
     shapes = names_from(ap, args.shapes, SHAPES, "shapes")
-    args.commit = code_version()
     rows = []
     for name in shapes:
         graph, profile_s = profile(name, SHAPES[name])

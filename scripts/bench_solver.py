@@ -124,13 +124,17 @@ def run_one(graph, budget_gib: float, args, base, floor) -> dict:
     return row
 
 
-def add_solve_args(ap, results: str) -> None:
-    """The options of a script that solves at a time limit and gap and appends its rows to a
-    JSON-lines file (`results`, in the temporary folder by default)."""
+def parse_solve_args(ap, argv, results: str):
+    """`ap`'s arguments, with the options of a script that solves at a time limit and gap and
+    appends its rows to a JSON-lines file (`results`, in the temporary folder by default); the
+    code's version is taken once, before anything is solved, as args.commit."""
     ap.add_argument("--time-limit", type=float, default=300.0)
     ap.add_argument("--mip-gap", type=float, default=0.02)
     ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(), results))
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    args.commit = code_version()
+    return args
 
 
 def pct_over(seconds, base: float):
@@ -169,7 +173,8 @@ def markdown_table(df) -> str:
 
 def rows_section(rows: list[dict], script: str, columns, notes: str) -> str:
     """A section of BENCHMARKS.md: the header (the command `python scripts/<script>` with this
-    process's arguments), `notes`, then the table of `rows` in those `columns` they have."""
+    process's arguments), `notes` (prose: its line breaks and indents fold into single spaces),
+    then the table of `rows` in those `columns` they have."""
     import pandas as pd
 
     from bench_doc import header
@@ -178,7 +183,7 @@ def rows_section(rows: list[dict], script: str, columns, notes: str) -> str:
     cols = [c for c in columns if c in df.columns]
     df = df[cols].astype(object).where(df[cols].notna(), "")
     command = f"python scripts/{script} " + " ".join(sys.argv[1:])
-    return "\n".join([header(command.strip()), notes, "", markdown_table(df)]) + "\n"
+    return "\n".join([header(command.strip()), " ".join(notes.split()), "", markdown_table(df)]) + "\n"
 
 
 def render(rows: list[dict], args, models_info: dict) -> str:

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_doc import append_row, names_from, publish, replace_section  # noqa: E402
-from bench_solver import pct_over, rows_section, timed_solve  # noqa: E402
+from bench_solver import parse_solve_args, pct_over, rows_section, timed_solve  # noqa: E402
 from solver import format_bytes, simulate, store_all_schedule  # noqa: E402
 
 MODELS = ("gpt12", "gpt24", "gpt48", "densenet121", "densenet169")
@@ -83,17 +83,16 @@ COLUMNS = ("model", "ops", "fraction", "budget", "status", "first_s", "best_s",
 
 
 def render(rows: list[dict], args) -> str:
-    notes = (
-        f"Time limit {args.time_limit:g} s per solve, target gap {100 * args.mip_gap:g}%, "
-        f"analytical A100-40GB costs. fraction: budget over the store-all peak. overhead_pct: "
-        f"the answer's predicted step time over store-all; rule_pct: the best simple rule's "
-        f"(the first incumbent). gap_pct: to the proven lower bound (empty: none proven); "
-        f"bound_pct: that bound over store-all, stage_bound_pct: the stage bound's (solver/"
-        f"stage_bound.py). "
-        f"build_s: seconds before the search could start (the rules and the MILP's build). "
-        f"rss_gib: the process's peak resident memory so far (profiles included). cpu_pct: CPU "
-        f"time over wall time on all cores (well under 100: other processes shared them)."
-    )
+    notes = f"""
+        Time limit {args.time_limit:g} s per solve, target gap {100 * args.mip_gap:g}%,
+        analytical A100-40GB costs. fraction: budget over the store-all peak. overhead_pct:
+        the answer's predicted step time over store-all; rule_pct: the best simple rule's
+        (the first incumbent). gap_pct: to the proven lower bound (empty: none proven);
+        bound_pct: that bound over store-all, stage_bound_pct: the stage bound's
+        (solver/stage_bound.py). build_s: seconds before the search could start (the rules
+        and the MILP's build). rss_gib: the process's peak resident memory so far (profiles
+        included). cpu_pct: CPU time over wall time on all cores (well under 100: other
+        processes shared them)."""
     return rows_section(rows, "bench_solver_scale.py", COLUMNS, notes)
 
 
@@ -101,11 +100,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--fractions", default="0.5,0.33")
-    from bench_solver import add_solve_args, code_version
-    add_solve_args(ap, "monetlike_bench_solver_scale.jsonl")
-    args = ap.parse_args(argv)
+    args = parse_solve_args(ap, argv, "monetlike_bench_solver_scale.jsonl")
     models = names_from(ap, args.models, MODELS, "models")
-    args.commit = code_version()
     rows = []
     for name in models:
         graph = profile(name)
