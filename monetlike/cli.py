@@ -36,8 +36,8 @@ from solver.verify import verified
 from . import zoo
 from .calibrate import calibrate
 from .check import check_schedule
-from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_fsdp_args,
-                       add_host_bandwidth, add_model_args, budget_arg, budgets_arg,
+from .cli_args import (DEFAULT_INPUT_SHAPE, Parser, UsageError, add_link_and_fsdp_args,
+                       add_model_args, budget_arg, budgets_arg,
                        check_writable, example_inputs, model_file, percent_arg, positive_int,
                        profile_device, seconds_arg, shape_arg)
 from .cli_help import add_examples
@@ -629,8 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="trace and profile a model into an operator graph")
     add_model_args(p)
-    add_host_bandwidth(p)
-    add_fsdp_args(p)
+    add_link_and_fsdp_args(p)
     p.add_argument("--calibrate", action="store_true",
                    help="fit measured costs to the step as it runs: time the plain forward and "
                         "backward and every recomputation in context (monetlike.calibrate)")
@@ -649,11 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=seconds_arg, default=600.0,
                    help="seconds; the best schedule found by then is returned with its gap")
     p.add_argument("--verbose", action="store_true", help="show the solver's progress")
-    add_host_bandwidth(p)
-    add_fsdp_args(p)
-    p.add_argument("--offload", action="store_true",
-                   help="also let the solver copy activations to host memory and back (runs on "
-                        "CUDA only; needs the graph's host link bandwidth)")
+    add_link_and_fsdp_args(p, offload=True)
     p.add_argument("-o", "--output", help="write the schedule JSON here")
     p.set_defaults(run=cmd_solve)
 

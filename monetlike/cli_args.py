@@ -240,3 +240,14 @@ def add_host_bandwidth(p) -> None:
                    help="bytes per second of the device<->host link, e.g. 25e9, 25GB/s or "
                         "16GiB/s: the cost of offload to host (default: the analytical preset's "
                         "nominal figure; none for a CPU profile)")
+
+
+def add_link_and_fsdp_args(p, offload: bool = False) -> None:
+    """--host-bandwidth and the FSDP options (profile, solve); with `offload`, solve's --offload,
+    which copies over that link."""
+    add_host_bandwidth(p)
+    add_fsdp_args(p)
+    if offload:
+        p.add_argument("--offload", action="store_true",
+                       help="also let the solver copy activations to host memory and back (runs "
+                            "on CUDA only; needs the graph's host link bandwidth)")
