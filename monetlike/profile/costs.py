@@ -72,50 +72,45 @@ class DevicePreset:
     (NOTE [Attention on the meta device] in gpu_like.py)."""
 
 
-PRESETS: dict[str, DevicePreset] = {
+def _preset(name: str, tflops: dict, gbps: float, gib: int, source: str, host_gbps: float,
+            compute_capability: tuple) -> DevicePreset:
+    """A preset in its datasheet's units: TFLOPS by rate class, memory GB/s and GiB, host GB/s."""
+    return DevicePreset(name, {k: v * TFLOPS for k, v in tflops.items()}, gbps * GBPS,
+                        gib * 2**30, source, host_bandwidth=host_gbps * GBPS,
+                        compute_capability=compute_capability)
+
+
+PRESETS: dict[str, DevicePreset] = {p.name: p for p in (
     # NVIDIA Tesla P100 (SXM2, 16 GB HBM2) datasheet: 5.3 TFLOPS FP64, 10.6 FP32, 21.2 FP16;
     # 732 GB/s. No tensor cores, no TF32/BF16 (BF16 runs at FP32 rate via upcast).
-    "P100-16GB": DevicePreset("P100-16GB", {"fp64": 5.3 * TFLOPS, "fp32": 10.6 * TFLOPS,
-                                            "fp16": 21.2 * TFLOPS}, 732 * GBPS, 16 * 2**30,
-                              "NVIDIA Tesla P100 datasheet (SXM2)",
-                              # Host link: PCIe 3.0 x16 on x86 hosts, 15.75 GB/s nominal per
-                              # direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
-                              host_bandwidth=12.6 * GBPS, compute_capability=(6, 0)),
+    # Host link: PCIe 3.0 x16 on x86 hosts, 15.75 GB/s nominal per direction; 80% of it,
+    # 12.6 GB/s (NOTE [Host link figures]).
+    _preset("P100-16GB", {"fp64": 5.3, "fp32": 10.6, "fp16": 21.2}, 732, 16,
+            "NVIDIA Tesla P100 datasheet (SXM2)", 12.6, (6, 0)),
     # NVIDIA Tesla V100 (SXM2, 16 GB HBM2) datasheet: 7.8 TFLOPS FP64, 15.7 FP32,
     # 125 tensor (FP16); 900 GB/s. No TF32/BF16.
-    "V100-16GB": DevicePreset("V100-16GB", {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS,
-                                            "fp16": 125 * TFLOPS}, 900 * GBPS, 16 * 2**30,
-                              "NVIDIA Tesla V100 datasheet (SXM2)",
-                              # Host link: PCIe 3.0 x16 on x86 hosts (DGX-1), 15.75 GB/s nominal
-                              # per direction; 80% of it, 12.6 GB/s (NOTE [Host link figures]).
-                              host_bandwidth=12.6 * GBPS, compute_capability=(7, 0)),
+    # Host link: PCIe 3.0 x16 on x86 hosts (DGX-1), 15.75 GB/s nominal per direction; 80% of it,
+    # 12.6 GB/s (NOTE [Host link figures]).
+    _preset("V100-16GB", {"fp64": 7.8, "fp32": 15.7, "fp16": 125}, 900, 16,
+            "NVIDIA Tesla V100 datasheet (SXM2)", 12.6, (7, 0)),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4, 40 GB HBM2): 9.7 TFLOPS FP64, 19.5 FP32,
     # 156 TF32, 312 BF16/FP16 (dense); 1,555 GB/s.
-    "A100-40GB": DevicePreset("A100-40GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
-                                            "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
-                                            "bf16": 312 * TFLOPS}, 1555 * GBPS, 40 * 2**30,
-                              "NVIDIA A100 datasheet (SXM4 40GB)",
-                              # Host link: PCIe 4.0 x16 (the datasheet's "64 GB/s" is both
-                              # directions), 31.5 GB/s nominal per direction; 80% of it, 25.2 GB/s.
-                              host_bandwidth=25.2 * GBPS, compute_capability=(8, 0)),
+    # Host link: PCIe 4.0 x16 (the datasheet's "64 GB/s" is both directions), 31.5 GB/s nominal
+    # per direction; 80% of it, 25.2 GB/s.
+    _preset("A100-40GB", {"fp64": 9.7, "fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312},
+            1555, 40, "NVIDIA A100 datasheet (SXM4 40GB)", 25.2, (8, 0)),
     # Same datasheet, SXM4 80 GB HBM2e: same compute, 2,039 GB/s.
-    "A100-80GB": DevicePreset("A100-80GB", {"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS,
-                                            "tf32": 156 * TFLOPS, "fp16": 312 * TFLOPS,
-                                            "bf16": 312 * TFLOPS}, 2039 * GBPS, 80 * 2**30,
-                              "NVIDIA A100 datasheet (SXM4 80GB)",
-                              # Host link: PCIe 4.0 x16, as the 40 GB part.
-                              host_bandwidth=25.2 * GBPS, compute_capability=(8, 0)),
+    # Host link: PCIe 4.0 x16, as the 40 GB part.
+    _preset("A100-80GB", {"fp64": 9.7, "fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312},
+            2039, 80, "NVIDIA A100 datasheet (SXM4 80GB)", 25.2, (8, 0)),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5, 80 GB HBM3): 34 TFLOPS FP64, 67 FP32,
     # 494.7 TF32, 989.4 BF16/FP16 (dense; the datasheet's headline figures are with sparsity,
     # twice these); 3.35 TB/s.
-    "H100-80GB": DevicePreset("H100-80GB", {"fp64": 34 * TFLOPS, "fp32": 67 * TFLOPS,
-                                            "tf32": 494.7 * TFLOPS, "fp16": 989.4 * TFLOPS,
-                                            "bf16": 989.4 * TFLOPS}, 3350 * GBPS, 80 * 2**30,
-                              "NVIDIA H100 datasheet (SXM5)",
-                              # Host link: PCIe 5.0 x16 (the datasheet's "128 GB/s" is both
-                              # directions), 63 GB/s nominal per direction; 80% of it, 50.4 GB/s.
-                              host_bandwidth=50.4 * GBPS, compute_capability=(9, 0)),
-}
+    # Host link: PCIe 5.0 x16 (the datasheet's "128 GB/s" is both directions), 63 GB/s nominal
+    # per direction; 80% of it, 50.4 GB/s.
+    _preset("H100-80GB", {"fp64": 34, "fp32": 67, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+            3350, 80, "NVIDIA H100 datasheet (SXM5)", 50.4, (9, 0)),
+)}
 
 
 def get_preset(name: str) -> DevicePreset:
