@@ -212,13 +212,17 @@ def test_schedule_recomputing_a_hooked_module_is_refused():
         wrapped(x)
 
 
-class DataDependent(nn.Module):
-    def __init__(self):
+class ThreeLinear(nn.Module):
+    """Linear layers a (16 -> 16), b (16 -> b_out) and c (16 -> 4) for a forward to combine."""
+
+    def __init__(self, b_out: int = 16):
         super().__init__()
         self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
+        self.b = nn.Linear(16, b_out)
         self.c = nn.Linear(16, 4)
 
+
+class DataDependent(ThreeLinear):
     def forward(self, x):
         h = torch.tanh(self.a(x))
         top, _ = torch.topk(h, 8, dim=1)
@@ -253,13 +257,7 @@ def test_topk_nonzero_randperm_are_unsafe_and_never_recomputed():
 # ----------------------------------------------------------------------------------------------
 # In-place operations at region boundaries.
 # ----------------------------------------------------------------------------------------------
-class InplaceOnView(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 4)
-
+class InplaceOnView(ThreeLinear):
     def forward(self, x):
         y = self.a(x)
         y[:, :4].mul_(2.0)
@@ -267,13 +265,19 @@ class InplaceOnView(nn.Module):
         return self.c(torch.tanh(self.b(z.flatten(1))))
 
 
-def test_inplace_on_a_view():
+def _tight_and_every_other(module_class):
+    """A `module_class` model runs as plain PyTorch does (two steps) under the tightest schedule
+    and under one keeping every other Value."""
     torch.manual_seed(0)
-    model = InplaceOnView()
+    model = module_class()
     x = torch.randn(4, 16, requires_grad=True)
     graph = profiled(model, (x,))
     for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
         compare_schedule(model, s, (x,), graph, steps=2)
+
+
+def test_inplace_on_a_view():
+    _tight_and_every_other(InplaceOnView)
 
 
 def test_instancenorm_then_inplace_relu_at_region_boundaries():
@@ -501,14 +505,11 @@ def test_dataparallel_cpu_runs_and_replicas_are_refused():
         w(x)
 
 
-class CopyIntoNarrow(nn.Module):
+class CopyIntoNarrow(ThreeLinear):
     """An in-place write through a view, read afterwards only through the base."""
 
     def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 8)
-        self.c = nn.Linear(16, 4)
+        super().__init__(b_out=8)
 
     def forward(self, x):
         y = self.a(x) + 1.0  # saves nothing, so the write below is legal for autograd
@@ -518,12 +519,7 @@ class CopyIntoNarrow(nn.Module):
 
 
 def test_copy_into_a_narrow_view_read_through_the_base():
-    torch.manual_seed(0)
-    model = CopyIntoNarrow()
-    x = torch.randn(4, 16, requires_grad=True)
-    graph = profiled(model, (x,))
-    for s in (tight(graph), keep_schedule(graph, every(2), "middle", hold="last_use")):
-        compare_schedule(model, s, (x,), graph, steps=2)
+    _tight_and_every_other(CopyIntoNarrow)
 
 
 def test_keyword_inputs_copy_and_pickle(tmp_path):

@@ -43,52 +43,46 @@ class Case:
     in place of `keep` and `recompute` (which optimum a solve returns depends on its start)."""
 
 
+def _graph(name: str, ops, **build):
+    """A graph from rows (op name, names of the Values it reads, bytes it makes, GraphBuilder.op
+    keywords): each op makes one Value of its own name; input x has 0 bytes; the last op's Value
+    is the output. `build`: GraphBuilder.build's other keywords."""
+    b = GraphBuilder(name)
+    made = {"x": b.input("x", 0)}
+    for op, inputs, size, kw in ops:
+        made[op] = b.op(op, [made[v] for v in inputs], size, **kw)
+    return b.build(outputs=made[op], **build)
+
+
 def chain():
     # x -> op0 -> a(10) -> op1 -> b(10) -> op2 -> c(10) -> op3 -> y(1, output); each op saves its
     # input. Forward op1 holds a+b = 20 whatever the schedule; recomputing op1 in the backward
     # holds a+b+y = 21, and keeping a through op2 holds a+b+c = 30.
-    b = GraphBuilder("chain")
-    x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=1)
-    bb = b.op("op1", [a], 10, fwd=2)
-    c = b.op("op2", [bb], 10, fwd=3)
-    y = b.op("op3", [c], 1, fwd=1)
-    return b.build(outputs=y)
+    return _graph("chain", [("op0", ["x"], 10, dict(fwd=1)), ("op1", ["op0"], 10, dict(fwd=2)),
+                            ("op2", ["op1"], 10, dict(fwd=3)), ("op3", ["op2"], 1, dict(fwd=1))])
 
 
 def diamond():
     # op0 (fwd 5) makes a(10); op1 and op2 both read a and save it; op3 adds b and c (saves
     # nothing). Forward op2 holds a+b+c = 30 always; keeping a through op3 makes 31.
-    b = GraphBuilder("diamond")
-    x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=5)
-    b1 = b.op("op1", [a], 10, fwd=1)
-    c1 = b.op("op2", [a], 10, fwd=1)
-    y = b.op("op3", [b1, c1], 1, saved=(), fwd=1)
-    return b.build(outputs=y)
+    return _graph("diamond", [("op0", ["x"], 10, dict(fwd=5)), ("op1", ["op0"], 10, dict(fwd=1)),
+                              ("op2", ["op0"], 10, dict(fwd=1)),
+                              ("op3", ["op1", "op2"], 1, dict(saved=(), fwd=1))])
 
 
 def skip():
     # a(10) feeds op1 and the residual add op3: a -> op1 -> b -> op2 -> c; op3(c, a) -> y.
-    b = GraphBuilder("skip")
-    x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=4)
-    b1 = b.op("op1", [a], 10, fwd=2)
-    c = b.op("op2", [b1], 10, fwd=3)
-    y = b.op("op3", [c, a], 1, saved=(), fwd=1)
-    return b.build(outputs=y)
+    return _graph("skip", [("op0", ["x"], 10, dict(fwd=4)), ("op1", ["op0"], 10, dict(fwd=2)),
+                           ("op2", ["op1"], 10, dict(fwd=3)),
+                           ("op3", ["op2", "op0"], 1, dict(saved=(), fwd=1))])
 
 
 def concat():
     # op2 concatenates a and b into c(20) (saves nothing); op3 saves c; op1 saves a. The stage
     # of op3 starts with 15 bytes of gradients.
-    b = GraphBuilder("concat")
-    x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=3)
-    b1 = b.op("op1", [a], 10, fwd=1)
-    c = b.op("op2", [a, b1], 20, saved=(), fwd=1)
-    y = b.op("op3", [c], 1, fwd=1)
-    return b.build(outputs=y, stage_grad_bytes=[15, 0, 0, 0])
+    return _graph("concat", [("op0", ["x"], 10, dict(fwd=3)), ("op1", ["op0"], 10, dict(fwd=1)),
+                             ("op2", ["op0", "op1"], 20, dict(saved=(), fwd=1)),
+                             ("op3", ["op2"], 1, dict(fwd=1))], stage_grad_bytes=[15, 0, 0, 0])
 
 
 def inplace_group():
@@ -118,12 +112,10 @@ def two_impl():
 
 def unsafe(flag: bool):
     # op0 draws random numbers without a replayable state when `flag`: never recomputed.
-    b = GraphBuilder("unsafe" if flag else "safe")
-    x = b.input("x", 0)
-    a = b.op("op0", [x], 10, fwd=1, unsafe="draws random numbers" if flag else None)
-    b1 = b.op("op1", [a], 10, fwd=3)
-    y = b.op("op2", [b1], 1, fwd=1)
-    return b.build(outputs=y, stage_grad_bytes=[10, 0, 0])
+    return _graph("unsafe" if flag else "safe", [
+        ("op0", ["x"], 10, dict(fwd=1, unsafe="draws random numbers" if flag else None)),
+        ("op1", ["op0"], 10, dict(fwd=3)), ("op2", ["op1"], 1, dict(fwd=1))],
+        stage_grad_bytes=[10, 0, 0])
 
 
 def multi_output():
