@@ -375,11 +375,11 @@ def test_what_runs_before_the_chain_is_paid_from_its_share(monkeypatch):
 @pytest.mark.parametrize("too_large", [True, False])
 def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, too_large):
     """Issue 53: a solve ends within its limit, the closing work included: the baselines' build
-    and replay are timed first, and the reserve they set (here replaced by a fixed share of the
-    limit, so that nothing depends on wall time) is left free by the rules and the closure LP
-    (where the MILP is too large to build: they have the limit but the reserve) and by the
-    search; the greedy baseline runs inside the rules' time, before the chain combination, not
-    after their deadline. Checked on the deadlines each part is given."""
+    and replay are timed first (a step), and the reserve they set (here replaced by a fixed
+    share of the limit, so that nothing depends on wall time) is left free by the rules (where
+    the MILP is too large to build: they have the limit but the reserve), and one step of it by
+    the closure LP and the search; the greedy baseline runs inside the rules' time, before the
+    chain combination, not after their deadline. Checked on the deadlines each part is given."""
     pipeline = importlib.import_module("solver.search.pipeline")
     from solver_cases import random_repeated
 
@@ -419,13 +419,14 @@ def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, t
     r = solver.solve(g, budget, time_limit_s=limit)
     assert r.predicted_peak_bytes <= budget
     run, = runs
-    closing = run.deadline - share * limit
-    assert r.stats["closing_reserve_s"] == share * limit
+    reserve, step = r.stats["closing_reserve_s"], r.stats["closing_step_s"]
+    assert reserve == share * limit and 0 < step
+    rules_end, last_step = run.deadline - reserve, run.deadline - min(step, reserve)
     assert seen["greedy"] == [True]  # the greedy baseline ran within the rules' time
-    assert seen["closure"] and all(d <= closing for d in seen["closure"])
+    assert seen["closure"] and all(d <= last_step for d in seen["closure"])
     if too_large:
-        assert seen["rules"] == [closing] and not seen["search"]
+        assert seen["rules"] == [rules_end] and not seen["search"]
         assert "MAX_MILP_CELLS" in r.stats["search"]
     else:
-        assert seen["rules"] == [min(closing, run.started + pipeline._rules_time(limit))]
-        assert seen["search"] == [closing]
+        assert seen["rules"] == [min(rules_end, run.started + pipeline._rules_time(limit))]
+        assert seen["search"] == [last_step]

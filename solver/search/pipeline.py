@@ -93,19 +93,26 @@ small LP per backward stage, dearest stage first) may take this share of the tim
 for all 817 stages of a 48-layer GPT. It is what proves the rules' schedules on the largest
 graphs, before the MILP is built, and what lets the costly rules be left out once a cheaper
 one is proven."""
-CLOSING_STEPS = 3
+CLOSING_STEPS = 4
 CLOSING_SHARE = 0.1
-"""A solve reserves, from the start, the time its closing work takes: CLOSING_STEPS whole-graph
-steps (each as long as the baselines' build and replay, timed first on this graph), at most
-CLOSING_SHARE of the limit. The rules, the closure LP and the search end that much before the
-limit: the rule running at its deadline ends one step later (its deadline is read between
-steps), its schedule is then replayed, and so is the answer. Llama-70B's per-rank graph
-(3,236 ops, a step about 2-4 s) ended 292-304 s into a 300 s limit without it."""
+"""A solve reserves, from the start, the time its closing work takes, in whole-graph steps (each
+as long as the baselines' build and replay, timed first on this graph): the rules end
+CLOSING_STEPS steps before the limit (at most CLOSING_SHARE of it), and the closure LP and the
+search one step before it. After the rules' deadline, the rule running then ends one step later
+(its deadline is read between steps) and its schedule is replayed; the closure LP that proves
+it follows (5-6 s on Llama-70B per rank, about two steps), then the answer's replay. That
+graph (3,236 ops, a step about 3-8 s) ended 292-309 s into a 300 s limit without it; with the
+closure LP ending with the rules, 282 s but its bound cut short (gap 6.5%, not 0.08%)."""
 
 
 def _closing_reserve(step_s: float, time_limit_s: float) -> float:
-    """Seconds reserved for the closing work (CLOSING_STEPS), `step_s` the baselines' time."""
+    """Seconds the rules leave at the end (CLOSING_STEPS), `step_s` the baselines' time."""
     return min(CLOSING_STEPS * step_s, CLOSING_SHARE * time_limit_s)
+
+
+def _closing_step(stats: dict) -> float:
+    """Seconds the closure LP and the search leave at the end: one step, within the reserve."""
+    return min(stats.get("closing_step_s", 0.0), stats.get("closing_reserve_s", 0.0))
 
 
 def _store_all_time(graph: OpGraph, timelines: dict) -> float:
@@ -428,10 +435,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise _infeasible(run)
     pool.add_form(form_bb)
     try:
-        # the search leaves the closing work (the answer's replay) its reserved time
-        ctx = _search(dataclasses.replace(
-            run, deadline=deadline - stats.get("closing_reserve_s", 0.0)),
-            form, form_bb, pool, progress, race=race)
+        # the search leaves the closing work (the answer's replay) its step
+        ctx = _search(dataclasses.replace(run, deadline=deadline - _closing_step(stats)),
+                      form, form_bb, pool, progress, race=race)
     finally:
         progress.close()
 
@@ -460,7 +466,7 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the rules, when they are not run); once a rule's schedule is proven within the target gap
     # the rest are left out.
     lower = {"stage": stage_lower, "known": known_lower, "closure": not math.isfinite(stage_lower)}
-    closing = [deadline]  # when the closing work must start (the limit less its reserve)
+    closing = [deadline]  # when the closure LP ends (the limit less the closing step)
 
     def closure_bound():
         if lower["closure"]:
@@ -499,16 +505,16 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
                                                                                greedy=False)]
         for name, s in baselines:
             replay(name, s)
-        reserve = run.stats["closing_reserve_s"] = _closing_reserve(
-            time.perf_counter() - began, time_limit_s)
-        closing[0] = deadline - reserve
+        step = run.stats["closing_step_s"] = time.perf_counter() - began
+        reserve = run.stats["closing_reserve_s"] = _closing_reserve(step, time_limit_s)
+        closing[0] = deadline - _closing_step(run.stats)
         # Where the MILP will not be built, or its build would not fit in the time the rules
         # leave, the rules (and the closure LP) have the whole limit but the reserve.
         rules_time = _rules_time(time_limit_s)
         cells = len(graph.ops) * len(graph.backward_order)
-        rules_deadline = (closing[0] if _too_large(graph)
+        rules_deadline = (deadline - reserve if _too_large(graph)
                           or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
-                          else min(closing[0], started + rules_time))
+                          else min(deadline - reserve, started + rules_time))
 
         def greedy():
             if len(baselines) == 2:
@@ -661,7 +667,7 @@ def _answer_without_search(run: Run, schedule: Schedule, tl, lower: float, bound
     schedule = _answered(schedule, tl, gap, lower, base_time, mode=mode, budget_bytes=budget,
                          created_by=source)
     stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
-             "closing_reserve_s": run.stats.get("closing_reserve_s"),
+             **{k: run.stats.get(k) for k in ("closing_step_s", "closing_reserve_s")},
              "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
