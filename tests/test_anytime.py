@@ -332,3 +332,101 @@ def test_the_rules_run_cheapest_first_and_stop_where_one_would_overrun():
     assert 1 <= len(first) < len(cheap) and first == cheap[:len(first)]
     more = made(50, lambda: True)  # more time, more rules, the costly ones too
     assert more[:len(cheap)] == cheap and len(more) > len(cheap)
+
+
+def test_what_runs_before_the_chain_is_paid_from_its_share(monkeypatch):
+    """Issue 53: `before_chain()` runs once, before the first chain combination, and the chain's
+    deadline (a share of the time left) is read after it, so what the caller runs there (the
+    greedy baseline: 25-30 s on Llama-70B per rank, which ran past the limit after the rules)
+    comes out of the chain's share. Counted clock steps, no wall time."""
+    from solver.analysis import GraphFacts
+    from solver.rules import warmstart
+    from solver_cases import random_repeated
+
+    g = random_repeated(random.Random(3), 6, 5)
+    facts = GraphFacts(g, "full")
+    budget = simulate(g, store_all_schedule(g)).peak_bytes
+    now = [0]
+    events = []
+
+    def clock():
+        now[0] += 1
+        return now[0]
+
+    def before_chain():
+        events.append(("before_chain", None))
+        now[0] += 1000  # a baseline 1,000 steps long
+
+    def chain(*args, deadline=None, **kwargs):
+        events.append(("chain", deadline))
+        return None
+
+    monkeypatch.setattr(warmstart, "chain_schedule", chain)
+    made = [n for n, _ in warmstart.heuristic_schedules(
+        g, budget, facts, deadline=2000, clock=clock, before_chain=before_chain,
+        have_start=lambda: False)]
+    assert [e for e, _ in events][:2] == ["before_chain", "chain"]
+    assert [e for e, _ in events].count("before_chain") == 1
+    # the share starts after the baseline's 1,000 steps (without them it would end near 1,500)
+    assert events[1][1] > 2000 - (1 - warmstart.CHAIN_SHARE) * 1000
+    assert made and not any("chain" in n for n in made)  # the stand-in made nothing
+
+
+@pytest.mark.parametrize("too_large", [True, False])
+def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, too_large):
+    """Issue 53: a solve ends within its limit, the closing work included: the baselines' build
+    and replay are timed first (a step), and the reserve they set (here replaced by a fixed
+    share of the limit, so that nothing depends on wall time) is left free by the rules (where
+    the MILP is too large to build: they have the limit but the reserve), and one step of it by
+    the closure LP and the search; the greedy baseline runs inside the rules' time, before the
+    chain combination, not after their deadline. Checked on the deadlines each part is given."""
+    pipeline = importlib.import_module("solver.search.pipeline")
+    from solver_cases import random_repeated
+
+    limit, share = 8.0, 0.25
+    monkeypatch.setattr(pipeline, "_closing_reserve", lambda step_s, time_limit_s:
+                        share * time_limit_s)
+    if too_large:
+        monkeypatch.setattr(pipeline, "MAX_MILP_CELLS", 0)
+    runs, seen = [], {"rules": [], "closure": [], "search": [], "greedy": []}
+    inside = [False]
+
+    def record(name, fn, key=None):
+        def wrapped(*args, **kwargs):
+            if name == "rules":
+                inside[0] = True
+            try:
+                if name == "greedy":
+                    seen[name].append(inside[0])
+                elif name == "search":
+                    seen[name].append(args[0].deadline)
+                elif kwargs.get("deadline") is not None:
+                    seen[name].append(kwargs["deadline"])
+                return fn(*args, **kwargs)
+            finally:
+                if name == "rules":
+                    inside[0] = False
+        monkeypatch.setattr(pipeline, key or name, wrapped)
+
+    record("rules", pipeline.heuristic_schedules, "heuristic_schedules")
+    record("closure", pipeline.stage_bound, "stage_bound")
+    record("search", pipeline._search, "_search")
+    record("greedy", pipeline.greedy_baseline_schedule, "greedy_baseline_schedule")
+    make_run = pipeline.Run
+    monkeypatch.setattr(pipeline, "Run", lambda **kw: runs.append(make_run(**kw)) or runs[-1])
+    g = random_repeated(random.Random(3), 6, 5)
+    budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.6)
+    r = solver.solve(g, budget, time_limit_s=limit)
+    assert r.predicted_peak_bytes <= budget
+    run, = runs
+    reserve, step = r.stats["closing_reserve_s"], r.stats["closing_step_s"]
+    assert reserve == share * limit and 0 < step
+    rules_end, last_step = run.deadline - reserve, run.deadline - min(step, reserve)
+    assert seen["greedy"] == [True]  # the greedy baseline ran within the rules' time
+    assert seen["closure"] and all(d <= last_step for d in seen["closure"])
+    if too_large:
+        assert seen["rules"] == [rules_end] and not seen["search"]
+        assert "MAX_MILP_CELLS" in r.stats["search"]
+    else:
+        assert seen["rules"] == [min(rules_end, run.started + pipeline._rules_time(limit))]
+        assert seen["search"] == [last_step]

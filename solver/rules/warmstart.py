@@ -65,7 +65,7 @@ def lean_impls(graph: OpGraph, facts: GraphFacts) -> tuple[int, ...] | None:
 
 def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                         deadline: float | None = None, on_schedule=None,
-                        before_costly=None, enough=None,
+                        before_costly=None, enough=None, before_chain=None,
                         impls: list[tuple[str, tuple[int, ...]]] | None = None,
                         have_start=None, clock=time.perf_counter
                         ) -> list[tuple[str, Schedule]]:
@@ -80,7 +80,9 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
     `before_costly()` is called once before the first of the rules that take seconds on large
     graphs (ranked, greedy, keep-nothing: a caller can prove a bound then), and `enough()`
     before each rule after the first: when it returns True the rest are left out (the caller
-    has a schedule proven good enough). `impls`: the (name prefix, Impl per op) variants to run
+    has a schedule proven good enough). `before_chain()` is called once before the first chain
+    combination (the first rule whose deadline is a share of the time left: what the caller
+    runs there is paid from that share, as the greedy baseline is). `impls`: the (name prefix, Impl per op) variants to run
     the rules on instead (the least-memory schedule's Impls, when no rule fits on these).
     `have_start()`: whether a schedule that fits has been made (by the caller's reckoning);
     once it has, a rule with no deadline of its own is left out where it would end past
@@ -131,6 +133,7 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
                                                        chain=chain(),
                                                        deadline=share(CHAIN_SHARE))))
     costly = len(rules)
+    first_chain = next(i for i, (name, _) in enumerate(rules) if name.endswith("chain"))
     for tag, impl in variants:
         rules.append((f"{tag}chain/runs",
                       lambda impl=impl: chain_schedule(
@@ -164,6 +167,8 @@ def heuristic_schedules(graph: OpGraph, budget: int, facts: GraphFacts,
             break
         if i == costly and before_costly is not None:
             before_costly()
+        if i == first_chain and before_chain is not None:
+            before_chain()
         if out and enough is not None and enough():
             break
         own_deadline = name in own_clock

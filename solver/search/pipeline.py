@@ -93,6 +93,33 @@ small LP per backward stage, dearest stage first) may take this share of the tim
 for all 817 stages of a 48-layer GPT. It is what proves the rules' schedules on the largest
 graphs, before the MILP is built, and what lets the costly rules be left out once a cheaper
 one is proven."""
+CLOSING_STEPS = 4
+CLOSING_SHARE = 0.1
+"""A solve reserves, from the start, the time its closing work takes, in whole-graph steps (each
+as long as the baselines' build and replay, timed first on this graph): the rules end
+CLOSING_STEPS steps before the limit (at most CLOSING_SHARE of it), and the closure LP and the
+search one step before it. After the rules' deadline, the rule running then ends one step later
+(its deadline is read between steps) and its schedule is replayed; the closure LP that proves
+it follows (5-6 s on Llama-70B per rank, about two steps), then the answer's replay. That
+graph (3,236 ops, a step about 3-8 s) ended 292-309 s into a 300 s limit without it; with the
+closure LP ending with the rules, 282 s but its bound cut short (gap 6.5%, not 0.08%)."""
+
+
+def _closing_reserve(step_s: float, time_limit_s: float) -> float:
+    """Seconds the rules leave at the end (CLOSING_STEPS), `step_s` the baselines' time."""
+    return min(CLOSING_STEPS * step_s, CLOSING_SHARE * time_limit_s)
+
+
+def _closing_step(stats: dict) -> float:
+    """Seconds the closure LP and the search leave at the end: one step, within the reserve."""
+    return min(stats.get("closing_step_s", 0.0), stats.get("closing_reserve_s", 0.0))
+
+
+def _store_all_time(graph: OpGraph, timelines: dict) -> float:
+    """Store-all's step time: the baselines' replay when it ran (a replay of Llama-70B's per-rank
+    graph, with store-all's build, takes 1-2 s), else one replay now."""
+    tl = timelines.get("baseline/store_all")
+    return (tl if tl is not None else simulate(graph, store_all_schedule(graph))).total_time
 
 
 def _rules_time(time_limit_s: float) -> float:
@@ -368,7 +395,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         where, need = max(form.infeasible_points, key=lambda p: p[1])
         raise _infeasible(run, f"the {where} alone needs {format_bytes(need)}",
                           min(MIN_BUDGET_TIME_LIMIT_S, time_limit_s))
-    base_time = simulate(graph, store_all_schedule(graph)).total_time
+    base_time = _store_all_time(graph, timelines)
     pool = Pool([form], start=started)
     pool.raise_bound("floor", form.facts.time_floor * form.time_scale)
     if math.isfinite(stage_lower):  # inf would prove the budget infeasible; left to the search
@@ -408,7 +435,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         raise _infeasible(run)
     pool.add_form(form_bb)
     try:
-        ctx = _search(run, form, form_bb, pool, progress, race=race)
+        # the search leaves the closing work (the answer's replay) its step
+        ctx = _search(dataclasses.replace(run, deadline=deadline - _closing_step(stats)),
+                      form, form_bb, pool, progress, race=race)
     finally:
         progress.close()
 
@@ -437,6 +466,7 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the rules, when they are not run); once a rule's schedule is proven within the target gap
     # the rest are left out.
     lower = {"stage": stage_lower, "known": known_lower, "closure": not math.isfinite(stage_lower)}
+    closing = [deadline]  # when the closure LP ends (the limit less the closing step)
 
     def closure_bound():
         if lower["closure"]:
@@ -445,7 +475,7 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         # enough: a bound that proves the best schedule so far within the target gap
         lower["stage"] = max(lower["stage"], stage_bound(
             facts, budget, offload,
-            deadline=min(deadline, time.perf_counter() + CLOSURE_SHARE * time_limit_s),
+            deadline=min(closing[0], time.perf_counter() + CLOSURE_SHARE * time_limit_s),
             enough=(1 - mip_gap) * reported[0] if SHORTCUTS else math.inf))
         lower["known"] = max(lower["known"], lower["stage"])
 
@@ -454,14 +484,6 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
     # the best time reported so far; when the first and the best fitting one came
     reported = [math.inf, None, None]
     if warm_start:
-        # Where the MILP will not be built, or its build would not fit in the time the rules
-        # leave, the rules (and the closure LP) have the whole limit.
-        rules_time = _rules_time(time_limit_s)
-        cells = len(graph.ops) * len(graph.backward_order)
-        rules_deadline = (deadline if _too_large(graph)
-                          or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
-                          else started + rules_time)
-
         def replay(name, s):
             # Each rule's schedule as it is made: the first that fits is reported at once (on
             # an 800-op graph the rules take 10 s; the first fits in well under one).
@@ -475,19 +497,36 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
                     on_incumbent(s, lower["known"])
 
         # The baselines run to the end whatever the deadline, so the answer is never worse:
-        # store-all and Chen's first (instant), the greedy after the rules (its clean-up pass
-        # took 88 s of Llama-3-8B per rank at 70 GiB, and the rules were left out behind it).
+        # store-all and Chen's first (their time is the closing work's step), the greedy
+        # before the chain combination, which takes a share of what it leaves (on Llama-70B
+        # per rank the greedy takes 25-30 s, and ran past the limit after the rules).
+        began = time.perf_counter()
         baselines = [(f"baseline/{name}", s) for name, s in baseline_schedules(graph, budget,
                                                                                greedy=False)]
         for name, s in baselines:
             replay(name, s)
+        step = run.stats["closing_step_s"] = time.perf_counter() - began
+        reserve = run.stats["closing_reserve_s"] = _closing_reserve(step, time_limit_s)
+        closing[0] = deadline - _closing_step(run.stats)
+        # Where the MILP will not be built, or its build would not fit in the time the rules
+        # leave, the rules (and the closure LP) have the whole limit but the reserve.
+        rules_time = _rules_time(time_limit_s)
+        cells = len(graph.ops) * len(graph.backward_order)
+        rules_deadline = (deadline - reserve if _too_large(graph)
+                          or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
+                          else min(deadline - reserve, started + rules_time))
+
+        def greedy():
+            if len(baselines) == 2:
+                baselines.append(("baseline/greedy", greedy_baseline_schedule(graph, budget)))
+                replay(*baselines[-1])
+
         made = heuristic_schedules(
             graph, budget, facts, deadline=rules_deadline, on_schedule=replay,
-            before_costly=closure_bound,
+            before_costly=closure_bound, before_chain=greedy,
             enough=lambda: _proven_within(lower["known"], reported[0], mip_gap),
             have_start=lambda: reported[0] < math.inf)
-        baselines.append(("baseline/greedy", greedy_baseline_schedule(graph, budget)))
-        replay(*baselines[-1])
+        greedy()  # where the rules ended before the chain (a rule proven within the gap)
         starts = family_starts(graph, budget, baselines + made, timelines)
     closure_bound()
     return starts, timelines, reported, lower["stage"], lower["known"]
@@ -597,7 +636,7 @@ def _rule_if_proven(run: Run, best, timelines: dict, lower: float, stage_lower: 
     return _answer_without_search(
         run, schedule, tl, lower,
         {"floor_bound_s": run.facts.time_floor, "stage_bound_s": stage_lower},
-        simulate(graph, store_all_schedule(graph)).total_time, f"heuristic:{name}",
+        _store_all_time(graph, timelines), f"heuristic:{name}",
         "skipped: the floor and stage bound prove the best rule within the target gap")
 
 
@@ -611,7 +650,7 @@ def _rule_unproven(run: Run, best, timelines: dict, lower: float, stage_lower: f
     r = _answer_without_search(
         run, schedule, tl, lower,
         {"floor_bound_s": run.facts.time_floor, "stage_bound_s": stage_lower},
-        simulate(graph, store_all_schedule(graph)).total_time, f"heuristic:{name}", why)
+        _store_all_time(graph, timelines), f"heuristic:{name}", why)
     r.stats.update(first_incumbent_s=_rounded(reported[1]), best_found_s=_rounded(reported[2]),
                    heuristic=f"heuristic:{name}", heuristic_objective_s=tl.total_time)
     if r.mip_gap > run.mip_gap + 1e-9:
@@ -628,6 +667,7 @@ def _answer_without_search(run: Run, schedule: Schedule, tl, lower: float, bound
     schedule = _answered(schedule, tl, gap, lower, base_time, mode=mode, budget_bytes=budget,
                          created_by=source)
     stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
+             **{k: run.stats.get(k) for k in ("closing_step_s", "closing_reserve_s")},
              "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
