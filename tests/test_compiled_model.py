@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, _descend, _start, least_peak, plan_saved, \
-    predict, torch_default_saved
+from solver.compiled import JointGraph, JointNode, _descend, _start, forward_sources, least_peak, \
+    plan_saved, predict, torch_default_saved
 from solver.errors import InfeasibleBudgetError
 
 K = 1000
@@ -123,3 +123,26 @@ def test_the_search_starts_from_the_compilers_own_partition_where_given():
     assert _start(started).recomputed == ("a1",)
     plan = plan_saved(started, 3220)
     assert plan.steps == 0 and plan.prediction.recomputed == ("a1",)
+
+
+def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from_save_all():
+    g = chain()
+    # saving a3 alone, a1 and a2 are recomputed in the backward beside a3 (4220); the greedy
+    # only stops saving values, so from there it stays at 4220
+    stuck = dataclasses.replace(g, start=frozenset({"a3"}))
+    cur, _ = _descend(stuck, -1, _start(stuck), 8)
+    assert (cur.peak_bytes, cur.saved) == (4220, {"a3"})
+    # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
+    assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
+    assert plan_saved(stuck, 3220).prediction.recomputed == ("a1",)
+
+
+def test_a_saved_backward_node_stands_for_the_forward_values_it_reads():
+    # min-cut computes a backward node that reads no tangent (a3's transpose, a1's rsqrt / N)
+    # in the forward and saves it: the forward value it reads is what stays saved
+    n = list(chain().nodes)
+    n.insert(7, JointNode("t3", "backward", ("a3",), (), alias=("a3", 0)))
+    n.insert(8, JointNode("d1", "backward", ("a1", "w"), (K,)))
+    g = JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gw",),
+                   fixed_bytes=200)
+    assert forward_sources(g, ["t3", "d1", "a2", "w", "missing"]) == {"a3", "a1", "a2"}

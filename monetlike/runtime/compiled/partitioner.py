@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from solver.compiled import (AUTO_REFUSED, CompiledPlan, JointGraph, least_peak, plan_saved,
-                             predict, resolve_budget, torch_default_saved)
+from solver.compiled import (AUTO_REFUSED, CompiledPlan, JointGraph, forward_sources, least_peak,
+                             plan_saved, predict, resolve_budget, torch_default_saved)
 from solver.errors import BudgetParseError, InfeasibleBudgetError, MonetlikeError
 from solver.units import format_bytes, parse_budget
 
@@ -292,8 +292,7 @@ class CompiledBackend:
         graph = describe(joint, num_fwd_outputs, measures, pin_rng=self.compiler == "inductor")
         self._ops = {n.name: str(n.target) for n in joint.graph.nodes if n.op == "call_function"}
         if self._start is not None:
-            graph = dataclasses.replace(graph, start=frozenset(
-                n for n in self._start if n in graph.by_name and graph.by_name[n].candidate))
+            graph = dataclasses.replace(graph, start=forward_sources(graph, self._start))
         if self.budget is None:
             self.budget = resolve_budget(graph, self.spec, self.width)
         target = self.budget if self._target is None else self._target
