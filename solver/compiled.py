@@ -353,7 +353,7 @@ def forward_sources(g: JointGraph, names) -> frozenset[str]:
     also saves backward nodes that read no tangent, computed in its forward (a matmul input's
     transpose, a LayerNorm's rsqrt / N): each stands for the forward values it reads (the same
     storage for a view). Dropped instead, the backward recomputed most of the forward (GPT-2
-    under Inductor: 21 of min-cut's 55 saved values; 3.85 MiB where min-cut's own step took 3.38)."""
+    under Inductor: 21 of min-cut's 55 saved values; 3.85 MiB where min-cut's step took 3.38)."""
     out: set[str] = set()
     seen: set[str] = set()
     stack = [n for n in names if n in g.by_name]
