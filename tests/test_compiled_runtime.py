@@ -212,6 +212,7 @@ class Norm(nn.Module):
         return centred * torch.rsqrt((centred ** 2).mean(-1, keepdim=True) + 1e-5)
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: one summation order in every matmul
 def test_min_cuts_saved_transposes_stand_for_the_activations_they_view():
     """min-cut (Inductor's start) computes a backward node that reads no tangent, an activation's
     transpose, in the forward and saves it: as a saved set it stands for the activation. Dropped
