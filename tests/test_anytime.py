@@ -137,7 +137,7 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
     monkeypatch.setattr(pipeline, "BUILD_STEPS_PER_STAGE", -math.inf)
     stops, runs = [], []
 
-    def build_stop(deadline):
+    def build_stop(deadline, began=None):
         asked = []
         stops.append(deadline)
         return lambda: how == "stopped" and (asked.append(1) or len(asked) >= 3)
@@ -191,8 +191,8 @@ def test_branch_and_bound_models_build_stops_at_the_reserve_too(full_search, mon
     monkeypatch.setattr(pipeline, "BUILD_S_PER_CELL", -math.inf)  # the estimate off
     monkeypatch.setattr(pipeline, "BUILD_STEPS_PER_STAGE", -math.inf)
     building, stops = [], []
-    monkeypatch.setattr(pipeline, "_build_stop", lambda deadline: stops.append(deadline) or (
-        lambda: bool(building)))
+    monkeypatch.setattr(pipeline, "_build_stop", lambda deadline, began=None: stops.append(
+        deadline) or (lambda: bool(building)))
     bb_form = pipeline.branch_and_bound_form
     monkeypatch.setattr(pipeline, "branch_and_bound_form",
                         lambda *a, **kw: building.append(1) or bb_form(*a, **kw))
@@ -201,13 +201,28 @@ def test_branch_and_bound_models_build_stops_at_the_reserve_too(full_search, mon
     g = random_repeated(random.Random(3), 6, 5)
     budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.6)
     r = solver.solve(g, budget, time_limit_s=60)
-    assert building and len(stops) == 1
+    assert building and len(stops) == 2 and stops[0] == stops[1]  # both builds, one deadline
     assert r.stats["search"].startswith("skipped: building branch and bound's model ran out")
     assert r.stats["build_s"] > 0 and r.stats["incumbent_source"].startswith("heuristic:")
     lower = max(r.stats["floor_bound_s"], r.stats["stage_bound_s"])
     assert r.stats["lower_bound_s"] == pytest.approx(lower) and lower <= r.predicted_time
     assert r.predicted_peak_bytes <= budget
     assert r.predicted_time <= _best_rule_time(g, budget) * (1 + 1e-12)
+
+
+def test_a_build_stops_at_its_deadline_less_the_encoding_that_follows():
+    """The MILP's build stops at the limit less the closing reserve (`deadline` here), less
+    ENCODE_SHARE of the time it has taken (the rule's encoding follows it); branch and bound's
+    build (no `began`) at the deadline itself. Clock readings given, no wall time."""
+    pipeline = importlib.import_module("solver.search.pipeline")
+    share = pipeline.ENCODE_SHARE
+    now = [0.0]
+    stop = pipeline._build_stop(100.0, began=0.0, clock=lambda: now[0])
+    plain = pipeline._build_stop(100.0, clock=lambda: now[0])
+    for t, stops, stops_plain in [(0.0, False, False), (100 / (1 + share) - 1e-6, False, False),
+                                  (100 / (1 + share), True, False), (100.0, True, True)]:
+        now[0] = t
+        assert (stop(), plain()) == (stops, stops_plain), t
 
 
 def test_the_rules_stop_within_a_short_time_limit(monkeypatch):

@@ -85,14 +85,15 @@ both): the best rule is the answer, with the bound the rules' phase proved. A 48
 3,212) was still building after 5 minutes at 17 GiB and growing, on a 24 GiB machine."""
 BUILD_S_PER_CELL = 18.0 / (817 * 817)
 """Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
-on this machine): where the time left cannot pay for it, the best rule
-is the answer, so that a large graph's solve ends near its limit (Llama-3-8B's per-rank
-graph, 1,316 ops, took 198 s of a 60 s limit). A first filter: the build itself stops at the
-limit less the closing reserve (`_build_stop`), and the rule is then the answer."""
+on this machine): where the time left cannot pay for it, the best rule is the answer, so that
+a large graph's solve ends near its limit (Llama-3-8B's per-rank graph, 1,316 ops, took 198 s
+of a 60 s limit). A first filter: builds stop in time too (`_build_stop`)."""
 BUILD_STEPS_PER_STAGE = 0.3
-"""The build also takes about this many closing steps per backward stage, timed side by side
-in one process on generated graphs of 109-782 ops (0.31-0.34), so that the estimate follows
-this machine's load now (a step took 3.0-7.8 s on Llama-70B per rank as the load changed)."""
+"""The build takes about this many closing steps per backward stage (0.31-0.34 on generated
+graphs of 109-782 ops, timed side by side): the estimate follows this machine's load now."""
+ENCODE_SHARE = 0.2
+"""Encoding the rule after the build (Formulation.encode) takes up to this share of the build:
+0.14 at 109 and 443 ops, 0.20 (9.9 s after 48.7 s) at 782 ops, load about 10."""
 CLOSURE_SHARE = 0.2
 """Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
 small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
@@ -136,9 +137,11 @@ def _build_estimate(graph: OpGraph, step_s: float | None) -> float:
                BUILD_STEPS_PER_STAGE * (step_s or 0.0) * stages)
 
 
-def _build_stop(deadline: float):
-    """A build's should_stop (milp.Builder): whether `deadline` has passed."""
-    return lambda: time.perf_counter() >= deadline
+def _build_stop(deadline: float, began: float | None = None, clock=time.perf_counter):
+    """A build's should_stop (milp.Builder): whether `deadline` has passed, less ENCODE_SHARE
+    of the time since `began` (a build's rule is then encoded, no quicker to stop)."""
+    share, began = (0.0, 0.0) if began is None else (ENCODE_SHARE, began)
+    return lambda: (now := clock()) >= deadline - share * (now - began)
 
 
 def _rules_time(time_limit_s: float) -> float:
@@ -398,10 +401,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                               f"skipped: the MILP of {size} is too large to build "
                               f"(MAX_MILP_CELLS); the best rule with the bound proven")
 
-    stats = run.stats
-    began = time.perf_counter()
-    left = deadline - began
-    build = stats.get("build_estimate_s", _build_estimate(graph, None))
+    stats, began = run.stats, time.perf_counter()
+    build, left = stats.get("build_estimate_s", _build_estimate(graph, None)), deadline - began
     if starts and build > left:
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
                               f"skipped: building the MILP of {size} would take about "
@@ -409,10 +410,10 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                               f"(BUILD_S_PER_CELL); the best rule with the bound proven")
     # With a rule in hand the builds end before the closing reserve, whatever the load (the
     # estimate cannot know it: Llama-3-8B per rank, 300 s, ended at 900 s, in the build).
-    stop = _build_stop(deadline - stats.get("closing_reserve_s", 0.0))
+    end = deadline - stats.get("closing_reserve_s", 0.0)
     try:
         form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts,
-                           should_stop=stop if starts else None)
+                           should_stop=_build_stop(end, began) if starts else None)
     except BuildStopped:
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
                               f"skipped: building the MILP of {size} ran out of time after "
@@ -458,7 +459,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                   if pool.has else None)
         began = time.perf_counter()
         try:  # a second build, about as long as the first
-            form_bb = branch_and_bound_form(form, points, should_stop=stop if pool.has else None)
+            form_bb = branch_and_bound_form(form, points,
+                                            should_stop=_build_stop(end) if pool.has else None)
         except BuildStopped:
             progress.close()
             return _no_search(run, form, pool, base_time,
@@ -482,8 +484,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
 
 def _no_search(run: Run, form: Formulation, pool: Pool, base_time: float, why: str
                ) -> SolveResult:
-    """The pool's best (a rule's schedule) certified with the bounds known, when no search can
-    follow (`why`, in the statistics)."""
+    """The pool's best (a rule's) certified with the bounds known: no search follows (`why`)."""
     run.stats["search"] = why
     ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=run.backend,
                         deadline=run.deadline, mip_gap=run.mip_gap,
