@@ -490,12 +490,20 @@ class Formulation(FormulationRows):
                     if (t, v, u) in self.G:
                         x[self.G[t, v, u]] = acc
         A = self.milp.A.tocsr()
-        for col, row in self._defined:  # running sums, in definition order
-            start, stop = A.indptr[row], A.indptr[row + 1]
-            idx, vals = A.indices[start:stop], A.data[start:stop]
-            own = vals[idx == col][0]
-            rest = sum(a * x[c] for c, a in zip(idx, vals) if c != col)
-            x[col] = (self.milp.row_lo[row] - rest) / own
+        # Python lists, not numpy items: the same arithmetic in the same order, twice as quick
+        # (the encoding took 9.9 s after a 48.7 s build of 782 ops, and cannot be stopped)
+        rows = [row for _, row in self._defined]
+        sub = A[rows] if rows else A
+        ptr, idx, vals = sub.indptr.tolist(), sub.indices.tolist(), sub.data.tolist()
+        lo, xs = self.milp.row_lo[rows].tolist(), x.tolist()
+        for i, (col, _) in enumerate(self._defined):  # running sums, in definition order
+            own, rest = 0.0, 0
+            for k in range(ptr[i], ptr[i + 1]):
+                if idx[k] == col:
+                    own = vals[k]
+                else:
+                    rest += vals[k] * xs[idx[k]]
+            xs[col] = x[col] = (lo[i] - rest) / own
         if self.P is not None:
             x[self.P] = 0.0
             act = A @ x

@@ -91,9 +91,9 @@ of a 60 s limit). A first filter: builds stop in time too (`_build_stop`)."""
 BUILD_STEPS_PER_STAGE = 0.3
 """The build takes about this many closing steps per backward stage (0.31-0.34 on generated
 graphs of 109-782 ops, timed side by side): the estimate follows this machine's load now."""
-ENCODE_SHARE = 0.2
+ENCODE_SHARE = 0.1
 """Encoding the rule after the build (Formulation.encode) takes up to this share of the build:
-0.14 at 109 and 443 ops, 0.20 (9.9 s after 48.7 s) at 782 ops, load about 10."""
+0.067-0.072 at 109, 443 and 782 ops (1.1 s after a 16.9 s build), load about 3."""
 CLOSURE_SHARE = 0.2
 """Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
 small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
