@@ -56,13 +56,15 @@ class Formulation(FormulationRows):
 
     objective="time": minimise the step time subject to every memory point <= budget.
     objective="peak": minimise the peak (column P); the budget is ignored.
+    should_stop: a callable asked as the build goes (milp.Builder); when it returns True the
+    build raises milp.BuildStopped (a large graph's build took minutes on a loaded machine).
     """
 
     def __init__(self, graph: OpGraph, budget: int | None = None, *, mode: str = "full",
                  objective: str = "time", running_sums: bool = True,
                  recompute_points: "frozenset[tuple[int, int]] | None" = None,
                  offload: bool = False, support_cuts: "frozenset[SupportCut]" = frozenset(),
-                 facts: GraphFacts | None = None):
+                 facts: GraphFacts | None = None, should_stop=None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         obstacle = offload_obstacle(mode, graph.host_bandwidth) if offload else None
@@ -106,7 +108,7 @@ class Formulation(FormulationRows):
         self._defined: list[tuple[int, int]] = []  # (column, defining equality row), in order
         self.full_sum_nnz = 0
         """With running sums: the nonzeros the stage memory rows would have as full sums."""
-        self.milp = self._build()
+        self.milp = self._build(should_stop)
 
     # -- helpers -------------------------------------------------------------------------------
     def _impl(self, j: int, i: int):
@@ -124,12 +126,12 @@ class Formulation(FormulationRows):
         return 0, [(self.M[j, i], fn(self._impl(j, i)) / scale) for i in impls]
 
     # -- build ---------------------------------------------------------------------------------
-    def _build(self) -> MILP:
+    def _build(self, should_stop=None) -> MILP:
         """The columns, block by block, then the rows (formulation_rows.py), in the order of
         docs/formulation.md."""
         self._cand_sets = [set(c) for c in self.facts.candidates]
         self._stage_ops = set(self.graph.backward_order)
-        b = Builder()
+        b = Builder(should_stop)
         offset = self._impl_columns(b)
         self._resident_columns(b)
         self._recompute_columns(b)
@@ -280,6 +282,7 @@ class Formulation(FormulationRows):
         self.G: dict[tuple[int, int, int], int] = {}
         self._alive_plan: list[list[tuple[int, list]]] = []  # per stage: (v, segments)
         for t in range(T):
+            b.check()  # a loop over every Value that may add no column
             plan = []
             C = cands[t]
             pos = {j: l for l, j in enumerate(C)}
@@ -487,12 +490,20 @@ class Formulation(FormulationRows):
                     if (t, v, u) in self.G:
                         x[self.G[t, v, u]] = acc
         A = self.milp.A.tocsr()
-        for col, row in self._defined:  # running sums, in definition order
-            start, stop = A.indptr[row], A.indptr[row + 1]
-            idx, vals = A.indices[start:stop], A.data[start:stop]
-            own = vals[idx == col][0]
-            rest = sum(a * x[c] for c, a in zip(idx, vals) if c != col)
-            x[col] = (self.milp.row_lo[row] - rest) / own
+        # Python lists, not numpy items: the same arithmetic in the same order, twice as quick
+        # (the encoding took 9.9 s after a 48.7 s build of 782 ops, and cannot be stopped)
+        rows = [row for _, row in self._defined]
+        sub = A[rows] if rows else A
+        ptr, idx, vals = sub.indptr.tolist(), sub.indices.tolist(), sub.data.tolist()
+        lo, xs = self.milp.row_lo[rows].tolist(), x.tolist()
+        for i, (col, _) in enumerate(self._defined):  # running sums, in definition order
+            own, rest = 0.0, 0
+            for k in range(ptr[i], ptr[i + 1]):
+                if idx[k] == col:
+                    own = vals[k]
+                else:
+                    rest += vals[k] * xs[idx[k]]
+            xs[col] = x[col] = (lo[i] - rest) / own
         if self.P is not None:
             x[self.P] = 0.0
             act = A @ x

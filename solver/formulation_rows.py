@@ -352,6 +352,7 @@ class FormulationRows:
         stage_const: list[list[int]] = []
         stage_terms: list[list[list]] = []
         for t in range(T):
+            b.check()  # without running sums a stage adds no row until its end
             L = len(cands[t])
             consts = [0] * (L + 2)
             if self.running_sums:

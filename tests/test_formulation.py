@@ -19,6 +19,7 @@ from solver import simulate, store_all_schedule
 from solver.canonical import canonicalize
 from solver.cuts import all_support_cuts
 from solver.formulation import Formulation
+from solver.milp import CHECK_EVERY, BuildStopped
 from solver_cases import (GraphBuilder, random_chain, random_dag, random_schedules,
                           resnet_like)
 
@@ -201,3 +202,36 @@ def test_recompute_times_are_what_the_formulation_and_the_simulator_charge(seed,
                           for st_ in s.stages for j in st_.recompute))
         assert tl.total_time == pytest.approx(expected, rel=1e-12)
         assert_encoding_claims_the_simulation(g, s, tl.peak_bytes)
+
+
+@pytest.mark.parametrize("running_sums", [True, False])
+def test_a_build_asks_whether_to_stop_often_and_stops_when_told(running_sums):
+    """Issue 53: the build asks its `should_stop` between blocks, once per stage in the loops
+    over stages and every CHECK_EVERY columns or rows (so a stop comes within a few thousand
+    rows, and the asking costs next to nothing); told to stop it raises BuildStopped, and never
+    told, it builds exactly the model it builds with nothing to ask. Counted calls, no clock."""
+    g = resnet_like()
+    budget = int(simulate(g, store_all_schedule(g)).peak_bytes * 0.6)
+    asked = []
+    plain = Formulation(g, budget, running_sums=running_sums).milp
+    m = Formulation(g, budget, running_sums=running_sums,
+                    should_stop=lambda: asked.append(1) and False).milp
+    for field in dataclasses.fields(m):
+        a, b = getattr(m, field.name), getattr(plain, field.name)
+        if field.name == "A":
+            assert (a != b).nnz == 0 and a.shape == b.shape
+        elif isinstance(a, np.ndarray):
+            assert np.array_equal(a, b)
+        else:
+            assert a == b
+    # once per stage in two loops over stages, per CHECK_EVERY columns or rows, per block
+    # (fewer than 40 blocks) and four times as the matrix is made
+    stages = len(g.backward_order)
+    assert len(asked) >= 2 * stages + m.num_vars // CHECK_EVERY + m.num_rows // CHECK_EVERY
+    assert len(asked) <= 2 * stages + (m.num_vars + m.num_rows) // CHECK_EVERY + 2 + 40 + 4
+    for when in (1, len(asked) // 2, len(asked)):  # told at the first ask, midway, the last
+        calls = []
+        with pytest.raises(BuildStopped):
+            Formulation(g, budget, running_sums=running_sums,
+                        should_stop=lambda: calls.append(1) or len(calls) >= when)
+        assert len(calls) == when  # it stopped at once

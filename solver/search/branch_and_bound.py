@@ -18,6 +18,7 @@ import numpy as np
 from .. import cuts
 from ..backends.base import INFEASIBLE, OPTIMAL, BackendResult, SearchCallbacks
 from ..formulation import Formulation
+from ..milp import BuildStopped
 from ..simulate import simulate
 from .context import SearchContext
 from .models import branch_and_bound_form
@@ -99,7 +100,11 @@ class BranchAndBound:
             # lazy rows: restart with rows at the points the last solution broke
             points = fb.recompute_points | state["violated"]
             state["violated"] = set()
-            nxt = branch_and_bound_form(form, points, fb.support_cuts)
+            try:  # the model's build is as long as the first one's: it too ends in time
+                nxt = branch_and_bound_form(form, points, fb.support_cuts,
+                                            should_stop=ctx.should_stop)
+            except BuildStopped:
+                break
             if nxt.infeasible_points:
                 # a point over budget whatever the decisions: so is the next real point
                 ctx.bb_result = BackendResult(
@@ -140,7 +145,12 @@ def tighten(ctx: SearchContext, form_bb: Formulation) -> Formulation:
         found = cuts.separate(fb, r.x, paths)
         if not found:
             break
-        fb = branch_and_bound_form(ctx.form, fb.recompute_points, fb.support_cuts | set(found))
+        try:
+            fb = branch_and_bound_form(ctx.form, fb.recompute_points,
+                                       fb.support_cuts | set(found),
+                                       should_stop=lambda: time.perf_counter() >= stop_at)
+        except BuildStopped:
+            break
     return fb
 
 

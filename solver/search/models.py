@@ -20,8 +20,8 @@ def every_row(form: Formulation) -> bool:
     return form.full_sum_nnz + form.milp.nnz <= ALL_ROWS_NNZ
 
 
-def branch_and_bound_form(form: Formulation, points=None,
-                          support_cuts=frozenset()) -> Formulation:
+def branch_and_bound_form(form: Formulation, points=None, support_cuts=frozenset(),
+                          should_stop=None) -> Formulation:
     """The formulation branch and bound runs on: full memory sums (HiGHS solved the root LP of
     the full-sum form up to three times faster than the running-sum form on the profiled
     GoogLeNet) and, for the time objective on a model above ALL_ROWS_NNZ, memory rows only at
@@ -29,7 +29,8 @@ def branch_and_bound_form(form: Formulation, points=None,
     5 GiB the LP bound is the same without any of them and the LP solves seven times faster; the
     simulator checks every solution and branch and bound restarts with the points a solution
     violates, see branch_and_bound.py), plus the recompute-support cuts `support_cuts`
-    (solver/cuts.py)."""
+    (solver/cuts.py). `should_stop` is asked as a new model is built (Formulation): milp.BuildStopped
+    when it says yes."""
     nnz = form.full_sum_nnz + form.milp.nnz  # of the full-sum form with every row
     if form.objective != "time":
         points = None
@@ -42,7 +43,7 @@ def branch_and_bound_form(form: Formulation, points=None,
         return form
     return Formulation(form.graph, form.budget, mode=form.mode, objective=form.objective,
                        running_sums=big, recompute_points=points, offload=form.offload,
-                       support_cuts=support_cuts)
+                       support_cuts=support_cuts, should_stop=should_stop)
 
 
 def tight_points(graph: OpGraph, schedule: Schedule, budget: int, share: float = 0.9):

@@ -33,6 +33,7 @@ from ..errors import InfeasibleBudgetError
 from ..formulation import Formulation
 from ..graph import OpGraph
 from ..least_budget import infeasible_message
+from ..milp import BuildStopped
 from ..rules.blocks import find_blocks
 from ..rules.simple import baseline_schedules, greedy_baseline_schedule
 from ..rules.warmstart import (best_fitting, family_starts, heuristic_schedules, lean_impls,
@@ -84,9 +85,15 @@ both): the best rule is the answer, with the bound the rules' phase proved. A 48
 3,212) was still building after 5 minutes at 17 GiB and growing, on a 24 GiB machine."""
 BUILD_S_PER_CELL = 18.0 / (817 * 817)
 """Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
-on this machine): where the time left cannot pay for it, the best rule
-is the answer, so that a large graph's solve ends near its limit (Llama-3-8B's per-rank
-graph, 1,316 ops, took 198 s of a 60 s limit)."""
+on this machine): where the time left cannot pay for it, the best rule is the answer, so that
+a large graph's solve ends near its limit (Llama-3-8B's per-rank graph, 1,316 ops, took 198 s
+of a 60 s limit). A first filter: builds stop in time too (`_build_stop`)."""
+BUILD_STEPS_PER_STAGE = 0.3
+"""The build takes about this many closing steps per backward stage (0.31-0.34 on generated
+graphs of 109-782 ops, timed side by side): the estimate follows this machine's load now."""
+ENCODE_SHARE = 0.1
+"""Encoding the rule after the build (Formulation.encode) takes up to this share of the build:
+0.067-0.072 at 109, 443 and 782 ops (1.1 s after a 16.9 s build), load about 3."""
 CLOSURE_SHARE = 0.2
 """Before the rules that take seconds (or after the rules), the stage bound's closure LP (one
 small LP per backward stage, dearest stage first) may take this share of the time limit: 8 s
@@ -120,6 +127,21 @@ def _store_all_time(graph: OpGraph, timelines: dict) -> float:
     graph, with store-all's build, takes 1-2 s), else one replay now."""
     tl = timelines.get("baseline/store_all")
     return (tl if tl is not None else simulate(graph, store_all_schedule(graph))).total_time
+
+
+def _build_estimate(graph: OpGraph, step_s: float | None) -> float:
+    """Seconds the MILP's build should take: BUILD_S_PER_CELL, or more where the closing step
+    (`step_s`, timed on this graph now) says the machine is slower (BUILD_STEPS_PER_STAGE)."""
+    stages = len(graph.backward_order)
+    return max(BUILD_S_PER_CELL * len(graph.ops) * stages,
+               BUILD_STEPS_PER_STAGE * (step_s or 0.0) * stages)
+
+
+def _build_stop(deadline: float, began: float | None = None, clock=time.perf_counter):
+    """A build's should_stop (milp.Builder): whether `deadline` has passed, less ENCODE_SHARE
+    of the time since `began` (a build's rule is then encoded, no quicker to stop)."""
+    share, began = (0.0, 0.0) if began is None else (ENCODE_SHARE, began)
+    return lambda: (now := clock()) >= deadline - share * (now - began)
 
 
 def _rules_time(time_limit_s: float) -> float:
@@ -373,22 +395,30 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                                 heuristic_objective_s=proven.objective)
             return proven
 
-    cells = len(graph.ops) * len(graph.backward_order)
+    size = f"{len(graph.ops)} ops x {len(graph.backward_order)} stages"
     if starts and _too_large(graph):
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
-                              f"skipped: the MILP of {len(graph.ops)} ops x "
-                              f"{len(graph.backward_order)} stages is too large to build "
+                              f"skipped: the MILP of {size} is too large to build "
                               f"(MAX_MILP_CELLS); the best rule with the bound proven")
 
-    left = deadline - time.perf_counter()
-    if starts and BUILD_S_PER_CELL * cells > left:
+    stats, began = run.stats, time.perf_counter()
+    build, left = stats.get("build_estimate_s", _build_estimate(graph, None)), deadline - began
+    if starts and build > left:
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
-                              f"skipped: building the MILP of {len(graph.ops)} ops x "
-                              f"{len(graph.backward_order)} stages would take about "
-                              f"{BUILD_S_PER_CELL * cells:.0f} s of the {max(0.0, left):.0f} s "
-                              f"left (BUILD_S_PER_CELL); the best rule with the bound proven")
-    form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts)
-    stats = run.stats
+                              f"skipped: building the MILP of {size} would take about "
+                              f"{build:.0f} s of the {max(0.0, left):.0f} s left "
+                              f"(BUILD_S_PER_CELL); the best rule with the bound proven")
+    # With a rule in hand the builds end before the closing reserve, whatever the load (the
+    # estimate cannot know it: Llama-3-8B per rank, 300 s, ended at 900 s, in the build).
+    end = deadline - stats.get("closing_reserve_s", 0.0)
+    try:
+        form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts,
+                           should_stop=_build_stop(end, began) if starts else None)
+    except BuildStopped:
+        return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
+                              f"skipped: building the MILP of {size} ran out of time after "
+                              f"{time.perf_counter() - began:.0f} s (the limit less the "
+                              f"closing reserve); the best rule with the bound proven")
     stats.update({**form.stats(), "build_s": round(time.perf_counter() - started, 3),
                   "mode": mode})
     if form.infeasible_points:
@@ -416,11 +446,9 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     # -- 3. portfolio --------------------------------------------------------------------------
     if pool.has and deadline - time.perf_counter() < MIN_SEARCH_S:
         # No time left to search (building the MILP took it): the best rule, unproven.
-        stats["search"] = (f"skipped: {deadline - time.perf_counter():.1f} s left of "
-                           f"{time_limit_s:g} s after building the MILP")
-        ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=be, deadline=deadline,
-                            mip_gap=mip_gap, progress=Progress(False, 1, 1.0, 1.0, ""))
-        return _certify(run, ctx, base_time)
+        return _no_search(run, form, pool, base_time,
+                          f"skipped: {deadline - time.perf_counter():.1f} s left of "
+                          f"{time_limit_s:g} s after building the MILP")
     progress = Progress(verbose or sys.stderr.isatty(), time_limit_s, base_time,
                         form.time_scale, f"{graph.model} {format_bytes(budget)}")
     # the bounds proven before the search (the floor, the stage bound) are the bar's gap too
@@ -429,7 +457,16 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     if _sharing(be):
         points = (tight_points(graph, form.decode(pool.get(form)[0]), budget)
                   if pool.has else None)
-        form_bb = branch_and_bound_form(form, points)
+        began = time.perf_counter()
+        try:  # a second build, about as long as the first
+            form_bb = branch_and_bound_form(form, points,
+                                            should_stop=_build_stop(end) if pool.has else None)
+        except BuildStopped:
+            progress.close()
+            return _no_search(run, form, pool, base_time,
+                              f"skipped: building branch and bound's model ran out of time "
+                              f"after {time.perf_counter() - began:.0f} s (the limit less the "
+                              f"closing reserve)")
     if form_bb.infeasible_points:
         progress.close()
         raise _infeasible(run)
@@ -442,6 +479,16 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         progress.close()
 
     # -- 4. certify ----------------------------------------------------------------------------
+    return _certify(run, ctx, base_time)
+
+
+def _no_search(run: Run, form: Formulation, pool: Pool, base_time: float, why: str
+               ) -> SolveResult:
+    """The pool's best (a rule's) certified with the bounds known: no search follows (`why`)."""
+    run.stats["search"] = why
+    ctx = SearchContext(form=form, bb_form=form, pool=pool, backend=run.backend,
+                        deadline=run.deadline, mip_gap=run.mip_gap,
+                        progress=Progress(False, 1, 1.0, 1.0, ""))
     return _certify(run, ctx, base_time)
 
 
@@ -511,9 +558,9 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         # Where the MILP will not be built, or its build would not fit in the time the rules
         # leave, the rules (and the closure LP) have the whole limit but the reserve.
         rules_time = _rules_time(time_limit_s)
-        cells = len(graph.ops) * len(graph.backward_order)
+        build = run.stats["build_estimate_s"] = _build_estimate(graph, step)
         rules_deadline = (deadline - reserve if _too_large(graph)
-                          or BUILD_S_PER_CELL * cells > time_limit_s - rules_time
+                          or build > time_limit_s - rules_time
                           else min(deadline - reserve, started + rules_time))
 
         def greedy():
@@ -667,7 +714,8 @@ def _answer_without_search(run: Run, schedule: Schedule, tl, lower: float, bound
     schedule = _answered(schedule, tl, gap, lower, base_time, mode=mode, budget_bytes=budget,
                          created_by=source)
     stats = {"mode": mode, "search": why, "lower_bound_s": lower, **bounds,
-             **{k: run.stats.get(k) for k in ("closing_step_s", "closing_reserve_s")},
+             **{k: run.stats.get(k) for k in ("closing_step_s", "closing_reserve_s",
+                                              "build_estimate_s")},
              "store_all_time_s": base_time, "incumbent_source": source}
     return SolveResult(status=OPTIMAL, schedule=schedule, objective=tl.total_time,
                        predicted_peak_bytes=tl.peak_bytes, predicted_time=tl.total_time,
