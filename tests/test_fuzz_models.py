@@ -36,10 +36,10 @@ from solver_cases import random_schedules
 from solver.rules.simple import schedule_from_keep
 from solver.simulate import simulate, store_all_schedule
 
-# 100 generated models in the default run (about 2.5 minutes with the kept examples, in one of
-# the suite's two workers: 250 kept the suite over its 15 minutes); FUZZ_EXAMPLES raises it for
-# a longer hunt (1,000 at the end of a working session).
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
+# 70 generated models in the default run (about 1.5 minutes of one worker with the kept
+# examples; 100 took 129 s of the suite's 1,042 s of test CPU, which must stay under 10 minutes
+# on 2 cores); derandomized, so the same 70 each run. FUZZ_EXAMPLES raises it for a longer hunt.
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "70"))
 
 
 # CPU kernels split their scratch between intra-op threads, so with several threads a peak
