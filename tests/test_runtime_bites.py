@@ -265,7 +265,7 @@ class InplaceOnView(ThreeLinear):
         return self.c(torch.tanh(self.b(z.flatten(1))))
 
 
-def _tight_and_every_other(module_class):
+def _assert_plain_under_tight_and_every_other(module_class):
     """A `module_class` model runs as plain PyTorch does (two steps) under the tightest schedule
     and under one keeping every other Value."""
     torch.manual_seed(0)
@@ -277,7 +277,7 @@ def _tight_and_every_other(module_class):
 
 
 def test_inplace_on_a_view():
-    _tight_and_every_other(InplaceOnView)
+    _assert_plain_under_tight_and_every_other(InplaceOnView)
 
 
 def test_instancenorm_then_inplace_relu_at_region_boundaries():
@@ -519,7 +519,7 @@ class CopyIntoNarrow(ThreeLinear):
 
 
 def test_copy_into_a_narrow_view_read_through_the_base():
-    _tight_and_every_other(CopyIntoNarrow)
+    _assert_plain_under_tight_and_every_other(CopyIntoNarrow)
 
 
 def test_keyword_inputs_copy_and_pickle(tmp_path):
