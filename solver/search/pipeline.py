@@ -107,9 +107,7 @@ as long as the baselines' build and replay, timed first on this graph): the rule
 CLOSING_STEPS steps before the limit (at most CLOSING_SHARE of it), and the closure LP and the
 search one step before it. After the rules' deadline, the rule running then ends one step later
 (its deadline is read between steps) and its schedule is replayed; the closure LP that proves
-it follows (5-6 s on Llama-70B per rank, about two steps), then the answer's replay. That
-graph (3,236 ops, a step about 3-8 s) ended 292-309 s into a 300 s limit without it; with the
-closure LP ending with the rules, 282 s but its bound cut short (gap 6.5%, not 0.08%)."""
+it follows (5-6 s on Llama-70B per rank, about two steps), then the answer's replay."""
 
 
 def _closing_reserve(step_s: float, time_limit_s: float) -> float:
@@ -408,8 +406,8 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
                               f"skipped: building the MILP of {size} would take about "
                               f"{build:.0f} s of the {max(0.0, left):.0f} s left "
                               f"(BUILD_S_PER_CELL); the best rule with the bound proven")
-    # With a rule in hand the builds end before the closing reserve, whatever the load (the
-    # estimate cannot know it: Llama-3-8B per rank, 300 s, ended at 900 s, in the build).
+    # With a rule in hand the builds end before the closing reserve, whatever the load: the
+    # estimate above cannot see the load that comes after it.
     end = deadline - stats.get("closing_reserve_s", 0.0)
     try:
         form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts,
