@@ -370,11 +370,13 @@ def forward_sources(g: JointGraph, names) -> frozenset[str]:
     return frozenset(out)
 
 
-def _start(g: JointGraph) -> Prediction:
-    """The search's start: `g.start` (the compiler's own partition) or else torch's default
-    partition, with the pinned values saved too (kept wherever a recomputation reads them)."""
-    base = torch_default_saved(g) if g.start is None else g.start
-    return predict(g, base | {n.name for n in g.nodes if n.pinned})
+def _starts(g: JointGraph) -> list[Prediction]:
+    """The search's starts: `g.start` (the compiler's own partition) where there is one, then
+    torch's default partition, each with the pinned values saved too (kept wherever a
+    recomputation reads them)."""
+    pinned = {n.name for n in g.nodes if n.pinned}
+    bases = ([] if g.start is None else [g.start]) + [torch_default_saved(g)]
+    return [predict(g, base | pinned) for base in bases]
 
 
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
@@ -442,11 +444,8 @@ def _descents(g: JointGraph, budget: int, width: int):
     budget, from torch's default partition (GPT-2 under Inductor: from min-cut's saved set the
     greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07). Returns
     (prediction, trail): the first that fits, else the lowest."""
-    starts = [_start(g)]
-    if g.start is not None:
-        starts.append(predict(g, torch_default_saved(g) | {n.name for n in g.nodes if n.pinned}))
     best = None
-    for start in starts:
+    for start in _starts(g):
         cur, trail = _descend(g, budget, start, width)
         if cur.peak_bytes > budget:
             alt, alt_trail = _descend(g, budget, start, width, by_cost=False)
@@ -471,7 +470,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
     if g.start is not None:
-        start = _start(g)
+        start = _starts(g)[0]
         if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
             return CompiledPlan(prediction=start, budget=budget, default=default,
                                 trail=(start.peak_bytes,))

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, _descend, _start, forward_sources, least_peak, \
+from solver.compiled import JointGraph, JointNode, _descend, _starts, forward_sources, least_peak, \
     plan_saved, predict, torch_default_saved
 from solver.errors import InfeasibleBudgetError
 
@@ -107,8 +107,8 @@ def test_a_saved_set_must_name_forward_values():
 
 def test_the_least_is_the_lower_of_the_two_greedy_paths_and_a_plan_fits_it():
     g = chain()
-    by_cost, _ = _descend(g, -1, _start(g), 8)
-    by_gain, _ = _descend(g, -1, _start(g), 8, by_cost=False)
+    by_cost, _ = _descend(g, -1, _starts(g)[0], 8)
+    by_gain, _ = _descend(g, -1, _starts(g)[0], 8, by_cost=False)
     least = least_peak(g).peak_bytes
     assert least == min(by_cost.peak_bytes, by_gain.peak_bytes)
     assert plan_saved(g, least).prediction.peak_bytes <= least
@@ -120,7 +120,7 @@ def test_the_search_starts_from_the_compilers_own_partition_where_given():
     assert plan_saved(g, 3220).steps == 1
     # from a start that already recomputes a1 (Inductor's min-cut, say), none
     started = dataclasses.replace(g, start=frozenset({"a2", "a3"}))
-    assert _start(started).recomputed == ("a1",)
+    assert _starts(started)[0].recomputed == ("a1",)
     plan = plan_saved(started, 3220)
     assert plan.steps == 0 and plan.prediction.recomputed == ("a1",)
 
@@ -130,7 +130,7 @@ def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from
     # saving a3 alone, a1 and a2 are recomputed in the backward beside a3 (4220); the greedy
     # only stops saving values, so from there it stays at 4220
     stuck = dataclasses.replace(g, start=frozenset({"a3"}))
-    cur, _ = _descend(stuck, -1, _start(stuck), 8)
+    cur, _ = _descend(stuck, -1, _starts(stuck)[0], 8)
     assert (cur.peak_bytes, cur.saved) == (4220, {"a3"})
     # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
     assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
