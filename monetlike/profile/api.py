@@ -39,7 +39,7 @@ from .gpu_like import GpuLike
 from .impl_timing import (alternatives_from, inplace_alternatives, measure_alternatives,
                           over_defaults, profile_rounds)
 from .interpreter import ProfileRun
-from .records import ProfileError, loss_fn_in_use
+from .records import ProfileError, forward_interleaving, loss_fn_in_use
 from .timing import TimingRun
 from .memory import storage_of
 
@@ -509,9 +509,11 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                             dtype=v.dtype, bytes=v.nbytes,
                             producer=None if v.producer is None else new_gid[v.producer],
                             requires_grad=v.requires_grad))
+    interleaved_reads, workspace_floor = forward_interleaving(run.groups, run.values, new_gid)
     ops = []
     for gid in order:
         g = run.groups[gid]
+        floor = workspace_floor.get(gid, 0)
         if measured:
             fwd = median(fwd_times.get(gid, []))
             bwd = median(bwd_times.get(gid, [])) if g.ran_backward else 0.0
@@ -521,7 +523,7 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
         cached = g.cached_casts_before or 0  # NOTE [Cached casts] in interpreter.py
         impl = Impl(name="default", saved=tuple(sorted(new_tid[t] for t in g.saved)),
                     internal_bytes=int(internal_bytes), fwd_time=float(fwd),
-                    bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace)) + cached,
+                    bwd_time=float(bwd), fwd_workspace=int(max(0, fwd_workspace, floor)) + cached,
                     bwd_workspace=int(max(0, g.bwd_peak - g.stage_start))
                     if g.ran_backward else 0,
                     recompute_workspace=int(max(0, g.recompute_workspace)),
@@ -542,7 +544,8 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                 return stashed.scratch(tuple(outs[0].shape), outs[0].dtype)
             return impl.recompute_workspace
 
-        extra = tuple(Impl(**{**alt, "fwd_workspace": int(alt["fwd_workspace"]) + cached,
+        extra = tuple(Impl(**{**alt, "fwd_workspace": max(int(alt["fwd_workspace"]), floor)
+                              + cached,
                               "saved": tuple(sorted(new_tid[t] for t in alt["saved"])),
                               "early_release": tuple(sorted(
                                   new_tid[t] for t in alt.get("early_release", ()))),
@@ -552,7 +555,8 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                       for alt in (alternatives or {}).get(gid, ())
                       if _inplace_in_order(run, new_gid, gid, alt))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),
-                      inputs=tuple(new_tid[t] for t in g.inputs),
+                      inputs=tuple(new_tid[t] for t in g.inputs) + tuple(sorted(
+                          new_tid[t] for t in interleaved_reads.get(gid, ()))),
                       outputs=tuple(new_tid[t] for t in g.outputs), impls=(impl,) + extra,
                       has_backward=bool(g.ran_backward),
                       recompute_unsafe="; ".join(g.unsafe) if g.unsafe else None))

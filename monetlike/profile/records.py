@@ -4,6 +4,7 @@ what a stage still holds of an interleaved Op, casts autocast caches)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
@@ -87,6 +88,39 @@ class Group:
     def add_unsafe(self, reason: str) -> None:
         if reason and reason not in self.unsafe:
             self.unsafe.append(reason)
+
+
+def forward_interleaving(groups: list[Group], values: list[TmpValue], rank: dict[int, int]
+                          ) -> tuple[dict[int, set[int]], dict[int, int]]:
+    """What the Ops run between the nodes of another must read in the simulator's forward.
+
+    An Op whose nodes are not contiguous in the trace (`h = act_(a(x)); h += b(x)`: a, act_ and
+    add_, with b between) runs whole in the simulator, before or after the Ops between its nodes
+    (`rank`: group -> position in the Op order); at run time those run inside it, while it holds
+    what it has made and what its later nodes read. So the one of each pair that runs later
+    reads what the earlier one read (and, where the outer Op runs first, what it made; graph
+    inputs are resident throughout), and an outer Op that runs later keeps at least the
+    workspace of the Ops inside it: the simulator's point for it then holds all the run holds
+    there. Returns (group -> extra Values it reads, group -> its least forward workspace)."""
+    nodes = sorted((p, g.gid) for g in groups for p in g.positions)
+    extra: dict[int, set[int]] = {}
+    floor: dict[int, int] = {}
+    for outer in groups:
+        if len(outer.positions) < 2:
+            continue
+        first, last = min(outer.positions), max(outer.positions)
+        inside = {gid for _, gid in nodes[bisect.bisect_right(nodes, (first, len(groups))):
+                                          bisect.bisect_left(nodes, (last, -1))]}
+        for inner in (groups[gid] for gid in sorted(inside - {outer.gid})):
+            if rank[inner.gid] < rank[outer.gid]:
+                extra.setdefault(outer.gid, set()).update(inner.inputs)
+                floor[outer.gid] = max(floor.get(outer.gid, 0), inner.forward_figures()[1])
+            else:
+                extra.setdefault(inner.gid, set()).update(outer.inputs, outer.outputs)
+    for gid, tids in extra.items():
+        tids.difference_update(groups[gid].outputs, groups[gid].inputs,
+                               [t for t in tids if values[t].producer is None])
+    return extra, floor
 
 
 def last_windows(windows: list[tuple]) -> dict[int, int]:
