@@ -465,13 +465,17 @@ def _get_attr_tensors(gm, work) -> list[torch.Tensor]:
     return out
 
 
-def _inplace_in_order(run: ProfileRun, new_gid: dict, gid: int, alt: dict) -> bool:
+def _inplace_in_order(run: ProfileRun, new_gid: dict, gid: int, alt: dict,
+                      interleaved_reads: dict[int, set[int]]) -> bool:
     """An in-place Impl needs every other reader of the Value it overwrites before its Op in op
-    order as well (the simulator's and the MILP's order; the fx order is checked when offered)."""
+    order as well (the simulator's and the MILP's order; the fx order is checked when offered),
+    an Op that holds it through its forward for an Op run inside it among them."""
     x = alt.get("overwrites")
     if x is None:
         return True
-    return all(new_gid[r] < new_gid[gid] for _, r in run.readers.get(x, ()) if r != gid)
+    readers = [r for _, r in run.readers.get(x, ())]
+    readers += [r for r, tids in interleaved_reads.items() if x in tids]
+    return all(new_gid[r] < new_gid[gid] for r in readers if r != gid)
 
 
 def _op_modules(gm, graph: OpGraph) -> list[str]:
@@ -553,7 +557,7 @@ def _build_graph(run: ProfileRun, *, model_name: str, batch: int, measured: bool
                                  if alt.get("overwrites") is not None else {}),
                               "recompute_workspace": rerun_workspace(alt)})
                       for alt in (alternatives or {}).get(gid, ())
-                      if _inplace_in_order(run, new_gid, gid, alt))
+                      if _inplace_in_order(run, new_gid, gid, alt, interleaved_reads))
         ops.append(Op(id=new_gid[gid], name=g.name, kind=g.kind, nodes=tuple(g.nodes),
                       inputs=tuple(new_tid[t] for t in g.inputs) + tuple(sorted(
                           new_tid[t] for t in interleaved_reads.get(gid, ()))),
