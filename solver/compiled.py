@@ -36,7 +36,7 @@ from .errors import BudgetParseError, InfeasibleBudgetError
 from .units import BudgetSpec, format_bytes, parse_budget
 
 __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
-           "torch_default_saved", "forward_sources", "least_peak", "resolve_budget",
+           "torch_default_saved", "forward_sources", "cut_saved", "least_peak", "resolve_budget",
            "AUTO_REFUSED"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
@@ -370,12 +370,38 @@ def forward_sources(g: JointGraph, names) -> frozenset[str]:
     return frozenset(out)
 
 
+def cut_saved(g: JointGraph) -> frozenset[str]:
+    """The forward values that alone carry the forward on (no other value made before one is
+    read after it, primals aside: block boundaries): saved alone, the backward recomputes each
+    block from its input just before its gradients, as per-block checkpointing does."""
+    forward = [n for n in g.nodes if n.phase == "forward"]
+    position = {n.name: i for i, n in enumerate(forward)}
+    last_read: dict[tuple[str, int], int] = {}  # storage -> the last forward node reading it
+    for i, n in enumerate(forward):
+        for name in n.inputs:
+            if name in position:
+                for st in g.storages_of(name):
+                    last_read[st] = i
+    ends: dict[int, list] = {}
+    for st, i in last_read.items():
+        ends.setdefault(i, []).append(st)
+    live: set[tuple[str, int]] = set()
+    cuts = set()
+    for i, n in enumerate(forward):
+        live.difference_update(ends.get(i, ()))
+        live.update(st for st in g.storages_of(n.name) if last_read.get(st, -1) > i)
+        if n.candidate and len(live) == 1 and set(g.storages_of(n.name)) == live:
+            cuts.add(n.name)
+    return frozenset(cuts)
+
+
 def _starts(g: JointGraph) -> list[Prediction]:
     """The search's starts: `g.start` (the compiler's own partition) where there is one, then
-    torch's default partition, each with the pinned values saved too (kept wherever a
-    recomputation reads them)."""
+    torch's default partition, then the block boundaries alone (`cut_saved`: where the greedy
+    from the others stops above per-block checkpointing's peak, MobileNetV2 under Inductor),
+    each with the pinned values saved too (kept wherever a recomputation reads them)."""
     pinned = {n.name for n in g.nodes if n.pinned}
-    bases = ([] if g.start is None else [g.start]) + [torch_default_saved(g)]
+    bases = ([] if g.start is None else [g.start]) + [torch_default_saved(g), cut_saved(g)]
     return [predict(g, base | pinned) for base in bases]
 
 

@@ -192,6 +192,27 @@ def test_no_target_fits_raises_with_the_least_the_code_reached(monkeypatch):
     assert "the least of the 3 tried peaks at" in str(e.value)
 
 
+def test_over_twice_goes_to_the_least_even_while_each_compile_learns_scratch(monkeypatch):
+    """MobileNetV2 at the 0.25 knob's peak: every compile learned more kernel scratch, so the
+    search planned the same target again each time and ran out of compiles before its least."""
+    be = monetlike.backend(budget=1000, compiler="inductor")
+    peaks, calls = iter([1300, 1200, 600, 900]), []
+
+    def once(gm, example_inputs, target, force=None):
+        t = be.budget if target is None else target
+        calls.append(t)
+        plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
+                               prediction=SimpleNamespace(recompute_cost=1 / t))
+        return f"compiled at {t}", SimpleNamespace(
+            target=t, code=SimpleNamespace(peak_bytes=next(peaks)), plan=plan, graph=None,
+            saved=frozenset({f"saved at {t}"})), len(calls) <= 2  # the first two learn
+    monkeypatch.setattr(be, "_inductor_once", once)
+    monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
+        peak_bytes=400))
+    assert be._compile_inductor(None, None) == "compiled at 800"
+    assert calls == [1000, 1000, 400, 800]
+
+
 SCRATCH = '''
 import torch
 aten = torch.ops.aten

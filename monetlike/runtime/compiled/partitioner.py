@@ -232,9 +232,10 @@ class CompiledBackend:
             settled = over <= 0 and (over >= -SETTLE * self.budget
                                      or rec.target >= rec.plan.default.peak_bytes)
             nxt = rec.target if learned and over > 0 else rec.target - over
-            if over > 0 and not learned and sum(
-                    r.code.peak_bytes > self.budget for _, r in tried) >= 2:
+            if over > 0 and sum(r.code.peak_bytes > self.budget for _, r in tried) >= 2:
                 # over twice: the search's least, the plan most likely to fit, if anything does
+                # (before planning at the same target again with scratch just learned: on
+                # MobileNetV2 each compile learned more, and the compiles ran out first)
                 nxt = least_peak(rec.graph, self.width).peak_bytes
             if settled or len(tried) >= MAX_COMPILES + extra or (
                     not learned and nxt in {r.target for _, r in tried}):
