@@ -36,9 +36,10 @@ from ..impls.registry import SubstitutingMixin, matches
 
 
 class SubstitutingProfileRun(SubstitutingMixin, ProfileRun):
-    def _nograd_transient(self, rec, n, args, kwargs, stats) -> None:
-        """Not run again: a round reads no recomputation figure (`alternatives_from`), and the
-        rerun calls the node as written, which the main run measured already."""
+    def _nograd_transient(self, *_args, **_kwargs) -> None:
+        """Not run again (ProfileRun's rerun under no_grad, its figure None: none was made): a
+        round reads no recomputation figure (`alternatives_from`), and the rerun calls the node
+        as written, which the main run measured already."""
         return None
 
 
