@@ -27,6 +27,14 @@ def _number(s: str) -> float:
     return float(s)  # raises on "" or text: a row without numbers fails here
 
 
+def _quick_argv(tmp_path, out) -> list[str]:
+    """The quick run on the transformer, every count at its least: one timed step per Op in the
+    profile too (the rows and gradient checks do not depend on how steady the costs are)."""
+    return ["--quick", "--models", "transformer", "--out", str(out), "--img-dir",
+            str(tmp_path / "img"), "--rounds", "1", "--repeat", "1", "--profile-repeat", "1",
+            "--sweep", "0.5", "--time-limit", "2"]
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_script("bench_peers")
@@ -43,9 +51,7 @@ def test_quick_run_has_every_peer_row_and_checked_gradients(bench, tmp_path, mon
     monkeypatch.setattr(torch.testing, "assert_close", spy)
     out = tmp_path / "BENCH.md"
     out.write_text("# Benchmarks\n\n<!-- other:start -->\nkeep me\n<!-- other:end -->\n")
-    rc = bench.main(["--quick", "--models", "transformer", "--out", str(out),
-                     "--img-dir", str(tmp_path / "img"), "--rounds", "1", "--repeat", "1",
-                     "--sweep", "0.5", "--time-limit", "2"])
+    rc = bench.main(_quick_argv(tmp_path, out))
     assert rc == 0
     md = out.read_text()
     assert "keep me" in md, "another script's section was overwritten"
@@ -79,9 +85,7 @@ def test_wrong_gradients_stop_the_report(bench, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "wrapper_class", lambda: Skewed)
     out = tmp_path / "BENCH.md"
-    rc = bench.main(["--quick", "--models", "transformer", "--out", str(out),
-                     "--img-dir", str(tmp_path / "img"), "--rounds", "1", "--repeat", "1",
-                     "--sweep", "0.5", "--time-limit", "2"])
+    rc = bench.main(_quick_argv(tmp_path, out))
     assert rc == 1
     assert not out.exists() or not _rows(out.read_text(), "transformer")
 

@@ -108,8 +108,10 @@ def test_scale_batch_scales_every_batched_tensor_and_keeps_the_rest():
 # -- maxbatch ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_max_batch_of_a_keyword_gpt2_fits_and_one_more_does_not():
-    model = _tiny_gpt2()
-    budget = 500 * 2**10
+    # One block: the keyword batch is what is tested here, and the search's solves (most of the
+    # time) go over 42 Ops instead of two blocks' 61.
+    model = monetlike.models.gpt2(layers=1, hidden=32, heads=2, vocab=100, positions=SEQ)
+    budget = 400 * 2**10
     r = max_batch(model, budget, (SEQ,), limit=64, time_limit_s=5)
     b = r.batch
     assert b >= 2 and r.graph.batch == b

@@ -79,14 +79,24 @@ def test_store_all_is_bitwise_exact_with_batchnorm_two_steps():
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+_MEASURED: dict = {}
+
+
+def measured_family(name):
+    """(graph, schedules) of a family's model profiled on this CPU, once per test session."""
+    if name not in _MEASURED:
+        model, inputs, _, _ = family(name)
+        graph = monetlike.profile(model, inputs, cost="measured", repeat=1)
+        _MEASURED[name] = (graph, three_schedules(graph))
+    return _MEASURED[name]
+
 
 @pytest.mark.parametrize("name", ["unet", "transformer", "mobilenet_v2", "densenet"])
 def test_measured_peak_is_the_simulated_peak(name):
     # The graph of the device the step runs on: the analytical profiles of `family` model a
     # GPU, where dropout keeps a 1-byte mask; the CPU keeps fp32 noise (4 bytes per element).
     model, inputs, _, _ = family(name)
-    graph = monetlike.profile(model, inputs, cost="measured", repeat=1)
-    schedules = three_schedules(graph)
+    graph, schedules = measured_family(name)
     plain = measured_peak(graph, model, model, inputs)
     peaks = {}
     for kind in ("store_all", "middle", "tight"):
@@ -124,8 +134,7 @@ def test_three_decreasing_budgets_solved_measured_peaks_never_increase():
     from solver import solve
     model, inputs, _, _ = family("unet")
     # Measured on this CPU, so the allocator's count (kernel scratch included) is what is modelled.
-    graph = monetlike.profile(model, inputs, cost="measured", repeat=1)
-    schedules = three_schedules(graph)
+    graph, schedules = measured_family("unet")
     store = simulate(graph, schedules["store_all"]).peak_bytes
     low = simulate(graph, schedules["tight"]).peak_bytes
     budgets = [store, (store + low) // 2, low + (store - low) // 5]

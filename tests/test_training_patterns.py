@@ -28,6 +28,7 @@ smaller shape runs only when the graph keeps its structure, and names DataLoader
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -67,6 +68,17 @@ def _schedules(graph):
     budget = (store + chen_sqrt_n(graph).predicted_peak_bytes) // 2
     return {"tight": keep_schedule(graph, every(0), "tight", hold="stage"),
             "solver": solver.solve(graph, budget, time_limit_s=10).schedule}
+
+
+@functools.cache
+def _planned(name: str):
+    """(model, input, graph, schedules) of the CNN or the 2-block transformer, profiled and
+    solved once for the tests that train copies of it (each profile times its Impls, and the
+    graph and schedules are only read)."""
+    model, x = (cnn(), _x()) if name == "cnn" else (transformer(depth=2, dim=32, heads=2),
+                                                    _tokens())
+    graph = monetlike.profile(model, x, repeat=1)
+    return model, x, graph, _schedules(graph)
 
 
 def _wloss(out):
@@ -185,17 +197,15 @@ LOOPS = [accumulate, zero_grad_keeping_tensors, two_forwards_one_backward,
 
 @pytest.mark.parametrize("loop", LOOPS, ids=lambda f: f.__name__)
 def test_loop_shapes_train_like_pytorch(loop):
-    for make, x in ((cnn, _x()), (lambda: transformer(depth=2, dim=32, heads=2), _tokens())):
-        model = make()
-        graph = monetlike.profile(model, x, repeat=1)
-        for schedule in _schedules(graph).values():
+    for name in ("cnn", "transformer"):
+        model, x, graph, schedules = _planned(name)
+        for schedule in schedules.values():
             assert_trains_like_pytorch(model, x, schedule, graph, loop)
 
 
 def test_state_dict_into_a_fresh_wrapper_mid_training_and_an_optimizer_built_before():
-    model, x = cnn(), _x()
-    graph = monetlike.profile(model, x, repeat=1)
-    for schedule in _schedules(graph).values():
+    model, x, graph, schedules = _planned("cnn")
+    for schedule in schedules.values():
         ref, tst = copy.deepcopy(model), copy.deepcopy(model)
         opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         opt_t = torch.optim.SGD(tst.parameters(), lr=0.1, momentum=0.9)  # before wrapping
@@ -295,9 +305,9 @@ def test_a_given_graph_is_not_trusted_once_the_model_changed(change, difference)
     the wrapper profiles the call and refuses the schedule with the difference and the way out
     (it ran the schedule on the given graph before, and failed after the forward or not at all);
     after the change is undone the same wrapper runs the schedule exactly."""
-    model, x = cnn(), _x()
-    graph = monetlike.profile(model, x, repeat=1)
-    schedule = _schedules(graph)["tight"]
+    model, x = cnn(), _x()  # changed below: not the shared copy, the same weights and input
+    _, _, graph, schedules = _planned("cnn")
+    schedule = schedules["tight"]
     w = monetlike.ScheduleWrapper(model, schedule, graph=graph)
     change(model, x)
     with pytest.raises(ScheduleMismatchError) as e:
@@ -338,9 +348,8 @@ def test_memory_formats_and_dtypes(convert):
 def test_torch_compile_of_the_wrapper_runs_the_schedule_exactly():
     """Compiled, the scheduled forward's dropout drew inductor's random numbers and the
     backward's eager recomputation others: wrong gradients, silently. It runs eagerly now."""
-    model, x = cnn(), _x()
-    graph = monetlike.profile(model, x, repeat=1)
-    schedule = _schedules(graph)["tight"]
+    model, x, graph, schedules = _planned("cnn")
+    schedule = schedules["tight"]
     ref, tst = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = monetlike.ScheduleWrapper(tst, schedule, graph=graph)
     compiled = torch.compile(wrapped)

@@ -36,7 +36,34 @@ from ..impls.registry import SubstitutingMixin, matches
 
 
 class SubstitutingProfileRun(SubstitutingMixin, ProfileRun):
-    pass
+    def _nograd_transient(self, *_args, **_kwargs) -> None:
+        """Not run again (ProfileRun's rerun under no_grad, its figure None: none was made): a
+        round reads no recomputation figure (`alternatives_from`), and the rerun calls the node
+        as written, which the main run measured already."""
+        return None
+
+
+class _ChosenRoofline:
+    """A round's roofline, pricing only the aten calls of its chosen Ops (their nodes, their
+    backward stages): no other Op's cost is read (`alternatives_from`), and pricing every call
+    of the step was a fifth of a round's time (a 32-layer Llama)."""
+
+    def __init__(self, preset, nodes: set[str], names: set[str]):
+        self._roofline = Roofline(preset)
+        self.nodes, self.names = nodes, names
+        self.run: ProfileRun | None = None
+
+    def op_time(self, func, args, kwargs, out) -> float:
+        run = self.run
+        if run.phase == "forward":
+            wanted = run.cur is not None and run.cur.node.name in self.nodes
+        else:
+            wanted = run.bcur is not None and run.groups[run.bcur].name in self.names
+        return self._roofline.op_time(func, args, kwargs, out) if wanted else 0.0
+
+    def priced(self, sub: ProfileRun) -> bool:
+        """Every node of the chosen Ops, as this round grouped them, was priced."""
+        return all(set(g.nodes) <= self.nodes for g in sub.groups if g.name in self.names)
 
 
 class SubstitutingTimingRun(SubstitutingMixin, TimingRun):
@@ -147,20 +174,47 @@ def profile_rounds(gm, work, xs, run: ProfileRun, *, measured: bool, preset, dev
         subs = {}
         for spec, repl in chosen.values():
             subs.update(repl)
-        _no_grads(work, xs)
         try:
-            with torch.enable_grad(), context():
-                sub = SubstitutingProfileRun(gm, work,
-                                             roofline=Roofline(preset) if preset else None,
-                                             device_note=note, device=device)
-                sub.impl_subs = subs
-                sub.profile_step(xs)
+            sub = _round_step(gm, work, xs, run, chosen, subs, preset=preset, device=device,
+                              note=note, context=context)
         except Exception as e:  # an Impl that cannot run on this model must not stop profiling
             _left_out(chosen, e)
             continue
         profiled.append((level, chosen, [(v.name, v.index) for v in sub.values],
                          {g.name: g for g in sub.groups}))
     return profiled
+
+
+def _round_step(gm, work, xs, run: ProfileRun, chosen: dict, subs: dict, *, preset, device,
+                note: str, context) -> ProfileRun:
+    """A round's instrumented step, only its chosen Ops priced by the roofline
+    (`_ChosenRoofline`); run again pricing every call in a round whose Ops took a node the main
+    run gave another Op (none seen), from the same generator state: the same step again."""
+    if not preset:
+        return _substituted_step(gm, work, xs, subs, None, device=device, note=note,
+                                 context=context)
+    roofline = _ChosenRoofline(preset, {name for gid in chosen for name in run.groups[gid].nodes},
+                               {run.groups[gid].name for gid in chosen})
+    rng = torch.get_rng_state()
+    sub = _substituted_step(gm, work, xs, subs, roofline, device=device, note=note,
+                            context=context)
+    if roofline.priced(sub):
+        return sub
+    torch.set_rng_state(rng)
+    return _substituted_step(gm, work, xs, subs, Roofline(preset), device=device, note=note,
+                             context=context)
+
+
+def _substituted_step(gm, work, xs, subs: dict, roofline, *, device, note: str, context
+                      ) -> ProfileRun:
+    _no_grads(work, xs)
+    with torch.enable_grad(), context():
+        sub = SubstitutingProfileRun(gm, work, roofline=roofline, device_note=note, device=device)
+        sub.impl_subs = subs
+        if isinstance(roofline, _ChosenRoofline):
+            roofline.run = sub
+        sub.profile_step(xs)
+    return sub
 
 
 def alternatives_from(run: ProfileRun, profiled: list, times: dict | None
