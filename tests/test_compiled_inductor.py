@@ -149,19 +149,22 @@ def test_the_code_reader_counts_what_the_wrapper_allocates_and_frees():
     assert (peak.transient_peak_bytes, peak.peak_bytes) == (448, 1448)
 
 
-def fake_compiles(monkeypatch, be, code_peak: dict[int, int]):
+def fake_compiles(monkeypatch, be, code_peak, learns: int = 0):
     """Make `be` compile without Inductor: a compile at target t "generates code" peaking at
-    code_peak[t]; returns the targets compiled, in order."""
+    code_peak[t] (a dict), or at the next of code_peak's peaks (a list, in call order); the
+    first `learns` compiles learn kernel scratch. Returns the targets compiled, in order."""
     calls = []
+    peaks = None if isinstance(code_peak, dict) else iter(code_peak)
 
     def once(gm, example_inputs, target, force=None):
         t = be.budget if target is None else target
         calls.append(t)
         plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
                                prediction=SimpleNamespace(recompute_cost=1 / t))
+        peak = code_peak[t] if peaks is None else next(peaks)
         return f"compiled at {t}", SimpleNamespace(
-            target=t, code=SimpleNamespace(peak_bytes=code_peak[t]), plan=plan, graph=None,
-            saved=frozenset({f"saved at {t}"})), False
+            target=t, code=SimpleNamespace(peak_bytes=peak), plan=plan, graph=None,
+            saved=frozenset({f"saved at {t}"})), len(calls) <= learns
     monkeypatch.setattr(be, "_inductor_once", once)
     monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
         peak_bytes=400))
@@ -196,19 +199,7 @@ def test_over_twice_goes_to_the_least_even_while_each_compile_learns_scratch(mon
     """MobileNetV2 at the 0.25 knob's peak: every compile learned more kernel scratch, so the
     search planned the same target again each time and ran out of compiles before its least."""
     be = monetlike.backend(budget=1000, compiler="inductor")
-    peaks, calls = iter([1300, 1200, 600, 900]), []
-
-    def once(gm, example_inputs, target, force=None):
-        t = be.budget if target is None else target
-        calls.append(t)
-        plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
-                               prediction=SimpleNamespace(recompute_cost=1 / t))
-        return f"compiled at {t}", SimpleNamespace(
-            target=t, code=SimpleNamespace(peak_bytes=next(peaks)), plan=plan, graph=None,
-            saved=frozenset({f"saved at {t}"})), len(calls) <= 2  # the first two learn
-    monkeypatch.setattr(be, "_inductor_once", once)
-    monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
-        peak_bytes=400))
+    calls = fake_compiles(monkeypatch, be, [1300, 1200, 600, 900], learns=2)
     assert be._compile_inductor(None, None) == "compiled at 800"
     assert calls == [1000, 1000, 400, 800]
 
