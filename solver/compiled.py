@@ -27,6 +27,7 @@ An op allocates its outputs, and briefly its kernel's scratch, while its inputs 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -395,14 +396,17 @@ def cut_saved(g: JointGraph) -> frozenset[str]:
     return frozenset(cuts)
 
 
-def _starts(g: JointGraph) -> list[Prediction]:
+def _starts(g: JointGraph) -> Iterator[Prediction]:
     """The search's starts: `g.start` (the compiler's own partition) where there is one, then
     torch's default partition, then the block boundaries alone (`cut_saved`: where the greedy
     from the others stops above per-block checkpointing's peak, MobileNetV2 under Inductor),
-    each with the pinned values saved too (kept wherever a recomputation reads them)."""
+    each with the pinned values saved too (kept wherever a recomputation reads them). Lazy: a
+    search that fits from the first predicts no other."""
     pinned = {n.name for n in g.nodes if n.pinned}
-    bases = ([] if g.start is None else [g.start]) + [torch_default_saved(g), cut_saved(g)]
-    return [predict(g, base | pinned) for base in bases]
+    if g.start is not None:
+        yield predict(g, g.start | pinned)
+    yield predict(g, torch_default_saved(g) | pinned)
+    yield predict(g, cut_saved(g) | pinned)
 
 
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
@@ -468,7 +472,8 @@ def _descents(g: JointGraph, budget: int, width: int):
     (a path that does not depend on the measured times, which ranked some moves that led
     nowhere first), if it goes lower. From `g.start` first, then, where that does not reach the
     budget, from torch's default partition (GPT-2 under Inductor: from min-cut's saved set the
-    greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07). Returns
+    greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07), then from the block
+    boundaries (`cut_saved`). Returns
     (prediction, trail): the first that fits, else the lowest."""
     best = None
     for start in _starts(g):
@@ -496,7 +501,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
     if g.start is not None:
-        start = _starts(g)[0]
+        start = next(_starts(g))
         if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
             return CompiledPlan(prediction=start, budget=budget, default=default,
                                 trail=(start.peak_bytes,))
