@@ -27,7 +27,6 @@ An op allocates its outputs, and briefly its kernel's scratch, while its inputs 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -396,17 +395,14 @@ def cut_saved(g: JointGraph) -> frozenset[str]:
     return frozenset(cuts)
 
 
-def _starts(g: JointGraph) -> Iterator[Prediction]:
+def _starts(g: JointGraph) -> list[Prediction]:
     """The search's starts: `g.start` (the compiler's own partition) where there is one, then
     torch's default partition, then the block boundaries alone (`cut_saved`: where the greedy
     from the others stops above per-block checkpointing's peak, MobileNetV2 under Inductor),
-    each with the pinned values saved too (kept wherever a recomputation reads them). Lazy: a
-    search that fits from the first predicts no other."""
+    each with the pinned values saved too (kept wherever a recomputation reads them)."""
     pinned = {n.name for n in g.nodes if n.pinned}
-    if g.start is not None:
-        yield predict(g, g.start | pinned)
-    yield predict(g, torch_default_saved(g) | pinned)
-    yield predict(g, cut_saved(g) | pinned)
+    bases = ([] if g.start is None else [g.start]) + [torch_default_saved(g), cut_saved(g)]
+    return [predict(g, base | pinned) for base in bases]
 
 
 def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
@@ -472,8 +468,7 @@ def _descents(g: JointGraph, budget: int, width: int):
     (a path that does not depend on the measured times, which ranked some moves that led
     nowhere first), if it goes lower. From `g.start` first, then, where that does not reach the
     budget, from torch's default partition (GPT-2 under Inductor: from min-cut's saved set the
-    greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07), then from the block
-    boundaries (`cut_saved`). Returns
+    greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07). Returns
     (prediction, trail): the first that fits, else the lowest."""
     best = None
     for start in _starts(g):
@@ -501,7 +496,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
     if g.start is not None:
-        start = next(_starts(g))
+        start = _starts(g)[0]
         if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
             return CompiledPlan(prediction=start, budget=budget, default=default,
                                 trail=(start.peak_bytes,))
