@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, _descend, _starts, forward_sources, least_peak, \
-    plan_saved, predict, torch_default_saved
+from solver.compiled import JointGraph, JointNode, _descend, _starts, cut_saved, forward_sources, \
+    least_peak, plan_saved, predict, torch_default_saved, valley_saved
 from solver.errors import InfeasibleBudgetError
 
 K = 1000
@@ -135,6 +135,53 @@ def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from
     # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
     assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
     assert plan_saved(stuck, 3220).prediction.recomputed == ("a1",)
+
+
+def dense_block() -> JointGraph:
+    """A dense block of three layers: layer k concatenates every feature before it (catk, 100k
+    bytes), widens it (hk, 1000, a matmul) and makes its feature fk (100). The backward reads
+    each layer's hk and catk, last layer first."""
+    n = [JointNode("x", "primal"), JointNode("w", "primal"),
+         JointNode("f0", "forward", ("x",), (100,), candidate=True)]
+    for k in (1, 2, 3):
+        n += [JointNode(f"cat{k}", "forward", tuple(f"f{i}" for i in range(k)), (100 * k,),
+                        candidate=True),
+              JointNode(f"h{k}", "forward", (f"cat{k}", "w"), (K,), candidate=True, flops=10**6),
+              JointNode(f"f{k}", "forward", (f"h{k}",), (100,), candidate=True)]
+    n += [JointNode("out", "forward", ("f3",), (10,), candidate=True),
+          JointNode("t", "tangent", out_bytes=(10,))]
+    upstream = "t"
+    for k in (3, 2, 1):
+        n += [JointNode(f"b{k}", "backward", (upstream, f"h{k}"), (K,)),
+              JointNode(f"d{k}", "backward", (f"b{k}", f"cat{k}"), (100 * k,))]
+        upstream = f"d{k}"
+    n.append(JointNode("gx", "backward", (upstream, "x"), (10,)))
+    return JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gx",))
+
+
+def test_the_valleys_values_are_each_layers_features_where_no_single_value_is_a_boundary():
+    g = dense_block()
+    # carried on after each node: f0 100; cat1 +100; h1 f0+h1 1100; f1 f0+f1 200 (a valley);
+    # cat2 400; h2 1200; f2 300 (a valley); cat3 300 (f0-f2 read last; not below f2's 300);
+    # h3 1000; f3 100 (out, after it, carries nothing: not a valley)
+    assert valley_saved(g) == {"f0", "f1", "f2"}
+    # boundaries: where one value alone carries the forward on
+    assert cut_saved(g) == {"f0", "cat3", "h3", "f3"}
+    valley = _starts(g)[-1]
+    assert valley.saved == {"f0", "f1", "f2"}
+    # the backward recomputes each layer from them before its gradients; at b2: f0 100 (f1 was
+    # read last by cat2), out and the tangent 20, d3 300, cat2 200, h2 1000, b2 1000
+    assert (valley.transient_peak_bytes, valley.where) == (2620, "backward:b2")
+    assert least_peak(g).peak_bytes <= valley.peak_bytes
+
+
+def test_a_second_budget_on_the_same_graph_walks_on_from_the_kept_paths():
+    g = dense_block()
+    least = least_peak(g).peak_bytes
+    assert any(key[0] == "path" for key in g.search_memo)
+    default = predict(g, torch_default_saved(g)).peak_bytes
+    for budget in (least, (least + default) // 2, default):
+        assert plan_saved(g, budget) == plan_saved(dataclasses.replace(g), budget)
 
 
 def test_a_saved_backward_node_stands_for_the_forward_values_it_reads():

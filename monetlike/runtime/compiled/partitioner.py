@@ -128,6 +128,7 @@ class CompiledBackend:
         self._measures: OpMeasures | None = None
         self._start: list[str] | None = None  # Inductor: min-cut's saved set, the search's start
         self._learned: dict[str, int] = {}  # node -> scratch its kernel showed in Inductor's code
+        self._described: tuple[dict[str, int], JointGraph] | None = None  # (learned, graph)
         self._ops: dict[str, str] = {}  # joint node -> its op, str(target)
         self._force: frozenset[str] | None = None
         self._code: dict[bool, str] = {}
@@ -140,7 +141,7 @@ class CompiledBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         self._graphs.append(gm)
         self._ddp_split = self._ddp_split or torch_private.ddp_splits_graphs()
-        self._measures, self._made, self._learned = None, None, {}
+        self._measures, self._made, self._learned, self._described = None, None, {}, None
         if self.compiler == "aot_eager":
             out = self._compile(gm, example_inputs)
             self.compiles += 1
@@ -288,12 +289,16 @@ class CompiledBackend:
             self._measures = measure_ops(joint)
             self._start = (self._min_cut(joint, joint_inputs, num_fwd_outputs, kwargs)
                            if self.compiler == "inductor" else None)
-        measures = dataclasses.replace(self._measures,
-                                       scratch={**self._measures.scratch, **self._learned})
-        graph = describe(joint, num_fwd_outputs, measures, pin_rng=self.compiler == "inductor")
+        if self._described is None or self._described[0] != self._learned:
+            measures = dataclasses.replace(self._measures,
+                                           scratch={**self._measures.scratch, **self._learned})
+            graph = describe(joint, num_fwd_outputs, measures, pin_rng=self.compiler == "inductor")
+            if self._start is not None:
+                graph = dataclasses.replace(graph, start=forward_sources(graph, self._start))
+            # kept while nothing new is learned: the search's paths stay with the graph
+            self._described = (dict(self._learned), graph)
+        graph = self._described[1]
         self._ops = {n.name: str(n.target) for n in joint.graph.nodes if n.op == "call_function"}
-        if self._start is not None:
-            graph = dataclasses.replace(graph, start=forward_sources(graph, self._start))
         if self.budget is None:
             self.budget = resolve_budget(graph, self.spec, self.width)
         target = self.budget if self._target is None else self._target
