@@ -24,15 +24,18 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-def pytest_collection_finish(session):
-    """Move everything imported so far (torch, transformers, the test modules: no activations)
-    out of the garbage collector's view. Measurements and profiles run a full collection each
-    (monetlike.measure, monetlike.core.allocator), whose cost grows with every object the process has:
-    0.26 s each with these imports, most of the fuzzer's time. Tensors made by the tests are
-    still seen (gc.get_objects, used to find the storages alive at a step's start, skips only
-    the frozen objects)."""
+@pytest.fixture(scope="module", autouse=True)
+def settled_heap():
+    """Each module starts with what is alive (torch, transformers, the test modules, what
+    earlier modules cached) moved out of the garbage collector's view. Measurements and profiles
+    run a full collection each (monetlike.measure, monetlike.core.allocator), whose cost grows
+    with every object the process holds: 0.26 s each with these imports, most of the fuzzer's
+    time. Tensors made in the module are still seen (gc.get_objects, used to find the storages
+    alive at a step's start, skips only the frozen objects); objects frozen and dropped later
+    are not collected, a few per module."""
     gc.collect()
     gc.freeze()
+    yield
 
 
 @pytest.fixture

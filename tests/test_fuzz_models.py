@@ -21,7 +21,6 @@ Every counterexample found so far is kept below as an explicit `@example`.
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 
@@ -30,7 +29,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 import monetlike
 import solver
-from fuzz_models import FUZZ_PROGRAMS, Step, build
+from fuzz_models import FUZZ_PROGRAMS, Step, build, settle_heap
 from runtime_support import PEAK_TOLERANCE, compare_step, measured_peak, peak_of, three_schedules
 from solver_cases import random_schedules
 from solver.rules.simple import schedule_from_keep
@@ -45,30 +44,13 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
 # CPU kernels split their scratch between intra-op threads, so with several threads a peak
 # depends on scheduling (seen: +2048 bytes in one run of a fuzzed model, not in the next). One
 # thread makes the allocator's count repeatable, for the profile and the measurement alike.
-pytestmark = pytest.mark.usefixtures("one_thread", "frozen_heap")
-
-
-@pytest.fixture
-def frozen_heap():
-    """Gives back to the garbage collector what `_freeze_heap` took from it."""
-    yield
-    gc.unfreeze()
-
-
-def _freeze_heap() -> None:
-    """Move what the process holds before a model is built (torch, transformers, modules that
-    the previous model imported lazily) out of the garbage collector's way: measure_step collects
-    garbage and lists live tensors once per measurement, 65-120 ms each over that heap. Every
-    tensor of the model built after this is still seen; frozen ones neither die in a step nor
-    count in the difference measured_peak takes."""
-    gc.collect()
-    gc.freeze()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _profiled(program: tuple[Step, ...], n_outputs: int, seed: int, capture: str = "auto"):
     """The fuzzed model and its tokens, built on a frozen heap, and their profile (measured, one
     repeat)."""
-    _freeze_heap()
+    settle_heap()
     model, tokens = build(program, n_outputs, seed)
     return model, tokens, monetlike.profile(model, tokens, repeat=1, capture=capture)
 

@@ -8,8 +8,6 @@ step takes; one made with the loss predicts it, by the allocator's count (measur
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn as nn
@@ -19,7 +17,7 @@ from hypothesis import strategies as st
 
 import monetlike
 import solver
-from fuzz_models import FUZZ_PROGRAMS, Step, build
+from fuzz_models import FUZZ_PROGRAMS, Step, build, settle_heap
 from monetlike.profile import ProfileError
 from runtime_support import PEAK_TOLERANCE, measured_peak, peak_of
 from solver.simulate import store_all_schedule
@@ -79,7 +77,7 @@ def test_fuzzed_models_with_a_loss(case, loss_name):
     and store-all at or under it."""
     program, n_outputs, seed = case
     loss = LOSSES[loss_name]
-    gc.collect()
+    settle_heap()
     model, tokens = build(program, n_outputs, seed)
     graph = monetlike.profile(model, tokens, repeat=1, loss_fn=loss)
     store = store_all_schedule(graph)
