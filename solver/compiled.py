@@ -513,12 +513,6 @@ def _path(g: JointGraph, start: int, width: int, by_cost: bool) -> _Path:
     return g.search_memo[key]
 
 
-def _descend(g: JointGraph, budget: int, start: Prediction, width: int, by_cost: bool = True):
-    """The greedy from `start` (`_Path`), walked until the peak fits `budget` or no removal
-    lowers it. Returns (prediction, trail)."""
-    return _Path(g, start, width, by_cost).walk(budget)
-
-
 def _polish(g: JointGraph, budget: int, cur: Prediction) -> Prediction:
     """Save again, most expensive first, whatever still fits the budget (lowers the cost)."""
     for name in sorted(cur.recomputed, key=lambda n: -g.by_name[n].cost):

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, _descend, _starts, cut_saved, forward_sources, \
+from solver.compiled import JointGraph, JointNode, _Path, _starts, cut_saved, forward_sources, \
     least_peak, plan_saved, predict, torch_default_saved, valley_saved
 from solver.errors import InfeasibleBudgetError
 
@@ -107,8 +107,8 @@ def test_a_saved_set_must_name_forward_values():
 
 def test_the_least_is_the_lower_of_the_two_greedy_paths_and_a_plan_fits_it():
     g = chain()
-    by_cost, _ = _descend(g, -1, _starts(g)[0], 8)
-    by_gain, _ = _descend(g, -1, _starts(g)[0], 8, by_cost=False)
+    by_cost, _ = _Path(g, _starts(g)[0], 8, True).walk(-1)
+    by_gain, _ = _Path(g, _starts(g)[0], 8, False).walk(-1)
     least = least_peak(g).peak_bytes
     assert least == min(by_cost.peak_bytes, by_gain.peak_bytes)
     assert plan_saved(g, least).prediction.peak_bytes <= least
@@ -130,7 +130,7 @@ def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from
     # saving a3 alone, a1 and a2 are recomputed in the backward beside a3 (4220); the greedy
     # only stops saving values, so from there it stays at 4220
     stuck = dataclasses.replace(g, start=frozenset({"a3"}))
-    cur, _ = _descend(stuck, -1, _starts(stuck)[0], 8)
+    cur, _ = _Path(stuck, _starts(stuck)[0], 8, True).walk(-1)
     assert (cur.peak_bytes, cur.saved) == (4220, {"a3"})
     # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
     assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
