@@ -414,14 +414,15 @@ def valley_saved(g: JointGraph) -> frozenset[str]:
     backward recomputes each layer from them, as per-layer checkpointing does."""
     levels = _forward_live(g)
     size = [sum(g.bytes_of(st) for st in live) for _, live in levels]
-    maker: dict[tuple[str, int], str] = {}
+    savable: dict[tuple[str, int], str] = {}  # storage -> the first savable value on it
     for n, _ in levels:
-        for st in g.storages_of(n.name):
-            maker.setdefault(st, n.name)
+        if n.candidate:  # a multi-output op's storages are saved through its getitems
+            for st in g.storages_of(n.name):
+                savable.setdefault(st, n.name)
     out = set()
     for i in range(1, len(levels) - 1):
         if size[i - 1] > size[i] <= size[i + 1]:
-            out.update(maker[st] for st in levels[i][1] if g.by_name[maker[st]].candidate)
+            out.update(savable[st] for st in levels[i][1] if st in savable)
     return frozenset(out)
 
 
