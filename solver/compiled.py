@@ -414,15 +414,14 @@ def valley_saved(g: JointGraph) -> frozenset[str]:
     backward recomputes each layer from them, as per-layer checkpointing does."""
     levels = _forward_live(g)
     size = [sum(g.bytes_of(st) for st in live) for _, live in levels]
-    savable: dict[tuple[str, int], str] = {}  # storage -> the first savable value on it
+    maker: dict[tuple[str, int], str] = {}
     for n, _ in levels:
-        if n.candidate:  # a multi-output op's storages are saved through its getitems
-            for st in g.storages_of(n.name):
-                savable.setdefault(st, n.name)
+        for st in g.storages_of(n.name):
+            maker.setdefault(st, n.name)
     out = set()
     for i in range(1, len(levels) - 1):
         if size[i - 1] > size[i] <= size[i + 1]:
-            out.update(savable[st] for st in levels[i][1] if st in savable)
+            out.update(maker[st] for st in levels[i][1] if g.by_name[maker[st]].candidate)
     return frozenset(out)
 
 

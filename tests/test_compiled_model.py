@@ -175,20 +175,6 @@ def test_the_valleys_values_are_each_layers_features_where_no_single_value_is_a_
     assert least_peak(g).peak_bytes <= valley.peak_bytes
 
 
-def test_a_valleys_value_made_by_a_multi_output_op_is_saved_through_its_getitem():
-    # f1 made as output 0 of a two-output op (a BatchNorm's result and its statistics), read
-    # through a getitem, as AOTAutograd writes it: the valleys' set names the getitem
-    n = []
-    for node in dense_block().nodes:
-        if node.name == "f1":
-            n += [JointNode("bn1", "forward", ("h1",), (100, 4), multi=2),
-                  JointNode("f1", "forward", ("bn1",), (), alias=("bn1", 0), candidate=True)]
-        else:
-            n.append(node)
-    g = dataclasses.replace(dense_block(), nodes=tuple(n))
-    assert valley_saved(g) == {"f0", "f1", "f2"}
-
-
 def test_a_second_budget_on_the_same_graph_walks_on_from_the_kept_paths():
     g = dense_block()
     least = least_peak(g).peak_bytes
