@@ -106,6 +106,33 @@ def test_a_recomputed_dropout_draws_the_forwards_numbers():
     assert abs(peak - plan.transient_peak_bytes) <= PEAK_TOLERANCE * plan.transient_peak_bytes
 
 
+def recompute_batchnorm_statistics(graph, budget) -> CompiledPlan:
+    """A planner that saves torch's default set but the BatchNorms' outputs after the first
+    (mean, rstd, running statistics): the backward recomputes each BatchNorm for them while
+    its saved result stays."""
+    bn = {n.name for n in graph.nodes if n.multi and n.phase == "forward"
+          and "batch_norm" in n.name}
+    stats = {n.name for n in graph.nodes if n.alias is not None and n.alias[0] in bn
+             and n.alias[1] > 0}
+    assert stats  # the model has BatchNorms
+    p = predict(graph, torch_default_saved(graph) - stats)
+    return CompiledPlan(prediction=p, budget=budget, default=p)
+
+
+# Found at stop 61: a start that saved BatchNorm results without their statistics compiled
+# DenseNet-121 10.4 MiB (22.7%) over the prediction (docs/bench-data/
+# compiled-densenet121-cece271-undercount.md); the greedy can reach such sets from any start.
+@pytest.mark.xfail(strict=True, reason="the compiled model under-counts a BatchNorm recomputed "
+                   "for its statistics while its saved result stays: 1,660 B over here (268,848 "
+                   "B when the pooling's indices are recomputed too)")
+def test_a_batchnorm_recomputed_for_its_statistics_is_predicted():
+    be = monetlike.backend(budget="1GiB", planner=recompute_batchnorm_statistics)
+    _, peak = compiled_step(cnn(), torch.randn(8, 3, 32, 32), be)
+    plan = be.record.plan.prediction
+    assert any("batch_norm" in n for n in plan.recomputed)
+    assert peak <= plan.transient_peak_bytes
+
+
 def causes(e: BaseException):
     while e is not None:
         yield e
