@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
 import torch
+
+from fuzz_models import settle_heap
 
 
 def pytest_configure(config):
@@ -33,8 +34,7 @@ def settled_heap():
     time. Tensors made in the module are still seen (gc.get_objects, used to find the storages
     alive at a step's start, skips only the frozen objects); objects frozen and dropped later
     are not collected, a few per module."""
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     yield
 
 
