@@ -20,7 +20,8 @@ The memory model (docs/execution-model.md, "The compiled execution model"), as t
   restrides one, an expanded gradient of `.sum()`, the copy is counted and held instead of the
   smaller original: over by the difference after the copy's last use); it runs its nodes in
   the order `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its
-  first user); its outputs (gradients) stay; a recomputed random op saves the RNG state in the
+  first user, a fresh copy; a value saved from the same op stays the forward's); its outputs
+  (gradients) stay; a recomputed random op saves the RNG state in the
   forward.
 An op allocates its outputs, and briefly its kernel's scratch, while its inputs are live.
 """
@@ -259,17 +260,36 @@ def _raise_getitems(g: JointGraph, order: list[str]) -> list[str]:
     return out
 
 
+def _storages_in(g: JointGraph, name: str, fresh: set[str]) -> list[tuple[str, int]]:
+    """The storages `name` keeps alive in a graph that computes the nodes `fresh`: this graph's
+    own copies ('re:') where the value and every base it views were computed here; the
+    forward's where any of them came in saved (a saved getitem of a recomputed BatchNorm)."""
+    node, own = name, True
+    while own:
+        own = node in fresh
+        alias = g.by_name[node].alias
+        if alias is None:
+            break
+        node = alias[0]
+    return [(("re:" + b) if own else b, k) for b, k in g.storages_of(name)]
+
+
 def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int], int],
          keep: set[tuple[str, int]], phase: str, fresh: set[str],
          states: dict[str, tuple[str, int]]) -> tuple[int, str, int]:
     """Replay one graph: each node allocates its outputs (and briefly its scratch), then every
-    storage whose last reader it was is freed unless `keep` holds it. A storage of a node in
-    `fresh` is this graph's own copy (a recomputation), not the forward's of the same name.
-    `states` maps a random op to its saved RNG state: made by the forward, read by the
-    backward's recomputation. `live` maps live storages to bytes (updated).
+    storage whose last reader it was is freed unless `keep` holds it. A node in `fresh` is
+    computed again here (a recomputation): its storages are this graph's own copies
+    (`_storages_in`). `states` maps a random op to its saved RNG state: made by the forward,
+    read by the backward's recomputation. `live` maps live storages to bytes (updated).
     Returns (peak, where, level after)."""
+    memo: dict[str, list[tuple[str, int]]] = {}
+
     def storages(name: str) -> list[tuple[str, int]]:
-        return [(("re:" + b) if b in fresh else b, k) for b, k in g.storages_of(name)]
+        got = memo.get(name)
+        if got is None:
+            got = memo[name] = _storages_in(g, name, fresh)
+        return got
 
     last: dict[tuple[str, int], int] = {}
     for i, name in enumerate(order):
@@ -336,9 +356,8 @@ def predict(g: JointGraph, saved: "frozenset[str] | set[str]") -> Prediction:
             live[(t.name, 0)] = t.out_bytes[0]
             level += t.out_bytes[0]
     order = _backward_order(g, body, reorder)
-    grads = {s for n in g.backward_outputs for s in g.storages_of(n)}
     fresh = set(body)
-    grads = {(("re:" + b) if b in fresh else b, k) for b, k in grads}
+    grads = {s for n in g.backward_outputs for s in _storages_in(g, n, fresh)}
     tangents = {(t.name, 0) for t in g.nodes if t.phase == "tangent" and t.out_bytes}
     b_peak, b_where, _ = _run(g, order, level, live, grads | outs | tangents, "backward", fresh,
                               states)

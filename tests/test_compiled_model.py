@@ -193,3 +193,25 @@ def test_a_saved_backward_node_stands_for_the_forward_values_it_reads():
     g = JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gw",),
                    fixed_bytes=200)
     assert forward_sources(g, ["t3", "d1", "a2", "w", "missing"]) == {"a3", "a1", "a2"}
+
+
+def test_a_saved_output_of_a_recomputed_multi_output_op_is_the_forwards_until_its_last_use():
+    """bn makes y (1000 B) and its statistic m (10 B); the forward saves c and y, so the
+    backward recomputes bn for m while the forward's y stays until gc reads it."""
+    n = [JointNode("x", "primal"),
+         JointNode("c", "forward", ("x",), (K,), candidate=True),
+         JointNode("bn", "forward", ("c",), (K, 10), multi=2),
+         JointNode("y", "forward", ("bn",), (), alias=("bn", 0), candidate=True),
+         JointNode("m", "forward", ("bn",), (), alias=("bn", 1), candidate=True),
+         JointNode("out", "forward", ("y",), (10,), candidate=True),
+         JointNode("t", "tangent", out_bytes=(10,)),
+         JointNode("gy", "backward", ("t",), (K,)),
+         JointNode("gc", "backward", ("gy", "c", "m", "y"), (10,)),
+         JointNode("gx", "backward", ("gc", "x"), (100,))]
+    g = JointGraph(nodes=tuple(n), forward_outputs=("out",), backward_outputs=("gx",))
+    p = predict(g, {"c", "y"})
+    assert p.recomputed == ("bn", "m")
+    # forward: c 1000, bn 1010 (m's 10 freed), out 10: 2010. backward: t 10 -> 2020; gy +1000
+    # = 3020; bn again +1010 = 4030 (peak) beside the forward's y, its own y freed at once
+    # (3030); gc +10 frees gy, c, m and the forward's y: 30; gx 130.
+    assert (p.transient_peak_bytes, p.where) == (4030, "backward:bn")
