@@ -167,12 +167,29 @@ def test_the_valleys_values_are_each_layers_features_where_no_single_value_is_a_
     assert valley_saved(g) == {"f0", "f1", "f2"}
     # boundaries: where one value alone carries the forward on
     assert cut_saved(g) == {"f0", "cat3", "h3", "f3"}
-    valley = _starts(g)[-1]
+    valley = _starts(g)[2]
     assert valley.saved == {"f0", "f1", "f2"}
     # the backward recomputes each layer from them before its gradients; at b2: f0 100 (f1 was
     # read last by cat2), out and the tangent 20, d3 300, cat2 200, h2 1000, b2 1000
     assert (valley.transient_peak_bytes, valley.where) == (2620, "backward:b2")
     assert least_peak(g).peak_bytes <= valley.peak_bytes
+
+
+def test_a_valleys_value_made_by_a_multi_output_op_is_saved_through_its_getitem():
+    # f1 made as output 0 of a two-output op (a BatchNorm's result and its statistics), read
+    # through a getitem, as AOTAutograd writes it: one start leaves it out, the next names the
+    # getitem
+    n = []
+    for node in dense_block().nodes:
+        if node.name == "f1":
+            n += [JointNode("bn1", "forward", ("h1",), (100, 4), multi=2),
+                  JointNode("f1", "forward", ("bn1",), (), alias=("bn1", 0), candidate=True)]
+        else:
+            n.append(node)
+    g = dataclasses.replace(dense_block(), nodes=tuple(n))
+    assert valley_saved(g) == {"f0", "f2"}
+    assert valley_saved(g, through_getitems=True) == {"f0", "f1", "f2"}
+    assert [s.saved for s in _starts(g)[2:]] == [{"f0", "f2"}, {"f0", "f1", "f2"}]
 
 
 def test_a_second_budget_on_the_same_graph_walks_on_from_the_kept_paths():
