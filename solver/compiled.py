@@ -22,7 +22,7 @@ The memory model (docs/execution-model.md, "The compiled execution model"), as t
   the order `reordering_to_mimic_autograd_engine` gives (each recomputed node just before its
   first user, a fresh copy; a value saved from the same op stays the forward's); its outputs
   (gradients) stay; a recomputed random op saves the RNG state in the
-  forward.
+  forward, and its replay holds a copy of the current state while it runs.
 An op allocates its outputs, and briefly its kernel's scratch, while its inputs are live.
 """
 
@@ -65,7 +65,8 @@ class JointNode:
     view, a getitem or a primal (counted by `fixed_bytes`); a tangent's, at the output's strides."""
     alias: tuple[str, int] | None = None
     """(node, output index) of the storage this value lives on when it is not its own: a view's
-    base storage, a getitem's output of its multi-output op. None: its own storage 0."""
+    base storage, a getitem's output of its multi-output op (a split, whose outputs are views,
+    has no storages of its own: its base's). None: its own storage 0."""
     scratch: int = 0
     """Bytes the kernel allocates beyond its outputs while it runs (measured on the device)."""
     flops: int = 0
@@ -130,7 +131,7 @@ class JointGraph:
         while node.alias is not None:
             base, k = node.alias
             node = self.by_name[base]
-            if node.multi:
+            if node.multi and node.out_bytes:
                 return (base, k)
         if node.phase == "primal" or not node.out_bytes:
             return None
@@ -140,11 +141,25 @@ class JointGraph:
     def _storages(self) -> dict[str, tuple[tuple[str, int], ...]]:
         out = {}
         for node in self.nodes:
-            if node.multi:
+            if node.multi and node.out_bytes:
                 out[node.name] = tuple((node.name, k) for k in range(node.multi))
             else:
                 s = self.storage(node.name)
                 out[node.name] = () if s is None else (s,)
+        return out
+
+    @cached_property
+    def storage_forms(self) -> dict[str, tuple[tuple[str, ...], tuple, tuple]]:
+        """Name -> (the value and every base it views, its storages, the same storages as a
+        recomputation's own copies): what `_storages_in` picks from."""
+        out = {}
+        for node in self.nodes:
+            chain, n = [node.name], node
+            while n.alias is not None:
+                n = self.by_name[n.alias[0]]
+                chain.append(n.name)
+            plain = self.storages_of(node.name)
+            out[node.name] = (tuple(chain), plain, tuple(("re:" + b, k) for b, k in plain))
         return out
 
     @cached_property
@@ -260,18 +275,12 @@ def _raise_getitems(g: JointGraph, order: list[str]) -> list[str]:
     return out
 
 
-def _storages_in(g: JointGraph, name: str, fresh: set[str]) -> list[tuple[str, int]]:
+def _storages_in(g: JointGraph, name: str, fresh: set[str]) -> tuple[tuple[str, int], ...]:
     """The storages `name` keeps alive in a graph that computes the nodes `fresh`: this graph's
     own copies ('re:') where the value and every base it views were computed here; the
     forward's where any of them came in saved (a saved getitem of a recomputed BatchNorm)."""
-    node, own = name, True
-    while own:
-        own = node in fresh
-        alias = g.by_name[node].alias
-        if alias is None:
-            break
-        node = alias[0]
-    return [(("re:" + b) if own else b, k) for b, k in g.storages_of(name)]
+    chain, plain, renamed = g.storage_forms[name]
+    return renamed if all(x in fresh for x in chain) else plain
 
 
 def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int], int],
@@ -283,13 +292,8 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
     (`_storages_in`). `states` maps a random op to its saved RNG state: made by the forward,
     read by the backward's recomputation. `live` maps live storages to bytes (updated).
     Returns (peak, where, level after)."""
-    memo: dict[str, list[tuple[str, int]]] = {}
-
-    def storages(name: str) -> list[tuple[str, int]]:
-        got = memo.get(name)
-        if got is None:
-            got = memo[name] = _storages_in(g, name, fresh)
-        return got
+    def storages(name: str) -> tuple[tuple[str, int], ...]:
+        return _storages_in(g, name, fresh)
 
     last: dict[tuple[str, int], int] = {}
     for i, name in enumerate(order):
@@ -312,11 +316,15 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
         for k, b in enumerate(node.out_bytes):
             live[(("re:" + name) if name in fresh else name, k)] = b
             level += b
-        if name in states and states[name] not in live:
-            live[states[name]] = g.rng_state_bytes
-            level += g.rng_state_bytes
-        if level + node.scratch > peak:
-            peak, where = level + node.scratch, f"{phase}:{name}"
+        scratch = node.scratch
+        if name in states:
+            if states[name] not in live:  # the forward saves the state it draws from
+                live[states[name]] = g.rng_state_bytes
+                level += g.rng_state_bytes
+            else:  # the replay keeps a copy of the current state while it runs
+                scratch += g.rng_state_bytes
+        if level + scratch > peak:
+            peak, where = level + scratch, f"{phase}:{name}"
         for s in frees.get(i, ()):
             if s in live:
                 level -= live.pop(s)

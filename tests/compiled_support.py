@@ -34,9 +34,9 @@ def loss(out: torch.Tensor) -> torch.Tensor:
     return out if out.dim() == 0 else out.sum()
 
 
-def grads(model) -> list[torch.Tensor]:
-    """The parameters' gradients (copies), cleared on the model."""
-    out = [p.grad.clone() for p in model.parameters()]
+def grads(model) -> list[torch.Tensor | None]:
+    """The parameters' gradients (copies; None where none reached one), cleared on the model."""
+    out = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
     return out

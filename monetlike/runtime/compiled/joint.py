@@ -24,8 +24,10 @@ from ...core.allocator import AllocatorLog
 
 __all__ = ["OpMeasures", "describe", "measure_ops", "tag_saved", "saved_names"]
 
-# Ops that return a tensor on their input's storage without saying so in their schema.
-_UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
+# Ops that return tensors on their input's storage without saying so in their schema.
+_UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.unsafe_split.Tensor,
+                     torch.ops.aten.unsafe_split_with_sizes.default,
+                     torch.ops.aten.unsafe_chunk.default}
 
 
 def _nbytes(t) -> int:
@@ -34,6 +36,30 @@ def _nbytes(t) -> int:
         return 0
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
     return span * t.element_size()
+
+
+# Ops whose result is `clone_preserve_strides(self)` written into: a copy of self's whole
+# storage (the base of a view, 2,048 B where the view spans 1,600), or of self alone where self
+# overlaps itself (an expanded gradient).
+_CLONE_SELFS_STORAGE = {torch.ops.aten.copy.default, torch.ops.aten.select_scatter.default,
+                        torch.ops.aten.slice_scatter.default,
+                        torch.ops.aten.diagonal_scatter.default,
+                        torch.ops.aten.as_strided_scatter.default}
+
+
+def _fresh_nbytes(node: fx.Node, t) -> int:
+    """Bytes of the storage `node`'s fresh output `t` allocates."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    self = node.args[0].meta.get("val") if node.target in _CLONE_SELFS_STORAGE else None
+    if isinstance(self, torch.Tensor):
+        if any(st == 0 and sz > 1 for sz, st in zip(self.shape, self.stride())):
+            return self.numel() * self.element_size()
+        try:
+            return max(_nbytes(t), int(self.untyped_storage().nbytes()))
+        except (RuntimeError, TypeError, NotImplementedError):  # a symbolic size: no storage
+            pass
+    return _nbytes(t)
 
 
 def _view_of(node: fx.Node) -> fx.Node | None:
@@ -46,7 +72,9 @@ def _view_of(node: fx.Node) -> fx.Node | None:
         return None
     alias = schema.returns[0].alias_info
     for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+        # a list of views (`Tensor(a)[]`, a split's) shows an empty set: its elements' is a
+        if arg.alias_info is not None and (arg.alias_info.before_set == alias.before_set
+                                           or not alias.before_set):
             return value if isinstance(value, fx.Node) else None
     return None
 
@@ -155,7 +183,7 @@ def measure_ops(joint: fx.GraphModule) -> OpMeasures:
         if key in failed:
             continue
         val = n.meta.get("val")
-        outs = sum(_nbytes(v) for v in (val if isinstance(val, (tuple, list)) else [val]))
+        outs = sum(_fresh_nbytes(n, v) for v in (val if isinstance(val, (tuple, list)) else [val]))
         i = index[key]
         scratch[n.name] = max(0, log.peak_between(f"{i}a", f"{i}b") - log.level(f"{i}a") - outs)
         times[n.name] = seconds[key]
@@ -205,16 +233,16 @@ def describe(joint: fx.GraphModule, num_fwd_outputs: int,
             continue
         phase = "forward" if i <= last_forward else "backward"
         multi = isinstance(val, (tuple, list))
-        base = None if multi else _view_of(n)
+        base = _view_of(n)  # a split's outputs too: views of its input
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and isinstance(
                 n.args[0].meta.get("val"), (tuple, list)):
             alias, out_bytes = (n.args[0].name, int(n.args[1])), ()
         elif base is not None:
             alias, out_bytes = (base.name, 0), ()
         elif multi:
-            alias, out_bytes = None, tuple(_nbytes(v) for v in val)
+            alias, out_bytes = None, tuple(_fresh_nbytes(n, v) for v in val)
         else:
-            alias, out_bytes = None, (_nbytes(val),)
+            alias, out_bytes = None, (_fresh_nbytes(n, val),)
         rng = _is_rng(n)
         if rng and phase == "forward":
             rng_state = max(rng_state, torch.get_rng_state().numel())

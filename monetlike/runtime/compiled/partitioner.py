@@ -140,6 +140,9 @@ class CompiledBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         self._graphs.append(gm)
+        outside = None if self.records else self._computed_outside(gm, example_inputs)
+        if outside is not None:  # (after a first training graph: the second-graph refusal)
+            raise GraphBreakError(outside)
         self._ddp_split = self._ddp_split or torch_private.ddp_splits_graphs()
         self._measures, self._made, self._learned, self._described = None, None, {}, None
         if self.compiler == "aot_eager":
@@ -265,6 +268,22 @@ class CompiledBackend:
             raise MonetlikeError("no training graph has been compiled yet: run one forward and "
                                  "backward step of the compiled model first")
         return self.records[0]
+
+    @staticmethod
+    def _computed_outside(gm: fx.GraphModule, example_inputs) -> str | None:
+        """A refusal where the graph reads a tensor autograd made outside it: part of the step
+        ran eagerly (code Dynamo skipped), holding memory the plan cannot count."""
+        holders = gm.graph.find_nodes(op="placeholder")
+        for node, value in zip(holders, example_inputs):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                return (f"torch.compile handed monetlike.backend a graph starting at {_where(gm)} "
+                        f"whose input {node.target} was computed with gradients outside it: "
+                        f"part of the step ran eagerly (a graph break before it, or a module "
+                        f"Dynamo does not trace, as nn.GRU and nn.LSTM by default), holding "
+                        f"activations the budget cannot count. Compute that input inside the "
+                        f"compiled model, remove the break (torch._dynamo.explain lists them), "
+                        f"or for recurrent layers set torch._dynamo.config.allow_rnn = True")
+        return None
 
     def _second_graph_refusal(self) -> str:
         head = (f"torch.compile handed monetlike.backend a second training graph, starting at "
