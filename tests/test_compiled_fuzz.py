@@ -139,3 +139,24 @@ def test_a_recurrent_layer_traced_into_the_graph_is_predicted(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
     check_compiled((Step("gru", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 0,
                    default_saved, exact=False)
+
+
+# Found by a wider hunt (FUZZ_EXAMPLES=1200), not fixed: an op's scratch is measured once, alone,
+# on zero tensors at the trace's strides, and in these steps the kernel took another amount:
+# convolution_backward 2,048 B less (6% over the count), embedding_dense_backward 2,048 B more
+# (7.8% under). Measuring each op in its step (the joint graph run once on real tensors) would.
+LINEAR = Step("linear", (0, 0, 0), 0.1)
+SCRATCH_OUT_OF_CONTEXT = [
+    pytest.param((LINEAR,) * 4 + (Step("conv1d_on_transpose", (0, 0, 0), 0.1),
+                                  Step("dropout", (59, 0, 0), 0.1), LINEAR), default_saved,
+                 id="convolution_backward"),
+    pytest.param((Step("linear_on_transpose", (0, 0, 0), 0.1), Step("batch_norm", (0, 0, 0), 0.1)),
+                 random_saved(0, 0.0), id="embedding_dense_backward"),
+]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="scratch measured out of its step's context")
+@pytest.mark.parametrize("program, planner", SCRATCH_OUT_OF_CONTEXT)
+def test_a_kernels_scratch_in_its_step_is_predicted(program, planner):
+    check_compiled(program, 1, 0, planner)
