@@ -134,60 +134,120 @@ class OpMeasures:
 TIMING_RUNS = 3
 
 
-def measure_ops(joint: fx.GraphModule) -> OpMeasures:
-    """Run each distinct op of the joint graph (same target, argument shapes and constants) on
-    zero tensors: its scratch by the CPU allocator's own events, then its time. CPU only: on
-    other devices nothing is measured (the model then prices ops by their FLOPs and bytes).
-    The RNG state is restored afterwards."""
-    todo = [n for n in joint.graph.nodes if n.op == "call_function" and n.target is not
-            operator.getitem and _view_of(n) is None]
-    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
-           for n in todo for v in [n.meta.get("val")]):
-        return OpMeasures({}, {}, ())
-    first: dict[str, fx.Node] = {}
-    for n in todo:
-        first.setdefault(_key(n), n)
-    failed: set[str] = set()  # keys
-    seconds: dict[str, float] = {}
-    state = torch.get_rng_state()
-    try:
-        # the partition runs under the compile's fake-tensor mode: set it aside to run for real
-        with torch_private.outside_dispatch_modes(), torch.no_grad():
-            with AllocatorLog() as log:
-                for i, (key, n) in enumerate(first.items()):
-                    args, kwargs = _real(n.args), {k: _real(v) for k, v in n.kwargs.items()}
-                    log.mark(f"{i}a")
-                    try:
-                        out = n.target(*args, **kwargs)
-                    except Exception:  # an op that needs real data (indices, sizes) to run
-                        failed.add(key)
-                        out = None
-                    log.mark(f"{i}b")
-                    del out, args, kwargs
-            for key, n in first.items():
-                if key in failed:
-                    continue
-                args, kwargs = _real(n.args), {k: _real(v) for k, v in n.kwargs.items()}
+def _zeros_for(node: fx.Node):
+    """What stands in for `node`'s value where its op did not run: zeros at the trace's
+    strides (a tuple of them for a multi-output op)."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return type(val)(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                             device=v.device).zero_()
+                         if isinstance(v, torch.Tensor) else v for v in val)
+    return _real(node)
+
+
+def _new_bytes(out, args) -> int:
+    """Bytes of the storages in `out` that none of `args` holds (what the op allocated)."""
+    held = {a.untyped_storage().data_ptr() for a in _tensors(args)}
+    seen, total = set(), 0
+    for t in _tensors(out):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in held and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _tensors(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _tensors(x)
+
+
+def _run_joint(joint: fx.GraphModule, ops: set[str], log: AllocatorLog | None,
+               timed: dict[str, str], seconds: dict[str, float], failed: set[str],
+               allocated: dict[str, int]) -> None:
+    """Run the joint graph once on zero inputs, each op on the values the ops before it made
+    (their real strides, which the trace's do not always match): with `log`, a mark before and
+    after each op of `ops`; else each op of `timed` (node -> its key) timed, the least of
+    TIMING_RUNS runs, into `seconds` by key. An op that raises is `failed`; zeros stand in."""
+    nodes = list(joint.graph.nodes)
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    env: dict[fx.Node, object] = {}
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "get_attr"):
+            env[n] = _real(n)
+        elif n.op == "call_function":
+            args = fx.node.map_arg(n.args, env.__getitem__)
+            kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+            if log is not None and n.name in ops:
+                log.mark(f"{n.name}:a")
+            try:
+                out = n.target(*args, **kwargs)
+            except Exception:  # an op that needs real data (indices, sizes) to run
+                failed.add(n.name)
+                out = _zeros_for(n)
+            if log is not None and n.name in ops:
+                log.mark(f"{n.name}:b")
+                allocated[n.name] = _new_bytes(out, (args, kwargs))
+            if n.name in timed and timed[n.name] not in seconds and n.name not in failed:
                 runs = []
                 for _ in range(TIMING_RUNS):
                     t = time.perf_counter()
                     n.target(*args, **kwargs)
                     runs.append(time.perf_counter() - t)
-                seconds[key] = min(runs)
+                seconds[timed[n.name]] = min(runs)
+            env[n] = out
+            del args, kwargs, out
+        for a in [a for a in n.all_input_nodes if last.get(a) == i]:
+            env.pop(a, None)
+
+
+def measure_ops(joint: fx.GraphModule) -> OpMeasures:
+    """Run the joint graph on zero inputs, each op on what the ops before it made: each op's
+    scratch in its place by the CPU allocator's own events, then each distinct op's time (same
+    target, argument shapes and constants). CPU only: on other devices nothing is measured (the
+    model then prices ops by their FLOPs and bytes). The RNG state is restored afterwards."""
+    todo = [n for n in joint.graph.nodes if n.op == "call_function" and n.target is not
+            operator.getitem and _view_of(n) is None]
+    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
+           for n in todo for v in [n.meta.get("val")]):
+        return OpMeasures({}, {}, ())
+    ops = {n.name for n in todo}
+    first: dict[str, str] = {}  # key -> the first node of it
+    for n in todo:
+        first.setdefault(_key(n), n.name)
+    timed = {name: key for key, name in first.items()}
+    failed: set[str] = set()
+    seconds: dict[str, float] = {}  # key -> seconds
+    allocated: dict[str, int] = {}
+    state = torch.get_rng_state()
+    try:
+        # the partition runs under the compile's fake-tensor mode: set it aside to run for real
+        with torch_private.outside_dispatch_modes(), torch.no_grad():
+            with AllocatorLog() as log:
+                _run_joint(joint, ops, log, {}, seconds, failed, allocated)
+            _run_joint(joint, ops, None, timed, seconds, set(), {})
     finally:
         torch.set_rng_state(state)
-    index = {key: i for i, key in enumerate(first)}
     scratch, times = {}, {}
     for n in todo:
-        key = _key(n)
-        if key in failed:
+        if n.name in failed:
             continue
-        val = n.meta.get("val")
-        outs = sum(_fresh_nbytes(n, v) for v in (val if isinstance(val, (tuple, list)) else [val]))
-        i = index[key]
-        scratch[n.name] = max(0, log.peak_between(f"{i}a", f"{i}b") - log.level(f"{i}a") - outs)
-        times[n.name] = seconds[key]
-    return OpMeasures(scratch, times, tuple(n.name for n in todo if _key(n) in failed))
+        before = log.level(f"{n.name}:a")
+        scratch[n.name] = max(0, log.peak_between(f"{n.name}:a", f"{n.name}:b") - before
+                              - allocated[n.name])
+        key = _key(n)
+        if key in seconds:
+            times[n.name] = seconds[key]
+    return OpMeasures(scratch, times, tuple(n.name for n in todo if n.name in failed))
 
 
 def _signature(a):
