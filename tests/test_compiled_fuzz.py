@@ -142,8 +142,9 @@ def test_a_layer_dynamo_runs_eagerly_is_refused_naming_the_graphs_input():
     assert "allow_rnn = True" in str(err)
 
 
-def test_a_recurrent_layer_traced_into_the_graph_is_predicted(monkeypatch):
-    # traced, the GRU is its cell's ops one by one: the same mathematics as the fused kernel
-    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
-    check_compiled((Step("gru", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 0,
-                   default_saved, exact=False)
+def test_a_recurrent_layer_traced_into_the_graph_is_predicted():
+    # traced, the GRU is its cell's ops one by one: the same mathematics as the fused kernel.
+    # (config.patch, not monkeypatch: undoing a setattr on torch's config module deletes the key)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        check_compiled((Step("gru", (0, 0, 0), 0.1), Step("linear", (0, 0, 0), 0.1)), 1, 0,
+                       default_saved, exact=False)
