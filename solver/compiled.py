@@ -293,7 +293,7 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
     read by the backward's recomputation. `live` maps live storages to bytes (updated).
     Returns (peak, where, level after)."""
     def storages(name: str) -> tuple[tuple[str, int], ...]:
-        return _storages_in(g, name, fresh)
+        return _storages_in(g, name, fresh)  # a node's own outputs too, in `out_bytes` order
 
     last: dict[tuple[str, int], int] = {}
     for i, name in enumerate(order):
@@ -313,8 +313,8 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
         level -= live.pop(s)  # nothing in this graph reads it: freed as the graph starts
     for i, name in enumerate(order):
         node = g.by_name[name]
-        for k, b in enumerate(node.out_bytes):
-            live[(("re:" + name) if name in fresh else name, k)] = b
+        for st, b in zip(storages(name), node.out_bytes):
+            live[st] = b
             level += b
         scratch = node.scratch
         if name in states:

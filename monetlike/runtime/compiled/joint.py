@@ -106,17 +106,16 @@ def _is_rng(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def _real(v):
-    """A zero tensor like the fake value of node `v` (other arguments as they are)."""
-    if isinstance(v, fx.Node):
-        val = v.meta.get("val")
+def _zeros_for(node: fx.Node):
+    """Zeros standing in for `node`'s value, at the trace's strides (a tuple of them for a
+    multi-output op; a non-tensor value as it is)."""
+    def zeros(val):
         if isinstance(val, torch.Tensor):
             return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
                                        device=val.device).zero_()
         return val
-    if isinstance(v, (list, tuple)):
-        return type(v)(_real(x) for x in v)
-    return v
+    val = node.meta.get("val")
+    return type(val)(zeros(v) for v in val) if isinstance(val, (tuple, list)) else zeros(val)
 
 
 @dataclass(frozen=True)
@@ -132,17 +131,6 @@ class OpMeasures:
 
 
 TIMING_RUNS = 3
-
-
-def _zeros_for(node: fx.Node):
-    """What stands in for `node`'s value where its op did not run: zeros at the trace's
-    strides (a tuple of them for a multi-output op)."""
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return type(val)(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
-                                             device=v.device).zero_()
-                         if isinstance(v, torch.Tensor) else v for v in val)
-    return _real(node)
 
 
 def _new_bytes(out, args) -> int:
@@ -183,7 +171,7 @@ def _run_joint(joint: fx.GraphModule, ops: set[str], log: AllocatorLog | None,
     env: dict[fx.Node, object] = {}
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "get_attr"):
-            env[n] = _real(n)
+            env[n] = _zeros_for(n)
         elif n.op == "call_function":
             args = fx.node.map_arg(n.args, env.__getitem__)
             kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
