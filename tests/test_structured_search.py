@@ -6,6 +6,7 @@ portfolio runs it only where blocks repeat."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
@@ -168,7 +169,14 @@ def _case(seed: int):
         return g, form, _optimum(form)
 
 
-CASES = [_case(seed) for seed in range(12)]
+N_CASES = 12
+
+
+@functools.cache
+def case_at(seed: int):
+    """Solved on first use, in the worker that runs the test (each worker collects every file:
+    made at import, the 12 optima cost both of them 6 s of CPU before any test ran)."""
+    return _case(seed)
 
 
 def _symmetric(form, chain, x) -> bool:
@@ -178,17 +186,18 @@ def _symmetric(form, chain, x) -> bool:
 
 
 def test_some_cases_have_a_symmetric_optimum():
-    syms = [_symmetric(form, find_blocks(g), x) for g, form, x in CASES]
+    syms = [_symmetric(form, find_blocks(g), x)
+            for g, form, x in map(case_at, range(N_CASES))]
     assert any(syms)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(N_CASES))
 def test_tied_sub_milp_reaches_a_symmetric_optimum_and_never_passes_the_optimum(case):
     """Scramble every block column of the optimum and solve the tied sub-MILP with the rest
     fixed to it: a symmetric optimum is a solution of the sub-MILP, so it is reached exactly;
     otherwise the answer (a symmetric plan) is no better than the optimum. Either way it is a
     valid schedule whose simulated time is the MILP's objective."""
-    g, form, xopt = CASES[case]
+    g, form, xopt = case_at(case)
     chain = find_blocks(g)
     ties = structured.tie_group(structured.ColumnIndex(form), chain, chain.classes[0].members)
     x0 = xopt.copy()
@@ -221,10 +230,10 @@ def _context(form, start, seconds=20.0) -> SearchContext:
                          progress=Progress(False, seconds, 1.0, 1.0, ""))
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(N_CASES))
 def test_the_strategy_is_feasible_never_worse_than_its_start_never_below_the_optimum(case):
     """From the slowest rule that fits."""
-    g, form, xopt = CASES[case]
+    g, form, xopt = case_at(case)
     ctx = _context(form, _slowest_start(g, form))
     obj0 = ctx.pool.obj
     structured.BlockCopy(time_share=1.0, sub_time_s=5.0).run(ctx)
