@@ -292,18 +292,24 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
     (`_storages_in`). `states` maps a random op to its saved RNG state: made by the forward,
     read by the backward's recomputation. `live` maps live storages to bytes (updated).
     Returns (peak, where, level after)."""
-    def storages(name: str) -> tuple[tuple[str, int], ...]:
-        return _storages_in(g, name, fresh)  # a node's own outputs too, in `out_bytes` order
+    known: dict[str, tuple[tuple[str, int], ...]] = {}  # asked once per node and per reader
 
+    def storages(name: str) -> tuple[tuple[str, int], ...]:
+        got = known[name] = _storages_in(g, name, fresh)
+        return got
+
+    nodes = [g.by_name[name] for name in order]
+    own = [storages(name) for name in order]  # a node's outputs, in `out_bytes` order
     last: dict[tuple[str, int], int] = {}
-    for i, name in enumerate(order):
-        for s in storages(name):
+    for i, node in enumerate(nodes):
+        for s in own[i]:
             last.setdefault(s, i)
-        for inp in g.by_name[name].inputs:
-            for s in storages(inp):
+        for inp in node.inputs:
+            got = known.get(inp)
+            for s in (storages(inp) if got is None else got):
                 last[s] = i
-        if name in states:
-            last[states[name]] = i
+        if node.name in states:
+            last[states[node.name]] = i
     frees: dict[int, list[tuple[str, int]]] = {}
     for s, i in last.items():
         if s not in keep:
@@ -311,9 +317,9 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
     peak, where = level, f"{phase}:start"
     for s in [s for s in live if s not in last and s not in keep]:
         level -= live.pop(s)  # nothing in this graph reads it: freed as the graph starts
-    for i, name in enumerate(order):
-        node = g.by_name[name]
-        for st, b in zip(storages(name), node.out_bytes):
+    for i, node in enumerate(nodes):
+        name = node.name
+        for st, b in zip(own[i], node.out_bytes):
             live[st] = b
             level += b
         scratch = node.scratch
