@@ -163,6 +163,12 @@ class JointGraph:
         return out
 
     @cached_property
+    def tangent_readers(self) -> frozenset[str]:
+        """The nodes that read a tangent (where the backward's own work begins)."""
+        tangents = {n.name for n in self.nodes if n.phase == "tangent"}
+        return frozenset(n.name for n in self.nodes if tangents.intersection(n.inputs))
+
+    @cached_property
     def search_memo(self) -> dict:
         """What the saved-set search made on this graph (its starts, its greedy paths), kept
         for the next budget asked of the same graph."""
@@ -239,8 +245,8 @@ def _backward_order(g: JointGraph, body: list[str], reorder: bool) -> list[str]:
         return _raise_getitems(g, body)
     members = set(body)
     pos = {n: i for i, n in enumerate(body)}
-    tangents = {n.name for n in g.nodes if n.phase == "tangent"}
-    first = min((pos[n] for n in body if tangents & set(g.by_name[n].inputs)), default=None)
+    readers = g.tangent_readers
+    first = min((pos[n] for n in body if n in readers), default=None)
     if first is None:
         return _raise_getitems(g, body)
     done: set[str] = set()
@@ -280,6 +286,10 @@ def _storages_in(g: JointGraph, name: str, fresh: set[str]) -> tuple[tuple[str, 
     own copies ('re:') where the value and every base it views were computed here; the
     forward's where any of them came in saved (a saved getitem of a recomputed BatchNorm)."""
     chain, plain, renamed = g.storage_forms[name]
+    if not fresh:
+        return plain
+    if len(chain) == 1:  # most values: not a view
+        return renamed if name in fresh else plain
     return renamed if all(x in fresh for x in chain) else plain
 
 
