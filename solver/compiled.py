@@ -302,7 +302,7 @@ def _run(g: JointGraph, order: list[str], level: int, live: dict[tuple[str, int]
     (`_storages_in`). `states` maps a random op to its saved RNG state: made by the forward,
     read by the backward's recomputation. `live` maps live storages to bytes (updated).
     Returns (peak, where, level after)."""
-    known: dict[str, tuple[tuple[str, int], ...]] = {}  # asked once per node and per reader
+    known: dict[str, tuple[tuple[str, int], ...]] = {}  # each value's, made once per replay
 
     def storages(name: str) -> tuple[tuple[str, int], ...]:
         got = known[name] = _storages_in(g, name, fresh)
