@@ -38,7 +38,7 @@ from .units import BudgetSpec, format_bytes, parse_budget
 
 __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
            "torch_default_saved", "forward_sources", "cut_saved", "valley_saved", "least_peak",
-           "resolve_budget", "AUTO_REFUSED"]
+           "resolve_budget", "search_starts", "GreedyPath", "AUTO_REFUSED"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
 # Where an op's time was not measured, a roofline at nominal CPU rates prices it: its FLOPs at
@@ -472,7 +472,7 @@ def valley_saved(g: JointGraph, through_getitems: bool = False) -> frozenset[str
     return frozenset(out)
 
 
-def _starts(g: JointGraph) -> list[Prediction]:
+def search_starts(g: JointGraph) -> list[Prediction]:
     """The search's starts: `g.start` (the compiler's own partition) where there is one, then
     torch's default partition, then the block boundaries alone (`cut_saved`: where the greedy
     from the others stops above per-block checkpointing's peak, MobileNetV2 under Inductor), then
@@ -509,7 +509,7 @@ def _moves(g: JointGraph, current: Prediction, width: int) -> list[list[str]]:
     return [first] + [rest[i:i + 4 * width] for i in range(0, len(rest), 4 * width)]
 
 
-class _Path:
+class GreedyPath:
     """The greedy from one start: recompute the saved value whose removal lowers the peak most
     per unit of added cost (by_cost=False: most, whatever it costs), until no removal lowers it.
     The moves do not depend on the budget, only where they stop: the path is walked as far as a
@@ -554,11 +554,11 @@ class _Path:
         return True
 
 
-def _path(g: JointGraph, start: int, width: int, by_cost: bool) -> _Path:
-    """The greedy path from `_starts(g)[start]`, kept with the graph."""
+def _path(g: JointGraph, start: int, width: int, by_cost: bool) -> GreedyPath:
+    """The greedy path from `search_starts(g)[start]`, kept with the graph."""
     key = ("path", start, width, by_cost)
     if key not in g.search_memo:
-        g.search_memo[key] = _Path(g, _starts(g)[start], width, by_cost)
+        g.search_memo[key] = GreedyPath(g, search_starts(g)[start], width, by_cost)
     return g.search_memo[key]
 
 
@@ -582,7 +582,7 @@ def _descents(g: JointGraph, budget: int, width: int):
     greedy stopped at 2.38 MiB by the model, from save-all it reached 2.07). Returns
     (prediction, trail): the first that fits, else the lowest."""
     best = None
-    for start in range(len(_starts(g))):
+    for start in range(len(search_starts(g))):
         cur, trail = _path(g, start, width, True).walk(budget)
         if cur.peak_bytes > budget:
             alt, alt_trail = _path(g, start, width, False).walk(budget)
@@ -607,7 +607,7 @@ def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
     default = predict(g, torch_default_saved(g))
     if g.start is not None:
-        start = _starts(g)[0]
+        start = search_starts(g)[0]
         if start.peak_bytes <= budget:  # the compiler's own partition fits: its choice stands
             return CompiledPlan(prediction=start, budget=budget, default=default,
                                 trail=(start.peak_bytes,))

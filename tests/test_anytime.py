@@ -142,7 +142,7 @@ def test_the_rules_answer_first_and_alone_when_building_the_milp_leaves_no_time(
         stops.append(deadline)
         return lambda: how == "stopped" and (asked.append(1) or len(asked) >= 3)
 
-    monkeypatch.setattr(pipeline, "_build_stop", build_stop)
+    monkeypatch.setattr(pipeline, "build_stop", build_stop)
     make_run = pipeline.Run
     monkeypatch.setattr(pipeline, "Run", lambda **kw: runs.append(make_run(**kw)) or runs[-1])
     g = resnet_like()
@@ -191,7 +191,7 @@ def test_branch_and_bound_models_build_stops_at_the_reserve_too(full_search, mon
     monkeypatch.setattr(pipeline, "BUILD_S_PER_CELL", -math.inf)  # the estimate off
     monkeypatch.setattr(pipeline, "BUILD_STEPS_PER_STAGE", -math.inf)
     building, stops = [], []
-    monkeypatch.setattr(pipeline, "_build_stop", lambda deadline, began=None: stops.append(
+    monkeypatch.setattr(pipeline, "build_stop", lambda deadline, began=None: stops.append(
         deadline) or (lambda: bool(building)))
     bb_form = pipeline.branch_and_bound_form
     monkeypatch.setattr(pipeline, "branch_and_bound_form",
@@ -217,8 +217,8 @@ def test_a_build_stops_at_its_deadline_less_the_encoding_that_follows():
     pipeline = importlib.import_module("solver.search.pipeline")
     share = pipeline.ENCODE_SHARE
     now = [0.0]
-    stop = pipeline._build_stop(100.0, began=0.0, clock=lambda: now[0])
-    plain = pipeline._build_stop(100.0, clock=lambda: now[0])
+    stop = pipeline.build_stop(100.0, began=0.0, clock=lambda: now[0])
+    plain = pipeline.build_stop(100.0, clock=lambda: now[0])
     for t, stops, stops_plain in [(0.0, False, False), (100 / (1 + share) - 1e-6, False, False),
                                   (100 / (1 + share), True, False), (100.0, True, True)]:
         now[0] = t
@@ -447,7 +447,7 @@ def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, t
     from solver_cases import random_repeated
 
     limit, share = 8.0, 0.25
-    monkeypatch.setattr(pipeline, "_closing_reserve", lambda step_s, time_limit_s:
+    monkeypatch.setattr(pipeline, "closing_reserve", lambda step_s, time_limit_s:
                         share * time_limit_s)
     if too_large:
         monkeypatch.setattr(pipeline, "MAX_MILP_CELLS", 0)
@@ -473,7 +473,7 @@ def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, t
 
     record("rules", pipeline.heuristic_schedules, "heuristic_schedules")
     record("closure", pipeline.stage_bound, "stage_bound")
-    record("search", pipeline._search, "_search")
+    record("search", pipeline.run_search, "run_search")
     record("greedy", pipeline.greedy_baseline_schedule, "greedy_baseline_schedule")
     make_run = pipeline.Run
     monkeypatch.setattr(pipeline, "Run", lambda **kw: runs.append(make_run(**kw)) or runs[-1])
@@ -491,5 +491,5 @@ def test_the_closing_work_is_reserved_from_the_start(full_search, monkeypatch, t
         assert seen["rules"] == [rules_end] and not seen["search"]
         assert "MAX_MILP_CELLS" in r.stats["search"]
     else:
-        assert seen["rules"] == [min(rules_end, run.started + pipeline._rules_time(limit))]
+        assert seen["rules"] == [min(rules_end, run.started + pipeline.rules_seconds(limit))]
         assert seen["search"] == [last_step]

@@ -19,6 +19,7 @@ import torch.nn as nn
 import monetlike
 from compiled_support import Summed, compiled_step, within
 from monetlike.runtime.compiled import partitioner
+from monetlike.runtime.compiled.partitioner import learned_scratch
 from monetlike.runtime.compiled.inductor_code import read_call, replay_step
 from solver.compiled import CompiledPlan, predict, torch_default_saved
 from solver.errors import InfeasibleBudgetError
@@ -165,7 +166,7 @@ def fake_compiles(monkeypatch, be, code_peak, learns: int = 0):
         return f"compiled at {t}", SimpleNamespace(
             target=t, code=SimpleNamespace(peak_bytes=peak), plan=plan, graph=None,
             saved=frozenset({f"saved at {t}"})), len(calls) <= learns
-    monkeypatch.setattr(be, "_inductor_once", once)
+    monkeypatch.setattr(be, "compile_at", once)
     monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
         peak_bytes=400))
     return calls
@@ -182,7 +183,7 @@ def fake_compiles(monkeypatch, be, code_peak, learns: int = 0):
 def test_the_target_moves_by_what_the_code_allocates(monkeypatch, code_peak, targets, runs):
     be = monetlike.backend(budget=1000, compiler="inductor")
     calls = fake_compiles(monkeypatch, be, code_peak)
-    assert be._compile_inductor(None, None) == f"compiled at {runs}"
+    assert be.settle(None, None) == f"compiled at {runs}"
     assert calls == targets and be.record.target == runs
 
 
@@ -190,7 +191,7 @@ def test_no_target_fits_raises_with_the_least_the_code_reached(monkeypatch):
     be = monetlike.backend(budget=1000, compiler="inductor")
     fake_compiles(monkeypatch, be, {1000: 1300, 700: 1050, 400: 1020})
     with pytest.raises(InfeasibleBudgetError) as e:
-        be._compile_inductor(None, None)
+        be.settle(None, None)
     assert e.value.min_budget == 1020
     assert "the least of the 3 tried peaks at" in str(e.value)
 
@@ -200,7 +201,7 @@ def test_over_twice_goes_to_the_least_even_while_each_compile_learns_scratch(mon
     search planned the same target again each time and ran out of compiles before its least."""
     be = monetlike.backend(budget=1000, compiler="inductor")
     calls = fake_compiles(monkeypatch, be, [1300, 1200, 600, 900], learns=2)
-    assert be._compile_inductor(None, None) == "compiled at 800"
+    assert be.settle(None, None) == "compiled at 800"
     assert calls == [1000, 1000, 400, 800]
 
 
@@ -256,9 +257,7 @@ def test_a_kernel_calls_scratch_in_the_code_is_given_to_its_joint_node():
                           JointNode("g", "tangent", out_bytes=(4,)),
                           JointNode("convolution_backward", "backward", ("g", "x", "w"), (8,),
                                     scratch=100)), forward_outputs=(), backward_outputs=())
-    be = monetlike.backend(budget=1000, compiler="inductor")
-    be._ops = {"convolution_backward": "aten.convolution_backward.default"}
+    ops = {"convolution_backward": "aten.convolution_backward.default"}
     # the multinomial call matches no node: nothing learned from it
-    assert be._learn(g, [plan], [{0: 5000, 1: 64}]) and be._learned == {
-        "convolution_backward": 5000}
-    assert not be._learn(g, [plan], [{0: 50}])  # no more than the model already counts
+    assert learned_scratch(g, [plan], [{0: 5000, 1: 64}], ops) == {"convolution_backward": 5000}
+    assert learned_scratch(g, [plan], [{0: 50}], ops) == {}  # no more than the model counts

@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from solver.compiled import JointGraph, JointNode, _Path, _starts, cut_saved, forward_sources, \
-    least_peak, plan_saved, predict, torch_default_saved, valley_saved
+from solver.compiled import GreedyPath, JointGraph, JointNode, cut_saved, forward_sources, \
+    least_peak, plan_saved, predict, search_starts, torch_default_saved, valley_saved
 from solver.errors import InfeasibleBudgetError
 
 K = 1000
@@ -107,8 +107,8 @@ def test_a_saved_set_must_name_forward_values():
 
 def test_the_least_is_the_lower_of_the_two_greedy_paths_and_a_plan_fits_it():
     g = chain()
-    by_cost, _ = _Path(g, _starts(g)[0], 8, True).walk(-1)
-    by_gain, _ = _Path(g, _starts(g)[0], 8, False).walk(-1)
+    by_cost, _ = GreedyPath(g, search_starts(g)[0], 8, True).walk(-1)
+    by_gain, _ = GreedyPath(g, search_starts(g)[0], 8, False).walk(-1)
     least = least_peak(g).peak_bytes
     assert least == min(by_cost.peak_bytes, by_gain.peak_bytes)
     assert plan_saved(g, least).prediction.peak_bytes <= least
@@ -120,7 +120,7 @@ def test_the_search_starts_from_the_compilers_own_partition_where_given():
     assert plan_saved(g, 3220).steps == 1
     # from a start that already recomputes a1 (Inductor's min-cut, say), none
     started = dataclasses.replace(g, start=frozenset({"a2", "a3"}))
-    assert _starts(started)[0].recomputed == ("a1",)
+    assert search_starts(started)[0].recomputed == ("a1",)
     plan = plan_saved(started, 3220)
     assert plan.steps == 0 and plan.prediction.recomputed == ("a1",)
 
@@ -130,7 +130,7 @@ def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from
     # saving a3 alone, a1 and a2 are recomputed in the backward beside a3 (4220); the greedy
     # only stops saving values, so from there it stays at 4220
     stuck = dataclasses.replace(g, start=frozenset({"a3"}))
-    cur, _ = _Path(stuck, _starts(stuck)[0], 8, True).walk(-1)
+    cur, _ = GreedyPath(stuck, search_starts(stuck)[0], 8, True).walk(-1)
     assert (cur.peak_bytes, cur.saved) == (4220, {"a3"})
     # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
     assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
@@ -167,7 +167,7 @@ def test_the_valleys_values_are_each_layers_features_where_no_single_value_is_a_
     assert valley_saved(g) == {"f0", "f1", "f2"}
     # boundaries: where one value alone carries the forward on
     assert cut_saved(g) == {"f0", "cat3", "h3", "f3"}
-    valley = _starts(g)[2]
+    valley = search_starts(g)[2]
     assert valley.saved == {"f0", "f1", "f2"}
     # the backward recomputes each layer from them before its gradients; at b2: f0 100 (f1 was
     # read last by cat2), out and the tangent 20, d3 300, cat2 200, h2 1000, b2 1000
@@ -189,7 +189,7 @@ def test_a_valleys_value_made_by_a_multi_output_op_is_saved_through_its_getitem(
     g = dataclasses.replace(dense_block(), nodes=tuple(n))
     assert valley_saved(g) == {"f0", "f2"}
     assert valley_saved(g, through_getitems=True) == {"f0", "f1", "f2"}
-    assert [s.saved for s in _starts(g)[2:]] == [{"f0", "f2"}, {"f0", "f1", "f2"}]
+    assert [s.saved for s in search_starts(g)[2:]] == [{"f0", "f2"}, {"f0", "f1", "f2"}]
 
 
 def test_a_second_budget_on_the_same_graph_walks_on_from_the_kept_paths():

@@ -531,7 +531,7 @@ def test_a_model_trained_in_eval_mode_runs_its_schedule():
     wrapped = monetlike.ScheduleWrapper(trained, tight).eval()
     assert wrapped.training is False
     assert torch.equal(wrapped(x), trained(x))
-    assert not wrapped._entries  # nothing was profiled or planned: the plain model ran
+    assert wrapped.plans == ()  # nothing was profiled or planned: the plain model ran
 
 
 class ReadThenOverwrite(nn.Module):
@@ -1093,7 +1093,7 @@ def test_python_attributes_changed_between_steps_are_read_again(capture):
         torch.manual_seed(step)
         got = wrapped(x)
         assert torch.equal(got, expected), (step, scale)
-    assert len(wrapped._entries) == 3  # one per value, none per step
+    assert len(wrapped.plans) == 3  # one per value, none per step
     ref.use_extra = wrapped.model.use_extra = True
     with pytest.raises(solver.ScheduleMismatchError, match="the Python attributes the forward"):
         wrapped(x)

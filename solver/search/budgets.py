@@ -12,7 +12,7 @@ from ..least_budget import infeasible_message, store_all_peak
 from ..stage_bound import stage_least_peak
 from ..units import BudgetSpec, parse_budget
 from ..rules.warmstart import least_memory, low_memory_schedules
-from .pipeline import MIN_BUDGET_TIME_LIMIT_S, _rules_time, min_budget, min_budget_details
+from .pipeline import MIN_BUDGET_TIME_LIMIT_S, rules_seconds, min_budget, min_budget_details
 
 
 def resolve_budget(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
@@ -48,7 +48,7 @@ def check_feasible(graph: OpGraph, budget: int, *, mode: str = "full", backend: 
         return
     facts = GraphFacts(graph, mode)
     if stage_least_peak(facts, offload) <= budget:
-        deadline = time.perf_counter() + _rules_time(time_limit_s)
+        deadline = time.perf_counter() + rules_seconds(time_limit_s)
         if least_memory(graph, low_memory_schedules(graph, facts, deadline))[2] <= budget:
             return
     peak, lower, proven, s = min_budget_details(graph, mode, backend=backend,

@@ -69,7 +69,7 @@ fits on Impl 0 or the lean Impls."""
 RULES_SHARE = 0.3
 RULES_MIN_S = 10.0
 """The simple rules may take this share of the time limit, and at least RULES_MIN_S (but never
-more than the limit: `_rules_time`), for a first incumbent (rules/warmstart.py runs them
+more than the limit: `rules_seconds`), for a first incumbent (rules/warmstart.py runs them
 cheapest first and leaves out those not started by then, and the clean-up passes,
 rules/simple.py's keep_more, stop there). Without a limit they took 686 s of a 120 s
 solve of Llama-1B (608 ops) at 16 GiB; on graphs of a few hundred ops they all take a few
@@ -87,7 +87,7 @@ BUILD_S_PER_CELL = 18.0 / (817 * 817)
 """Seconds the MILP takes to build per op and backward stage (the 48-layer GPT's 18 s, alone
 on this machine): where the time left cannot pay for it, the best rule is the answer, so that
 a large graph's solve ends near its limit (Llama-3-8B's per-rank graph, 1,316 ops, took 198 s
-of a 60 s limit). A first filter: builds stop in time too (`_build_stop`)."""
+of a 60 s limit). A first filter: builds stop in time too (`build_stop`)."""
 BUILD_STEPS_PER_STAGE = 0.3
 """The build takes about this many closing steps per backward stage (0.31-0.34 on generated
 graphs of 109-782 ops, timed side by side): the estimate follows this machine's load now."""
@@ -110,7 +110,7 @@ search one step before it. After the rules' deadline, the rule running then ends
 it follows (5-6 s on Llama-70B per rank, about two steps), then the answer's replay."""
 
 
-def _closing_reserve(step_s: float, time_limit_s: float) -> float:
+def closing_reserve(step_s: float, time_limit_s: float) -> float:
     """Seconds the rules leave at the end (CLOSING_STEPS), `step_s` the baselines' time."""
     return min(CLOSING_STEPS * step_s, CLOSING_SHARE * time_limit_s)
 
@@ -135,14 +135,14 @@ def _build_estimate(graph: OpGraph, step_s: float | None) -> float:
                BUILD_STEPS_PER_STAGE * (step_s or 0.0) * stages)
 
 
-def _build_stop(deadline: float, began: float | None = None, clock=time.perf_counter):
+def build_stop(deadline: float, began: float | None = None, clock=time.perf_counter):
     """A build's should_stop (milp.Builder): whether `deadline` has passed, less ENCODE_SHARE
     of the time since `began` (a build's rule is then encoded, no quicker to stop)."""
     share, began = (0.0, 0.0) if began is None else (ENCODE_SHARE, began)
     return lambda: (now := clock()) >= deadline - share * (now - began)
 
 
-def _rules_time(time_limit_s: float) -> float:
+def rules_seconds(time_limit_s: float) -> float:
     """Seconds the simple rules may take: RULES_SHARE of the limit, at least RULES_MIN_S, never
     more than the limit itself (with the floor alone, a 2 s solve of ResNet-18 took 8-10 s)."""
     return min(time_limit_s, max(RULES_SHARE * time_limit_s, RULES_MIN_S))
@@ -158,8 +158,8 @@ def _sharing(be) -> bool:
     return be.CALLBACKS and be.OBJECTIVE_CUTOFF
 
 
-def _search(run: Run, form: Formulation, form_bb: Formulation, pool: Pool, progress: Progress,
-            target: float | None = None, race=()) -> SearchContext:
+def run_search(run: Run, form: Formulation, form_bb: Formulation, pool: Pool,
+               progress: Progress, target: float | None = None, race=()) -> SearchContext:
     """Run the portfolio until the run's deadline; the context holds what it did."""
     ctx = SearchContext(form=form, bb_form=form_bb, pool=pool, backend=run.backend,
                         deadline=run.deadline, mip_gap=run.mip_gap, progress=progress,
@@ -234,7 +234,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
     run = Run(graph=graph, mode=mode, backend=be, started=started, time_limit_s=time_limit_s,
               deadline=started + time_limit_s, mip_gap=1e-6, verbose=verbose, offload=offload)
     form = Formulation(graph, None, mode=mode, objective="peak", offload=offload)
-    rules_deadline = started + _rules_time(time_limit_s)
+    rules_deadline = started + rules_seconds(time_limit_s)
     name, s0, peak0 = least_memory(graph, low_memory_schedules(graph, form.facts,
                                                                deadline=rules_deadline))
     # Full mode contains checkpoint mode (Impl 0 everywhere): a checkpoint answer already found
@@ -254,7 +254,7 @@ def min_budget_details(graph: OpGraph, mode: str = "full", *, backend: str = "hi
                         peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
-        ctx = _search(run, form, form_bb, pool, progress)
+        ctx = run_search(run, form, form_bb, pool, progress)
     finally:
         progress.close()
     best_s = form.decode(pool.get(form)[0])
@@ -324,7 +324,7 @@ def min_peak_below(run: Run, start: Schedule) -> tuple[Schedule | None, int]:
                         f"{graph.model} peak to {format_bytes(budget)}", peak=form.mem_scale)
     progress.update(incumbent=pool.obj, bound=pool.bound())
     try:
-        ctx = _search(run, form, form_bb, pool, progress, target=budget / form.mem_scale)
+        ctx = run_search(run, form, form_bb, pool, progress, target=budget / form.mem_scale)
     finally:
         progress.close()
     s = form.decode(pool.get(form)[0])
@@ -411,7 +411,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     end = deadline - stats.get("closing_reserve_s", 0.0)
     try:
         form = Formulation(graph, budget, mode=mode, offload=offload, facts=facts,
-                           should_stop=_build_stop(end, began) if starts else None)
+                           should_stop=build_stop(end, began) if starts else None)
     except BuildStopped:
         return _rule_unproven(run, starts[0], timelines, known_lower, stage_lower, reported,
                               f"skipped: building the MILP of {size} ran out of time after "
@@ -458,7 +458,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
         began = time.perf_counter()
         try:  # a second build, about as long as the first
             form_bb = branch_and_bound_form(form, points,
-                                            should_stop=_build_stop(end) if pool.has else None)
+                                            should_stop=build_stop(end) if pool.has else None)
         except BuildStopped:
             progress.close()
             return _no_search(run, form, pool, base_time,
@@ -471,7 +471,7 @@ def solve(graph: OpGraph, budget, *, mode: str = "full", backend: str = "highs",
     pool.add_form(form_bb)
     try:
         # the search leaves the closing work (the answer's replay) its step
-        ctx = _search(dataclasses.replace(run, deadline=deadline - _closing_step(stats)),
+        ctx = run_search(dataclasses.replace(run, deadline=deadline - _closing_step(stats)),
                       form, form_bb, pool, progress, race=race)
     finally:
         progress.close()
@@ -551,11 +551,11 @@ def _rules_first(run: Run, warm_start: bool, on_incumbent) -> tuple[list, dict, 
         for name, s in baselines:
             replay(name, s)
         step = run.stats["closing_step_s"] = time.perf_counter() - began
-        reserve = run.stats["closing_reserve_s"] = _closing_reserve(step, time_limit_s)
+        reserve = run.stats["closing_reserve_s"] = closing_reserve(step, time_limit_s)
         closing[0] = deadline - _closing_step(run.stats)
         # Where the MILP will not be built, or its build would not fit in the time the rules
         # leave, the rules (and the closure LP) have the whole limit but the reserve.
-        rules_time = _rules_time(time_limit_s)
+        rules_time = rules_seconds(time_limit_s)
         build = run.stats["build_estimate_s"] = _build_estimate(graph, step)
         rules_deadline = (deadline - reserve if _too_large(graph)
                           or build > time_limit_s - rules_time

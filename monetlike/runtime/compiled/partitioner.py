@@ -33,7 +33,7 @@ from ...core import torch_private
 from .inductor_code import CodePeak, call_ops, measure_scratch, read_call, replay_step
 from .joint import OpMeasures, describe, measure_ops, saved_names, tag_saved
 
-__all__ = ["CompiledBackend", "GraphBreakError", "PartitionRecord", "COMPILERS"]
+__all__ = ["CompiledBackend", "GraphBreakError", "PartitionRecord", "COMPILERS", "learned_scratch"]
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_COMPILES = 3
@@ -100,6 +100,25 @@ def _where(gm: fx.GraphModule | None) -> str:
     return "an unknown place (the graph's nodes carry no stack trace)"
 
 
+def learned_scratch(graph: JointGraph, plans, scratch, ops: dict[str, str]) -> dict[str, int]:
+    """The scratch each joint node's kernel call in Inductor's code allocated, where more than
+    the eager op's (a depthwise convolution's backward on the channels-last input Inductor hands
+    it: 8.4 MiB on MobileNetV2, which the model planned without). `plans` and `scratch`: each
+    graph's GraphPlan and its measured scratch per call; `ops`: joint node -> its op. A call is
+    matched to the one node of its op that reads the graph names it reads."""
+    learned: dict[str, int] = {}
+    for plan, got in zip(plans, scratch):
+        for i, (op, names) in enumerate(call_ops(plan)):
+            known = {n for n in names if n in graph.by_name}
+            if got.get(i, 0) <= 0 or not op or not known:
+                continue
+            match = [n for n in graph.nodes if ops.get(n.name) == op
+                     and n.phase != "primal" and known <= set(n.inputs)]
+            if len(match) == 1 and got[i] > match[0].scratch:
+                learned[match[0].name] = got[i]
+    return learned
+
+
 class CompiledBackend:
     """A torch.compile backend that runs the step within `budget` bytes (see monetlike.backend)."""
 
@@ -151,13 +170,14 @@ class CompiledBackend:
             if self._made is not None:
                 self.records.append(self._made)
             return out
-        return self._compile_inductor(gm, example_inputs)
+        return self.settle(gm, example_inputs)
 
-    def _inductor_once(self, gm, example_inputs, target: int | None,
-                       force: frozenset[str] | None = None):
+    def compile_at(self, gm, example_inputs, target: int | None,
+                   force: frozenset[str] | None = None):
         """Compile `gm` with Inductor at `target` (or with the saved set `force`); (the compiled
         step, its record with the code's peak or None for a graph without a backward, whether
-        the code's kernel calls showed scratch the model had not counted)."""
+        the code's kernel calls showed scratch the model had not counted). The one place
+        Inductor runs: tests of `settle` stand in for it here."""
         self._target, self._force, self._made, self._code = target, force, None, {}
         out = self._compile(copy.deepcopy(gm), example_inputs)
         self.compiles += 1
@@ -180,37 +200,20 @@ class CompiledBackend:
         code = replay_step(plans[0], plans[1], num_fwd_outputs=len(made.graph.forward_outputs),
                            tangent_bytes=tangents, fixed_bytes=made.graph.fixed_bytes,
                            scratch=(scratch[0], scratch[1]), unmeasured=tuple(unmeasured))
-        learned = self._learn(made.graph, plans, scratch)
+        more = learned_scratch(made.graph, plans, scratch, self._ops)
+        self._learned.update(more)
+        learned = bool(more)
         return out, dataclasses.replace(made, code=code), learned
 
-    def _learn(self, graph: JointGraph, plans, scratch) -> bool:
-        """Give each joint node the scratch its kernel call in Inductor's code allocated, where
-        more than the eager op's (a depthwise convolution's backward on the channels-last input
-        Inductor hands it: 8.4 MiB on MobileNetV2, which the model planned without). A call is
-        matched to the one node of its op that reads the graph names it reads. Returns whether
-        anything was learned."""
-        learned = False
-        for plan, got in zip(plans, scratch):
-            for i, (op, names) in enumerate(call_ops(plan)):
-                known = {n for n in names if n in graph.by_name}
-                if got.get(i, 0) <= 0 or not op or not known:
-                    continue
-                match = [n for n in graph.nodes if self._ops.get(n.name) == op
-                         and n.phase != "primal" and known <= set(n.inputs)]
-                if len(match) == 1 and got[i] > match[0].scratch:
-                    self._learned[match[0].name] = got[i]
-                    learned = True
-        return learned
-
-    def _compile_inductor(self, gm, example_inputs):
-        """Move the eager-op target by what the compiled code allocates more or less than the
+    def settle(self, gm, example_inputs):
+        """Compile `gm` under Inductor within the budget (`compile_at` each try). Move the eager-op target by what the compiled code allocates more or less than the
         budget; run the cheapest plan whose code fits (compiled last, as Dynamo keeps it). Where
         a compile shows scratch the model missed, the next plan counts it (one compile more)."""
         tried: list[tuple] = []  # (compiled, record), in order
         target, extra, force = None, 0, None
         for _ in range(MAX_COMPILES + 2):
             try:
-                out, rec, learned = self._inductor_once(gm, example_inputs, target, force)
+                out, rec, learned = self.compile_at(gm, example_inputs, target, force)
             except InfeasibleBudgetError as e:
                 # under the eager-op model's least: Inductor's code may still fit at that least
                 if e.min_budget is None or e.min_budget in {r.target for _, r in tried}:
@@ -257,7 +260,7 @@ class CompiledBackend:
                 budget=self.budget, min_budget=least.code.peak_bytes if least else None)
         out, rec = min(fits, key=lambda v: (v[1].plan.prediction.recompute_cost, -v[1].target))
         if rec is not tried[-1][1]:  # compiled again: the last compile is the one Dynamo holds
-            out, rec, _ = self._inductor_once(gm, example_inputs, rec.target, force=rec.saved)
+            out, rec, _ = self.compile_at(gm, example_inputs, rec.target, force=rec.saved)
         self.records.append(rec)
         return out
 
