@@ -181,6 +181,7 @@ class Row:
                 "step_ratio": (round(statistics.median(self.times) / plain_s, 4)
                                if self.times else None),
                 "step_s": statistics.median(self.times) if self.times else None,
+                "times": [round(t, 6) for t in self.times],
                 "peak": self.peak, "predicted": self.predicted, "grads": self.grads,
                 "error": self.error, "peer": self.peer.name if self.peer else None,
                 "budget": self.backend.budget if self.backend is not None else None,
@@ -270,6 +271,14 @@ def run_rows(args, base, x, spec) -> tuple[list[Row], int]:
     return rows, fixed
 
 
+def round_spread(row: Row, peer: Row) -> tuple[float, float]:
+    """The middle half (quartiles) of row's step over peer's, round by round: the rounds are
+    interleaved, so each ratio compares steps run moments apart."""
+    ratios = sorted(a / b for a, b in zip(row.times, peer.times))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return q[0], q[2]
+
+
 def report(args, rows: list[Row], fixed: int, spec) -> list[dict]:
     """Print the table and the comparisons; return the raw rows."""
     timed = [r for r in rows if not r.error]
@@ -298,8 +307,10 @@ def report(args, rows: list[Row], fixed: int, spec) -> list[dict]:
             continue
         verdict = "at or below" if r.peak <= r.peer.peak else "ABOVE"
         t = statistics.median(r.times) / statistics.median(r.peer.times)
+        low, high = round_spread(r, r.peer)
         print(f"- at {r.peer.name}'s peak: ours {format_bytes(r.peak)} ({verdict} its "
-              f"{format_bytes(r.peer.peak)}), step {t:.2f}x its time")
+              f"{format_bytes(r.peer.peak)}), step {t:.2f}x its time (per round, middle half: "
+              f"{low:.2f}-{high:.2f}x)")
     knobs = [r for r in timed if r.kind in ("knob", "plain")]
     least = next((r for r in rows if r.kind == "ours-min" and not r.error), None)
     if knobs and least is not None:
