@@ -206,9 +206,10 @@ class CompiledBackend:
         return out, dataclasses.replace(made, code=code), learned
 
     def settle(self, gm, example_inputs):
-        """Compile `gm` under Inductor within the budget (`compile_at` each try). Move the eager-op target by what the compiled code allocates more or less than the
-        budget; run the cheapest plan whose code fits (compiled last, as Dynamo keeps it). Where
-        a compile shows scratch the model missed, the next plan counts it (one compile more)."""
+        """Compile `gm` under Inductor within the budget, `compile_at` each try. Move the eager-op
+        target by what the compiled code allocates more or less than the budget; run the cheapest
+        plan whose code fits (compiled last, as Dynamo keeps it). Where a compile shows scratch
+        the model missed, the next plan counts it (one compile more)."""
         tried: list[tuple] = []  # (compiled, record), in order
         target, extra, force = None, 0, None
         for _ in range(MAX_COMPILES + 2):
