@@ -52,7 +52,7 @@ def test_autocast_bf16_same_outputs_and_grads(name):
         x = torch.randn(2, 8, 32, requires_grad=True)
     # profiled under the step's own autocast (the cache on): the casts the cache holds are in
     # its memory (NOTE [Cached casts]); a profile with the cache off can peak lower than the
-    # step (by 32 B on an AMD EPYC without AVX2), and the wrapper then refuses its schedule
+    # step, and the wrapper then refuses its schedule
     with _autocast():
         graph = monetlike.profile(model, (x,), cost="measured", repeat=1)
     assert any(v.dtype == "bfloat16" for v in graph.values)
