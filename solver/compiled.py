@@ -38,6 +38,7 @@ from .units import BudgetSpec, format_bytes, parse_budget
 
 __all__ = ["JointNode", "JointGraph", "Prediction", "CompiledPlan", "predict", "plan_saved",
            "torch_default_saved", "forward_sources", "cut_saved", "valley_saved", "least_peak",
+           "least_alternatives",
            "resolve_budget", "search_starts", "GreedyPath", "AUTO_REFUSED"]
 
 PHASES = ("primal", "tangent", "forward", "backward")
@@ -599,6 +600,20 @@ def least_peak(g: JointGraph, width: int = 8) -> Prediction:
     """The least peak the search reaches (the search run with no budget to stop it)."""
     low, trail = _descents(g, -1, width)
     return low
+
+
+def least_alternatives(g: JointGraph, width: int = 8) -> list[Prediction]:
+    """Where each greedy path ends (every start, by gain per cost and by gain alone), distinct
+    saved sets, lowest peak first (then cheapest): near-least plans by this model whose
+    compiled code may peak lower than the least's, since the model does not see the compiler's
+    fusion (transformer stack under Inductor: ends within 5% of the least peak by the model
+    compiled to 1.23-2.08 MiB)."""
+    ends: dict[frozenset[str], Prediction] = {}
+    for start in range(len(search_starts(g))):
+        for by_cost in (True, False):
+            end, _ = _path(g, start, width, by_cost).walk(-1)
+            ends.setdefault(end.saved, end)
+    return sorted(ends.values(), key=lambda p: (p.peak_bytes, p.recompute_cost))
 
 
 def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:

@@ -205,6 +205,39 @@ def test_over_twice_goes_to_the_least_even_while_each_compile_learns_scratch(mon
     assert calls == [1000, 1000, 400, 800]
 
 
+def test_min_compiles_min_cuts_own_and_the_near_least_plans_and_runs_the_lowest_code(
+        monkeypatch):
+    """Budget 'min': the model does not see Inductor's fusion, so plans alike by the model
+    compile to different peaks (transformer stack: 1.23-2.08 MiB for ends within 5% of the least
+    by the model). Beside the least, min-cut's own and the two nearest ends are compiled; the
+    lowest code runs, compiled again last (Dynamo keeps the last compile)."""
+    be = monetlike.backend(budget="min", compiler="inductor")
+    least, mincut, near1, near2, near3, far = (frozenset({n}) for n in "lmbcdf")
+    code = {least: 900, mincut: 950, near1: 700, near2: 800, near3: 600, far: 100}
+
+    def p(saved, peak):
+        return SimpleNamespace(saved=saved, peak_bytes=peak, recompute_cost=1.0)
+    graph = SimpleNamespace(nodes=(), start=mincut)
+    monkeypatch.setattr(partitioner, "search_starts", lambda g: [p(mincut, 1100)])
+    monkeypatch.setattr(partitioner, "least_peak", lambda g, width: p(least, 1000))
+    monkeypatch.setattr(partitioner, "least_alternatives", lambda g, width: [
+        p(least, 1000), p(near1, 1000), p(near2, 1040), p(near3, 1045), p(far, 1100)])
+    calls = []
+
+    def once(gm, example_inputs, target, force=None):
+        saved = least if force is None else force
+        calls.append(saved)
+        plan = SimpleNamespace(prediction=p(saved, 0), default=SimpleNamespace(peak_bytes=5000))
+        return f"compiled {sorted(saved)}", SimpleNamespace(
+            target=code[saved], code=SimpleNamespace(peak_bytes=code[saved]), plan=plan,
+            graph=graph, saved=saved), False
+    monkeypatch.setattr(be, "compile_at", once)
+    assert be.settle(None, None) == "compiled ['b']"
+    # near3 is a third alternative, far more than 5% above the least by the model
+    assert calls == [least, mincut, near1, near2, near1]
+    assert be.budget == 700 and be.record.saved == near1
+
+
 SCRATCH = '''
 import torch
 aten = torch.ops.aten

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from solver.compiled import GreedyPath, JointGraph, JointNode, cut_saved, forward_sources, \
-    least_peak, plan_saved, predict, search_starts, torch_default_saved, valley_saved
+    least_alternatives, least_peak, plan_saved, predict, search_starts, torch_default_saved, \
+    valley_saved
 from solver.errors import InfeasibleBudgetError
 
 K = 1000
@@ -135,6 +136,17 @@ def test_where_the_compilers_start_stops_above_the_budget_the_search_starts_from
     # from torch's default partition it reaches 3220 (recompute a1), and a plan fits that
     assert least_peak(stuck).peak_bytes == least_peak(g).peak_bytes == 3220
     assert plan_saved(stuck, 3220).prediction.recomputed == ("a1",)
+
+
+def test_the_near_least_plans_are_where_every_path_ends_lowest_first():
+    stuck = dataclasses.replace(chain(), start=frozenset({"a3"}))
+    ends = {GreedyPath(stuck, s, 8, by_cost).walk(-1)[0].saved
+            for s in search_starts(stuck) for by_cost in (True, False)}
+    alts = least_alternatives(stuck)
+    assert len(alts) == len(ends) > 1 and {p.saved for p in alts} == ends
+    assert [p.peak_bytes for p in alts] == sorted(p.peak_bytes for p in alts)
+    assert alts[0].peak_bytes == least_peak(stuck).peak_bytes == 3220
+    assert {"a3"} in [p.saved for p in alts if p.peak_bytes == 4220]  # min-cut's stuck end
 
 
 def dense_block() -> JointGraph:
