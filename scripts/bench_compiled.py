@@ -138,6 +138,15 @@ def measure_peak(fn, model, x) -> int:
     return log.peak_between("start", "end")
 
 
+def _close(a, b) -> bool:
+    """Within torch.testing.assert_close's default tolerances."""
+    try:
+        torch.testing.assert_close(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
 class Row:
     def __init__(self, name, kind, model, fn, backend=None, peer=None):
         self.name, self.kind, self.model, self.fn, self.backend = name, kind, model, fn, backend
@@ -156,12 +165,11 @@ class Row:
             same = all(torch.equal(a, b) for a, b in zip(got, want))
             self.grads = "bitwise" if same else "DIFFER"
         else:
-            try:
-                for a, b in zip(got, want):
-                    torch.testing.assert_close(a, b)
-                self.grads = "close"
-            except AssertionError as e:
-                self.grads = "DIFFER: " + str(e).splitlines()[0][:60]
+            off = [(a, b) for a, b in zip(got, want) if not _close(a, b)]
+            self.grads = "close" if not off else (
+                f"DIFFER: {len(off)} of {len(got)} gradients, worst max abs "
+                f"{max(float((a - b).abs().max()) for a, b in off):.1e} (largest gradient "
+                f"{max(float(b.abs().max()) for _, b in off):.1e})")
         self.peak = measure_peak(self.fn, self.model, x)
 
     def time_once(self, x):
