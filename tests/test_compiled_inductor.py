@@ -161,14 +161,17 @@ def fake_compiles(monkeypatch, be, code_peak, learns: int = 0):
         t = be.budget if target is None else target
         calls.append(t)
         plan = SimpleNamespace(default=SimpleNamespace(peak_bytes=5000),
-                               prediction=SimpleNamespace(recompute_cost=1 / t))
+                               prediction=SimpleNamespace(recompute_cost=1 / t,
+                                                          saved=frozenset({f"saved at {t}"})))
         peak = code_peak[t] if peaks is None else next(peaks)
         return f"compiled at {t}", SimpleNamespace(
-            target=t, code=SimpleNamespace(peak_bytes=peak), plan=plan, graph=None,
+            target=t, code=SimpleNamespace(peak_bytes=peak), plan=plan,
+            graph=SimpleNamespace(nodes=(), start=None),
             saved=frozenset({f"saved at {t}"})), len(calls) <= learns
     monkeypatch.setattr(be, "compile_at", once)
     monkeypatch.setattr(partitioner, "least_peak", lambda g, width: SimpleNamespace(
         peak_bytes=400))
+    monkeypatch.setattr(partitioner, "least_alternatives", lambda g, width: [])
     return calls
 
 
@@ -236,6 +239,31 @@ def test_min_compiles_min_cuts_own_and_the_near_least_plans_and_runs_the_lowest_
     # near3 is a third alternative, far more than 5% above the least by the model
     assert calls == [least, mincut, near1, near2, near1]
     assert be.budget == 700 and be.record.saved == near1
+
+
+def test_a_budget_no_target_fits_tries_the_plans_min_compiles_before_refusing(monkeypatch):
+    """MobileNetV2 at per-block checkpointing's 16.31 MiB: three targets compiled over it where
+    'min' reached 16.18 MiB with a near-least plan. The byte budget's search now tries those
+    plans too, and runs the first whose code fits."""
+    be = monetlike.backend(budget=1000, compiler="inductor")
+    calls = fake_compiles(monkeypatch, be, {1000: 1300, 700: 1050, 400: 1020})
+    near = frozenset({"n"})
+
+    def p(saved, peak):
+        return SimpleNamespace(saved=saved, peak_bytes=peak, recompute_cost=1.0)
+    monkeypatch.setattr(partitioner, "least_alternatives", lambda g, width: [p(near, 410)])
+    once = be.compile_at
+
+    def forced(gm, example_inputs, target, force=None):
+        if force is None:
+            return once(gm, example_inputs, target)
+        calls.append(force)
+        plan = SimpleNamespace(prediction=p(force, 410), default=SimpleNamespace(peak_bytes=5000))
+        return "compiled near", SimpleNamespace(target=410, code=SimpleNamespace(peak_bytes=990),
+                                                plan=plan, graph=None, saved=force), False
+    monkeypatch.setattr(be, "compile_at", forced)
+    assert be.settle(None, None) == "compiled near"
+    assert calls == [1000, 700, 400, near] and be.record.saved == near
 
 
 SCRATCH = '''
