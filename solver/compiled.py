@@ -619,7 +619,8 @@ def least_alternatives(g: JointGraph, width: int = 8) -> list[Prediction]:
 def plan_saved(g: JointGraph, budget: int, width: int = 8) -> CompiledPlan:
     """The cheapest saved set the search finds whose predicted peak fits `budget`, starting from
     `g.start` (taken as it is where it fits: Inductor's min-cut, whose fused recomputations the
-    op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with the least peak it found."""
+    op-by-op model overprices) or torch's default partition. Raises InfeasibleBudgetError with
+    the least peak it found."""
     default = predict(g, torch_default_saved(g))
     if g.start is not None:
         start = search_starts(g)[0]

@@ -282,10 +282,11 @@ class CompiledBackend:
         return out
 
     def _least_others(self, graph: JointGraph, tried: list) -> list[frozenset[str]]:
-        """Saved sets to compile beside the least by the model, for budget 'min': min-cut's own,
-        then up to MIN_ALTERNATIVES near-least ones. The model does not see Inductor's fusion,
-        so which of plans alike by the model compiles lowest is the code's to say (transformer
-        stack: the least's saved set moved with the measured times' noise, 1.23 to 2.01 MiB)."""
+        """Saved sets to compile beside the least by the model (budget 'min', and a budget no
+        target fit): min-cut's own, then up to MIN_ALTERNATIVES near-least ones, none of `tried`.
+        The model does not see Inductor's fusion, so which of plans alike by the model compiles
+        lowest is the code's to say (transformer stack: the least's saved set moved with the
+        measured times' noise, 1.23 to 2.01 MiB)."""
         pinned = {n.name for n in graph.nodes if n.pinned}  # a saved set names them only where read
         done = {r.plan.prediction.saved | pinned for r in tried}
         first = [] if graph.start is None else [search_starts(graph)[0].saved | pinned]
