@@ -14,8 +14,9 @@ Every row compiles a module returning the bench's loss (peers.bench_loss), so th
 inside the compiled graphs. Rows: compile plain (torch's own partition: min-cut under Inductor,
 save-all under aot_eager), compile at each --knobs activation_memory_budget, compiled per-block
 checkpoint, compiled SAC, then ours (monetlike.backend) at budget "min" and at each peer's
-measured peak (tried below ours' "min" too: a row ours cannot fit is reported). Every row compiles cold
-(FX graph and AOT autograd caches off; C++ kernels come from Inductor's disk cache). Each row: first-step seconds (the compile, every compile ours tried included), the
+measured peak (tried below ours' "min" too: a row ours cannot fit is reported). Every row
+compiles cold (FX graph and AOT autograd caches off; C++ kernels come from Inductor's disk
+cache). Each row: first-step seconds (the compile, every compile ours tried included), the
 step's transient peak by the CPU allocator's own events (AllocatorLog; fixed bytes, parameters,
 buffers and the input, excluded), ours' predicted transient peak (Inductor: read off its
 generated code; aot_eager: the eager-op model), the median thread-time step over interleaved

@@ -289,8 +289,8 @@ class CompiledBackend:
         measured times' noise, 1.23 to 2.01 MiB)."""
         pinned = {n.name for n in graph.nodes if n.pinned}  # a saved set names them only where read
         done = {r.plan.prediction.saved | pinned for r in tried}
-        first = [] if graph.start is None else [search_starts(graph)[0].saved | pinned]
-        first = [s for s in first if s not in done]
+        own = None if graph.start is None else search_starts(graph)[0].saved | pinned
+        first = [own] if own is not None and own not in done else []
         least = least_peak(graph, self.width).peak_bytes
         near = [p.saved | pinned for p in least_alternatives(graph, self.width)
                 if p.peak_bytes <= least * (1 + NEAR_LEAST)]
